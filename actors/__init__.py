@@ -1,0 +1,1 @@
+"""Trainer, sampler and environment actors."""

@@ -1,0 +1,1 @@
+"""GPU catalog, sampler pools, throughput model, cost-aware scheduling and cost reports."""

@@ -1,0 +1,1 @@
+"""Flotilla's controller and actor runtime."""

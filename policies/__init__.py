@@ -1,0 +1,1 @@
+"""The RL recipe: pure functions on tensors."""
