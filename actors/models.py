@@ -1,0 +1,144 @@
+"""The tiny Qwen3 model every Flotilla actor can build locally.
+
+Trainer, samplers and tests must agree bit for bit on the initial weights, so
+they all build the model here: from a config dict with a seeded random init,
+or from a local checkpoint directory (``config.json`` + ``*.safetensors``).
+Nothing is ever downloaded.
+
+torch and transformers are imported inside the functions so that importing
+``actors.models`` stays cheap (the CLI path must not import torch).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+__all__ = [
+    "DEFAULT_VOCAB_SIZE",
+    "build_model",
+    "default_model_config",
+    "load_config",
+    "model_weights",
+    "round_vocab",
+]
+
+DEFAULT_VOCAB_SIZE = 128
+"""Vocabulary size used when the caller does not pass its tokenizer's size."""
+
+
+def round_vocab(size: int, multiple: int = 8) -> int:
+    """Round a tokenizer's size up to a multiple of ``multiple`` (embedding rows)."""
+    if size <= 0:
+        raise ValueError(f"vocab_size must be positive, got {size}")
+    return -(-size // multiple) * multiple
+
+
+def default_model_config(vocab_size: int = DEFAULT_VOCAB_SIZE) -> dict[str, Any]:
+    """The embedded default: a tiny Qwen3 (about 90k parameters at vocab 128).
+
+    ``vocab_size`` is the tokenizer's size; it is rounded up to a multiple of 8
+    here, so callers pass ``len(tokenizer)`` as is.  The dict is plain JSON
+    (it travels in actor constructor arguments and is saved with the run).
+    """
+    return {
+        "model_type": "qwen3",
+        "vocab_size": round_vocab(vocab_size),
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "intermediate_size": 128,
+        "max_position_embeddings": 256,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        "attention_bias": False,
+        "initializer_range": 0.02,
+    }
+
+
+def load_config(config: dict[str, Any] | str | Path) -> Qwen3Config:
+    """A ``Qwen3Config`` from a dict or from a checkpoint directory's config.json.
+
+    Raises ``ValueError`` for a config that is not Qwen3, and
+    ``FileNotFoundError`` for a directory without ``config.json``.
+    """
+    from transformers import Qwen3Config
+
+    if isinstance(config, (str, Path)):
+        path = Path(config) / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"model directory {config!s} has no config.json")
+        config = json.loads(path.read_text())
+    if not isinstance(config, dict):
+        raise TypeError(f"model config must be a dict or a directory path, got {type(config).__name__}")
+    fields = dict(config)
+    model_type = fields.pop("model_type", "qwen3")
+    if model_type != "qwen3":
+        raise ValueError(f"model config: model_type must be 'qwen3', got {model_type!r}")
+    # Saved configs carry bookkeeping keys that Qwen3Config's strict init refuses.
+    for key in ("architectures", "transformers_version", "_name_or_path", "dtype", "torch_dtype"):
+        fields.pop(key, None)
+    return Qwen3Config(**fields)
+
+
+def build_model(config: dict[str, Any] | str | Path, seed: int = 0) -> Qwen3ForCausalLM:
+    """Build a float32 ``Qwen3ForCausalLM`` in eval mode.
+
+    ``config`` is a config dict (random init under ``torch.manual_seed(seed)``,
+    so the same dict and seed give the same weights in every process) or a
+    local checkpoint directory holding ``config.json`` and ``*.safetensors``
+    (HF parameter names; ``seed`` is then unused).  A checkpoint missing a
+    parameter, or holding an unknown one, raises ``ValueError`` naming it.
+    """
+    import torch
+    from transformers import Qwen3ForCausalLM
+
+    hf_config = load_config(config)
+    hf_config._attn_implementation = "sdpa"
+    # The global RNG is borrowed for the init and restored, so building a model
+    # does not perturb the caller's random stream.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen3ForCausalLM(hf_config)
+    model = model.to(torch.float32).eval()
+    if isinstance(config, (str, Path)):
+        _load_checkpoint(model, Path(config))
+    return model
+
+
+def _load_checkpoint(model: Qwen3ForCausalLM, directory: Path) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"model directory {directory} has no *.safetensors file")
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        state.update(load_file(str(file)))
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unknown = sorted(set(state) - set(expected))
+    if missing or unknown:
+        raise ValueError(f"checkpoint {directory}: missing tensors {missing}, unknown tensors {unknown}")
+    for name, tensor in state.items():
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise ValueError(
+                f"checkpoint {directory}: tensor {name} has shape {tuple(tensor.shape)}, "
+                f"model expects {tuple(expected[name].shape)}"
+            )
+    model.load_state_dict({k: v.to(torch.float32) for k, v in state.items()})
+
+
+def model_weights(model: Qwen3ForCausalLM) -> dict[str, torch.Tensor]:
+    """The model's parameters by HF name, detached float32 copies (the master weights)."""
+    return {name: t.detach().clone() for name, t in model.state_dict().items()}
