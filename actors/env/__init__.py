@@ -1,0 +1,30 @@
+"""Environments: the interface users implement, built-in tasks, and the EnvActor.
+
+Implement ``Environment.reset(task)`` and ``Environment.step(action_text, action_ids)``
+(plain or async), register it with ``@register_task("name")``, and an ``EnvActor``
+plays episodes of it against a sampler, returning ``Trajectory`` objects.
+"""
+from actors.env._interface import (
+    Environment,
+    Observation,
+    StepOutcome,
+    make_env,
+    make_task_specs,
+    register_task,
+    registered_tasks,
+)
+from actors.env._tasks import Arithmetic, GuessNumber, first_int, guess_number_optimal
+
+__all__ = [
+    "Arithmetic",
+    "Environment",
+    "GuessNumber",
+    "Observation",
+    "StepOutcome",
+    "first_int",
+    "guess_number_optimal",
+    "make_env",
+    "make_task_specs",
+    "register_task",
+    "registered_tasks",
+]

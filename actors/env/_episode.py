@@ -1,0 +1,211 @@
+"""Playing one episode against a sampler: the token bookkeeping and the turn loop.
+
+The running sequence is only ever appended to. Sampler-generated ids go in with
+loss mask True together with their support rows and policy versions; everything
+else (prompt, the closing ``<|end|>`` of a length-limited reply, observations) goes
+in with loss mask False. So the trajectory's ids are exactly what the sampler
+was conditioned on, and the support record has one row per True in the mask.
+"""
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import torch
+import trio
+
+from actors.env._interface import Environment, StepOutcome, make_env
+from actors.tokenizer import ChatTokens
+from actors.types import SamplingParams, TaskSpec, Trajectory
+
+__all__ = ["EpisodeBuilder", "EpisodeLimits", "play_episode"]
+
+
+class EpisodeTimeout(Exception):
+    """An environment call or a generate call ran past its limit."""
+
+
+class EpisodeBuilder:
+    """Accumulates one trajectory's tokens, loss mask, support rows and versions."""
+
+    def __init__(self, prompt_ids: Sequence[int]) -> None:
+        self.ids: list[int] = [int(i) for i in prompt_ids]
+        self.mask: list[bool] = [False] * len(self.ids)
+        self._sup_ids: list[torch.Tensor] = []
+        self._counts: list[torch.Tensor] = []
+        self._logq: list[torch.Tensor] = []
+        self._versions: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def add_context(self, ids: Sequence[int]) -> None:
+        """Append ids the model reads but did not generate (loss mask False)."""
+        self.ids += [int(i) for i in ids]
+        self.mask += [False] * len(ids)
+
+    def add_generated(self, token_ids: Sequence[int], support_ids: torch.Tensor,
+                      support_offsets: torch.Tensor, support_logq: torch.Tensor,
+                      versions: Sequence[int]) -> None:
+        """Append sampler output (loss mask True) with its CSR support rows and versions.
+
+        Raises ValueError naming the field when the sampler's record does not have
+        one row and one version per generated token.
+        """
+        n = len(token_ids)
+        off = support_offsets.to(torch.int64)
+        if off.numel() != n + 1 or len(versions) != n:
+            raise ValueError(f"sampler result: {n} tokens but support_offsets has {off.numel()} "
+                             f"entries (want {n + 1}) and versions {len(versions)} (want {n})")
+        nnz = support_ids.numel()
+        if int(off[0]) != 0 or int(off[-1]) != nnz or support_logq.numel() != nnz:
+            raise ValueError(f"sampler result: support_offsets [{int(off[0])}..{int(off[-1])}] do "
+                             f"not span support_ids ({nnz}) / support_logq ({support_logq.numel()})")
+        self.ids += [int(i) for i in token_ids]
+        self.mask += [True] * n
+        self._sup_ids.append(support_ids.to(torch.int32))
+        self._counts.append(off[1:] - off[:-1])
+        self._logq.append(support_logq.to(torch.float32))
+        self._versions += [int(v) for v in versions]
+
+    def build(self, *, task: TaskSpec, pool: str, reward: float, turns: int, seconds: float,
+              failed: bool = False, error: str | None = None) -> Trajectory:
+        counts = torch.cat(self._counts) if self._counts else torch.zeros(0, dtype=torch.int64)
+        offsets = torch.zeros(counts.numel() + 1, dtype=torch.int64)
+        offsets[1:] = torch.cumsum(counts, 0)
+        return Trajectory(
+            task=task.task, prompt_id=task.prompt_id, group_id=task.group_id, pool=pool,
+            tokens=torch.tensor(self.ids, dtype=torch.int64),
+            loss_mask=torch.tensor(self.mask, dtype=torch.bool),
+            support_ids=(torch.cat(self._sup_ids) if self._sup_ids
+                         else torch.zeros(0, dtype=torch.int32)),
+            support_offsets=offsets.to(torch.int32),
+            support_logq=(torch.cat(self._logq) if self._logq
+                          else torch.zeros(0, dtype=torch.float32)),
+            versions=torch.tensor(self._versions, dtype=torch.int32),
+            reward=0.0 if failed else reward, failed=failed, error=error,
+            turns=turns, seconds=seconds)
+
+
+class EpisodeLimits:
+    """Timeouts and length cap of an episode (plain values, set by the EnvActor)."""
+
+    def __init__(self, step_timeout_s: float, generate_timeout_s: float, max_seq_len: int) -> None:
+        self.step_timeout_s = step_timeout_s
+        self.generate_timeout_s = generate_timeout_s
+        self.max_seq_len = max_seq_len
+
+
+async def _call_env(env: Environment, fn: Callable[..., Any], *args: Any, timeout: float,
+                    what: str) -> Any:
+    """Run an environment method (plain or async) under ``timeout`` seconds.
+
+    Plain methods of a ``blocking`` environment run in a worker thread that is
+    abandoned on timeout, so a stuck environment cannot block the actor.
+    """
+    with trio.move_on_after(timeout) as cs:
+        if inspect.iscoroutinefunction(fn):
+            return await fn(*args)
+        if env.blocking:
+            out = await trio.to_thread.run_sync(fn, *args, abandon_on_cancel=True)
+        else:
+            out = fn(*args)
+        if inspect.isawaitable(out):
+            return await out
+        return out
+    assert cs.cancelled_caught
+    raise EpisodeTimeout(f"environment {what} timed out after {timeout:g} s")
+
+
+def _as_outcome(out: Any) -> StepOutcome:
+    if isinstance(out, StepOutcome):
+        return out
+    if isinstance(out, tuple) and len(out) == 3:
+        return StepOutcome(observation=out[0], reward=out[1], done=out[2])
+    if isinstance(out, dict):
+        return StepOutcome.model_validate(out)
+    raise TypeError(f"step() must return StepOutcome (or (observation, reward, done)), "
+                    f"got {type(out).__name__}")
+
+
+async def play_episode(
+    generate: Callable[[Any], Awaitable[Any]],
+    make_request: Callable[..., Any],
+    task: TaskSpec,
+    sampling: SamplingParams,
+    min_version: int,
+    *,
+    chat: ChatTokens,
+    limits: EpisodeLimits,
+    request_prefix: str,
+    span: Callable[..., Any],
+) -> Trajectory:
+    """Play ``task`` to the end against ``generate`` and return its trajectory.
+
+    ``generate(request)`` is the sampler call, ``make_request(**fields)`` builds its
+    request. Each assistant turn: one generate call (limited to the environment's
+    ``max_new_tokens`` or else ``sampling.max_new_tokens``), then one ``env.step``.
+    The episode ends when the environment says done, after ``env.max_turns`` turns,
+    or when the next turn would not fit in ``limits.max_seq_len`` tokens.
+
+    Errors: an exception from the environment or the sampler, or a timeout, ends
+    the episode as ``failed=True`` with the error text and reward 0 (the tokens so
+    far are kept for inspection). Cancellation of the caller propagates.
+    """
+    t0 = time.perf_counter()
+    builder = EpisodeBuilder([])
+    reward, turns, pool = 0.0, 0, ""
+    with span("rollout", task=task.task, prompt_id=task.prompt_id, group_id=task.group_id) as sp:
+        try:
+            env = make_env(task)
+            with span("env.step", task=task.task, turn=0, kind="reset"):
+                obs = await _call_env(env, env.reset, task, timeout=limits.step_timeout_s,
+                                      what="reset")
+            builder.add_context(chat.prompt(obs))
+            max_new = env.max_new_tokens or sampling.max_new_tokens
+            while turns < env.max_turns and len(builder) + max_new <= limits.max_seq_len:
+                request = make_request(
+                    request_id=f"{request_prefix}/{turns}", prompt_ids=list(builder.ids),
+                    max_new_tokens=max_new, stop_token_ids=chat.stop_ids,
+                    temperature=sampling.temperature, top_k=sampling.top_k,
+                    top_p=sampling.top_p, seed=None, min_version=min_version)
+                with span("generate", task=task.task, pool=pool, turn=turns) as gsp:
+                    with trio.move_on_after(limits.generate_timeout_s) as cs:
+                        result = await generate(request)
+                    if cs.cancelled_caught:
+                        raise EpisodeTimeout(f"generate timed out after "
+                                             f"{limits.generate_timeout_s:g} s at turn {turns}")
+                    pool = result.pool
+                    _set(gsp, pool=pool, tokens=len(result.token_ids))
+                if result.finish_reason == "abort":
+                    raise RuntimeError(f"sampler aborted generation at turn {turns}")
+                builder.add_generated(result.token_ids, result.support_ids,
+                                      result.support_offsets, result.support_logq,
+                                      result.versions)
+                turns += 1
+                with span("env.step", task=task.task, pool=pool, turn=turns):
+                    outcome = _as_outcome(await _call_env(
+                        env, env.step, chat.decode(result.token_ids), list(result.token_ids),
+                        timeout=limits.step_timeout_s, what=f"step (turn {turns})"))
+                reward += float(outcome.reward)
+                if outcome.done:
+                    break
+                builder.add_context(chat.close_assistant(result.token_ids)
+                                    + chat.user_turn(outcome.observation))
+            traj = builder.build(task=task, pool=pool, reward=reward, turns=turns,
+                                 seconds=time.perf_counter() - t0)
+        except Exception as exc:  # environment/sampler errors end the episode, not the actor
+            error = f"{type(exc).__name__}: {exc}"
+            traj = builder.build(task=task, pool=pool, reward=0.0, turns=turns,
+                                 seconds=time.perf_counter() - t0, failed=True, error=error)
+        _set(sp, pool=traj.pool, turn=traj.turns, reward=traj.reward, failed=traj.failed,
+             tokens=int(traj.tokens.numel()), generated=traj.num_generated)
+        return traj
+
+
+def _set(sp: Any, **attrs: Any) -> None:
+    """Set span attributes when the runtime's span object supports it."""
+    for k, v in attrs.items():
+        sp.set_attribute(k, v)

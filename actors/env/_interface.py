@@ -1,0 +1,141 @@
+"""The environment interface users implement, and the task registry.
+
+An environment plays one episode: ``reset`` gives the first observation, each
+``step`` takes the assistant's reply and returns the next observation, a reward
+and whether the episode is over. Observations are text (tokenised with the chat
+tokenizer) or token ids (used as they are); either way they become a user turn
+whose tokens are never trained on. Methods may be plain or ``async``.
+
+A fresh environment instance is built for every episode from the registry
+(``make_env(task)`` calls the registered factory with ``task.params``), so
+instances need no locking and no reset-between-episodes hygiene.
+"""
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from actors.types import TaskSpec
+
+__all__ = [
+    "Environment",
+    "Observation",
+    "StepOutcome",
+    "make_env",
+    "make_task_specs",
+    "register_task",
+    "registered_tasks",
+]
+
+Observation = str | list[int]
+"""Text (tokenised by the chat tokenizer) or token ids (appended as they are)."""
+
+
+class StepOutcome(BaseModel):
+    """What the environment answers to one assistant reply."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    observation: str | list[int]
+    """Next user-turn content (ignored when ``done``: the model never sees it)."""
+    reward: float = 0.0
+    """Reward for this step; the episode's return is the sum over steps."""
+    done: bool = False
+    """True ends the episode."""
+
+
+class Environment:
+    """Base class of an environment. Subclass and implement ``reset`` and ``step``.
+
+    ``reset(task) -> Observation`` and ``step(action_text, action_ids) -> StepOutcome``
+    may be plain or ``async def``. ``action_ids`` are the generated ids of the reply
+    (including a generated stop token), ``action_text`` their decoding without specials.
+
+    Class attributes the episode runner reads:
+
+    - ``max_turns``: the runner ends the episode after this many assistant turns
+      even if the environment never says done.
+    - ``max_new_tokens``: per-turn generation limit; ``None`` uses the sampling
+      params' limit.
+    - ``blocking``: plain (non-async) methods run in a worker thread so a slow or
+      stuck environment cannot block the actor and its timeout can fire; set False
+      for cheap pure-Python environments to skip the thread hop.
+
+    Errors: any exception from ``reset``/``step`` ends the episode as a failed
+    trajectory (reward 0, the error text recorded); the actor keeps serving.
+    """
+
+    max_turns: int = 1
+    max_new_tokens: int | None = None
+    blocking: bool = True
+
+    def reset(self, task: TaskSpec) -> Observation | Awaitable[Observation]:
+        raise NotImplementedError(f"{type(self).__name__}.reset")
+
+    def step(self, action_text: str,
+             action_ids: list[int]) -> StepOutcome | Awaitable[StepOutcome]:
+        raise NotImplementedError(f"{type(self).__name__}.step")
+
+
+EnvFactory = Callable[..., Environment]
+_REGISTRY: dict[str, EnvFactory] = {}
+
+
+def register_task(name: str) -> Callable[[EnvFactory], EnvFactory]:
+    """Class decorator registering an environment factory under ``name``.
+
+    The factory (usually the class) is called with ``**task.params`` per episode.
+    Re-registering a name replaces the old factory only if it is the same
+    qualified name (so module reloads work); otherwise ValueError.
+    """
+    def deco(factory: EnvFactory) -> EnvFactory:
+        old = _REGISTRY.get(name)
+        if old is not None and _qualname(old) != _qualname(factory):
+            raise ValueError(f"task {name!r} is already registered to {_qualname(old)}")
+        _REGISTRY[name] = factory
+        return factory
+    return deco
+
+
+def _qualname(f: Any) -> str:
+    return f"{getattr(f, '__module__', '?')}.{getattr(f, '__qualname__', repr(f))}"
+
+
+def registered_tasks() -> list[str]:
+    """Names of the registered tasks, sorted."""
+    return sorted(_REGISTRY)
+
+
+def make_env(task: TaskSpec) -> Environment:
+    """A fresh environment for ``task``: the registered factory called with ``task.params``.
+
+    Raises KeyError naming the task when it is not registered, TypeError naming the
+    parameters when the factory rejects them.
+    """
+    factory = _REGISTRY.get(task.task)
+    if factory is None:
+        raise KeyError(f"unknown task {task.task!r}; registered: {registered_tasks()}")
+    try:
+        return factory(**task.params)
+    except TypeError as e:
+        raise TypeError(f"task {task.task!r} rejected params {task.params}: {e}") from e
+
+
+def make_task_specs(task: str, num_prompts: int, group_size: int, *, seed: int = 0,
+                    params: dict[str, Any] | None = None) -> list[TaskSpec]:
+    """``num_prompts`` prompts × ``group_size`` episodes each, grouped for GRPO.
+
+    Episodes of one prompt share ``prompt_id``, ``group_id`` and ``seed`` (so they
+    play the same instance, e.g. the same secret); prompts get distinct seeds
+    derived from ``seed``.
+    """
+    if num_prompts < 1 or group_size < 1:
+        raise ValueError(f"num_prompts={num_prompts} and group_size={group_size} must be >= 1")
+    specs = []
+    for i in range(num_prompts):
+        pid = f"{task}/{seed}/{i}"
+        specs += [TaskSpec(task=task, prompt_id=pid, group_id=pid, seed=seed * 1_000_003 + i,
+                           params=dict(params or {})) for _ in range(group_size)]
+    return specs

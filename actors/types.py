@@ -1,0 +1,142 @@
+"""Messages between the controller, environment actors and the trainer.
+
+``TaskSpec`` says which episode to play, ``SamplingParams`` how to sample it, and a
+``Trajectory`` is what an episode produced: the token sequence exactly as the
+model saw it, which tokens the sampler generated (the loss mask), the support
+record of every generated token and the policy version that produced it.
+All are pydantic models, so they travel on the runtime's wire as they are.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+__all__ = ["SamplingParams", "TaskSpec", "Trajectory"]
+
+
+class TaskSpec(BaseModel):
+    """One episode to play: which task, which prompt, which GRPO group."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    task: str
+    """Registered task name (``guess_number``, ``arithmetic`` or a user task)."""
+    prompt_id: str
+    """Identifies the prompt; episodes of one prompt share it."""
+    group_id: str
+    """GRPO group: advantages are centred over trajectories with the same group_id."""
+    seed: int = 0
+    """Seeds the task instance (e.g. the secret of guess_number); same seed, same prompt."""
+    params: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the task's constructor (e.g. ``{"n": 16, "max_turns": 4}``)."""
+
+
+class SamplingParams(BaseModel):
+    """How the sampler draws tokens for an episode (the recipe's sampling settings)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    temperature: float = Field(1.0, ge=0.0)
+    """Softmax temperature; 0 means greedy (support {y}, log q = 0)."""
+    top_k: int = Field(64, ge=0)
+    """Keep at most this many candidates before top-p (0 = no cap)."""
+    top_p: float = Field(0.97, gt=0.0, le=1.0)
+    """Nucleus mass kept after top-k."""
+    max_new_tokens: int = Field(16, ge=1)
+    """Per-turn generation limit, used when the environment sets none of its own."""
+
+
+def _check_1d(name: str, t: Any, dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"Trajectory.{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 1:
+        raise ValueError(f"Trajectory.{name} must be 1-D, got shape {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        raise ValueError(f"Trajectory.{name} must have dtype in {dtypes}, got {t.dtype}")
+    return t
+
+
+class Trajectory(BaseModel):
+    """One episode as the model saw it, with everything the recipe's loss needs.
+
+    Invariants (checked on construction, also on arrival over the wire):
+    ``tokens`` and ``loss_mask`` have the same length L; ``loss_mask`` is True exactly
+    on sampler-generated tokens (n of them); the support record has one CSR row per
+    generated token, in order (``support_offsets`` has n+1 entries, starts at 0, is
+    non-decreasing and ends at ``len(support_ids)`` == ``len(support_logq)``);
+    ``versions`` has n entries.
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")
+
+    task: str
+    """Task name."""
+    prompt_id: str
+    """Prompt identity (from the TaskSpec)."""
+    group_id: str
+    """GRPO group (from the TaskSpec)."""
+    pool: str
+    """Sampler pool that generated the tokens ("" if no token was generated)."""
+    tokens: torch.Tensor
+    """int64 [L]: prompt + every turn, as the model saw them."""
+    loss_mask: torch.Tensor
+    """bool [L]: True exactly on sampler-generated tokens."""
+    support_ids: torch.Tensor
+    """int32 [nnz]: CSR ids of each generated token's sampling support."""
+    support_offsets: torch.Tensor
+    """int32 [n+1]: CSR row offsets, one row per True in loss_mask, in order."""
+    support_logq: torch.Tensor
+    """float32 [nnz]: sampler log q over each support (renormalised processed probabilities)."""
+    versions: torch.Tensor
+    """int32 [n]: policy version of the weights that produced each generated token."""
+    reward: float
+    """Episode return (sum of step rewards; 0 for a failed episode)."""
+    failed: bool = False
+    """True when the environment raised or timed out; such trajectories are not trained on."""
+    error: str | None = None
+    """What went wrong when ``failed``."""
+    turns: int
+    """Assistant turns played."""
+    seconds: float
+    """Wall time of the episode."""
+
+    @model_validator(mode="after")
+    def _check_layout(self) -> Trajectory:
+        i32 = (torch.int32,)
+        _check_1d("tokens", self.tokens, (torch.int64,))
+        _check_1d("loss_mask", self.loss_mask, (torch.bool,))
+        _check_1d("support_ids", self.support_ids, i32)
+        _check_1d("support_offsets", self.support_offsets, i32)
+        _check_1d("support_logq", self.support_logq, (torch.float32,))
+        _check_1d("versions", self.versions, i32)
+        L, n = self.tokens.numel(), int(self.loss_mask.sum())
+        if self.loss_mask.numel() != L:
+            raise ValueError(f"Trajectory.loss_mask has {self.loss_mask.numel()} entries, tokens {L}")
+        if self.support_offsets.numel() != n + 1:
+            raise ValueError(f"Trajectory.support_offsets has {self.support_offsets.numel()} entries; "
+                             f"expected {n + 1} (one row per generated token + 1)")
+        if self.versions.numel() != n:
+            raise ValueError(f"Trajectory.versions has {self.versions.numel()} entries; "
+                             f"expected {n} (one per generated token)")
+        nnz = self.support_ids.numel()
+        if self.support_logq.numel() != nnz:
+            raise ValueError(f"Trajectory.support_logq has {self.support_logq.numel()} entries, "
+                             f"support_ids {nnz}")
+        off = self.support_offsets
+        if int(off[0]) != 0 or int(off[-1]) != nnz or bool((off[1:] < off[:-1]).any()):
+            raise ValueError(f"Trajectory.support_offsets must start at 0, be non-decreasing and "
+                             f"end at len(support_ids)={nnz}")
+        return self
+
+    @property
+    def num_generated(self) -> int:
+        """Number of sampler-generated tokens (rows of the support record)."""
+        return self.versions.numel()
+
+    def staleness(self, trainer_version: int) -> int:
+        """``trainer_version`` − the oldest version among the generated tokens (0 if none)."""
+        if self.versions.numel() == 0:
+            return 0
+        return trainer_version - int(self.versions.min())
