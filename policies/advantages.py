@@ -1,0 +1,60 @@
+"""GRPO advantages (DESIGN §3.5).
+
+For rollout i in group g (the samples of one prompt), with n_g rollouts in the group:
+
+    A_i = R_i − mean_{j∈g} R_j                                   (default)
+    A_i = (R_i − mean_g R) / (std_g R + eps)                      (normalize_std=True)
+
+std_g is the unbiased sample standard deviation sqrt(Σ (R_j − mean_g)² / (n_g − 1)),
+taken as 0 for a single-rollout group. Groups may have any size (dropped rollouts
+simply make a group smaller); a group of equal rewards gets A = 0 exactly, never NaN.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["grpo_advantages"]
+
+
+@torch.no_grad()
+def grpo_advantages(
+    rewards: Tensor, group_ids: Tensor, *, normalize_std: bool = False, eps: float = 1e-6
+) -> Tensor:
+    """Group-mean-centred advantages, float32 [N] (see the module docstring).
+
+    Args:
+        rewards: float [N] scalar reward per rollout.
+        group_ids: int [N] group (prompt) of each rollout; any integer labels.
+        normalize_std: divide by the group std + eps.
+        eps: > 0, guards the division.
+
+    Raises:
+        ValueError: shape mismatch, non-finite rewards, or eps <= 0.
+    """
+    if rewards.dim() != 1 or group_ids.shape != rewards.shape:
+        raise ValueError(
+            f"rewards and group_ids must both have shape [N], got {tuple(rewards.shape)} "
+            f"and {tuple(group_ids.shape)}"
+        )
+    if not eps > 0:
+        raise ValueError(f"eps must be > 0, got {eps}")
+    if rewards.numel() == 0:
+        return torch.zeros(0, dtype=torch.float32, device=rewards.device)
+    r = rewards.double()
+    if not bool(torch.isfinite(r).all()):
+        i = int(torch.nonzero(~torch.isfinite(r)).flatten()[0])
+        raise ValueError(f"rewards[{i}] is not finite ({float(r[i])})")
+    _, g = torch.unique(group_ids, return_inverse=True)
+    n_groups = int(g.max()) + 1
+    count = torch.zeros(n_groups, dtype=torch.float64, device=r.device).index_add_(
+        0, g, torch.ones_like(r)
+    )
+    mean = torch.zeros_like(count).index_add_(0, g, r) / count
+    dev = r - mean[g]
+    if normalize_std:
+        ss = torch.zeros_like(count).index_add_(0, g, dev * dev)
+        std = torch.sqrt(ss / (count - 1).clamp(min=1.0))
+        dev = dev / (std[g] + eps)
+    return dev.float()

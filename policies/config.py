@@ -1,0 +1,107 @@
+"""`RecipeConfig`: every switch of the recipe (DESIGN §3), so each ablation is one line.
+
+Plain GRPO on the same run, for instance, is
+`RecipeConfig(mask_replay=False, importance="none", score_centering=False)`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+__all__ = ["RecipeConfig"]
+
+
+class RecipeConfig(BaseModel):
+    """Sampling, importance-sampling, loss and advantage settings of the recipe."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    temperature: float = 1.0
+    """Sampling temperature T (logits are divided by T); 0 means greedy decoding, whose
+    support is the single argmax id with log q = 0."""
+
+    top_k: int = 64
+    """Cap on the candidate set before top-p; <= 0 disables the cap."""
+
+    top_p: float = 0.97
+    """Nucleus mass in (0, 1]: keep the shortest rank-ordered prefix whose probability
+    (renormalised over the top-k set) reaches top_p; 1 keeps the whole top-k set."""
+
+    mask_replay: bool = True
+    """Replay the sampler's recorded support on the trainer: log p^S over S_t only.
+    False is the ablation that scores sampled tokens with the full-vocabulary softmax."""
+
+    importance: Literal["mis", "tis", "none"] = "mis"
+    """Importance-weight function f of the ratio r = p/q (detached):
+    "mis" f(r) = r·1[mis_low <= r <= mis_high], "tis" f(r) = min(r, tis_cap), "none" f = 1."""
+
+    is_level: Literal["token", "sequence", "geometric"] = "token"
+    """Which ratio f is applied to: each token's own r_t, the trajectory's product of
+    ratios (sum of log-ratios), or the trajectory's geometric mean exp(mean log r_t).
+    At the sequence levels every token of a trajectory shares one weight, and a masked
+    trajectory masks all its tokens."""
+
+    mis_low: float = 0.5
+    """Lower bound lo of the MIS window (ratios below it are masked)."""
+
+    mis_high: float = 5.0
+    """Upper bound hi of the MIS window (ratios above it are masked)."""
+
+    tis_cap: float = 2.0
+    """Cap C of truncated importance sampling, f(r) = min(r, C)."""
+
+    score_centering: bool = True
+    """Subtract the q-weighted expected score sum_v c_v log p^S(v), c_v = q(v)·f(r(v)),
+    from each token's term (needs mask_replay: the sum runs over the recorded support)."""
+
+    normalize_std: bool = False
+    """Divide GRPO advantages by the group's reward standard deviation (off by default)."""
+
+    std_eps: float = Field(default=1e-6, gt=0.0)
+    """Added to the group standard deviation when normalize_std is on, so a group of
+    equal rewards gets advantage 0, not NaN."""
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, v: float) -> float:
+        if not (math.isfinite(v) and v >= 0.0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {v}")
+        return v
+
+    @field_validator("top_p")
+    @classmethod
+    def _top_p(cls, v: float) -> float:
+        if not 0.0 < v <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {v}")
+        return v
+
+    @field_validator("mis_low", "mis_high")
+    @classmethod
+    def _mis_bound(cls, v: float, info: ValidationInfo) -> float:
+        name = info.field_name
+        if not (v >= 0.0 and not math.isnan(v)):
+            raise ValueError(f"{name} must be >= 0, got {v}")
+        return v
+
+    @field_validator("tis_cap")
+    @classmethod
+    def _tis_cap(cls, v: float) -> float:
+        if not v > 0.0:
+            raise ValueError(f"tis_cap must be > 0, got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> RecipeConfig:
+        if self.mis_low > self.mis_high:
+            raise ValueError(
+                f"mis_low ({self.mis_low}) must not exceed mis_high ({self.mis_high})"
+            )
+        if self.score_centering and not self.mask_replay:
+            raise ValueError(
+                "score_centering=True needs mask_replay=True: the centering sum runs over "
+                "the replayed support (set score_centering=False for the no-replay ablation)"
+            )
+        return self
