@@ -1,0 +1,25 @@
+"""The sampler: token-in/tokens-out generation with support records and in-flight weight updates.
+
+``GenerateRequest``/``GenerateResult`` are the link's messages.  ``Qwen3Engine`` is
+the lean Qwen3 forward with a slot KV cache; ``ContinuousBatcher`` schedules
+requests onto its slots and samples through ``policies.sample_with_support``;
+``TorchBackend`` drives it from a trio task behind the ``GenerationBackend``
+interface that an SGLang server also fits.
+"""
+
+from ._backend import GenerationBackend, TorchBackend
+from ._batcher import ContinuousBatcher
+from ._engine import Qwen3Engine, dequantize_fp8_blocks
+from ._types import FinishReason, GenerateRequest, GenerateResult, SamplerStats
+
+__all__ = [
+    "ContinuousBatcher",
+    "FinishReason",
+    "GenerateRequest",
+    "GenerateResult",
+    "GenerationBackend",
+    "Qwen3Engine",
+    "SamplerStats",
+    "TorchBackend",
+    "dequantize_fp8_blocks",
+]

@@ -1,0 +1,348 @@
+"""A lean Qwen3 decoder with a slot-based KV cache (the torch generation backend's core).
+
+Written with plain torch ops from the HF model's weights and exact to
+``transformers``' ``Qwen3ForCausalLM`` forward (RMSNorm in float32, RoPE with the
+config's theta, GQA attention with per-head q/k RMSNorm, SwiGLU MLP, final norm,
+untied or tied lm_head); tests pin the logits to 1e-4 in float32.
+
+KV cache: per layer one key and one value tensor ``[slots, kv_heads, max_len,
+head_dim]`` plus a length per slot.  A slot belongs to one sequence from its
+prefill until it is freed.  ``prefill`` writes whole prompts into chosen slots
+(right-padded batch, so positions are 0..len-1 in every row); ``decode`` appends
+one token to each of a set of slots in one batched step, each row attending to
+its own prefix through a per-slot mask.  Which slots run together can change
+between any two calls -- that is what continuous batching needs.
+
+Weights: the engine reads a *wire snapshot* (``name -> tensor`` as the weight
+sync delivers it: bf16 tensors, or float8_e4m3fn tensors with a float32
+``<name>_scale_inv`` of 128x128 block scales) and keeps a compute copy in
+``compute_dtype``.  On CPU that is float32: the values are exactly the pool's
+bf16/fp8 values, upcast once per weight update instead of per matmul, because
+CPU bf16 matmuls are slower than float32 ones at these sizes.  On CUDA the
+default is bf16, and FP8 weights are dequantised to bf16 as well (no FP8 matmul
+yet -- that path is untested here: this machine has no GPU).
+
+Nothing here is thread-safe or async: the caller (the batcher, driven by one
+trio task) calls ``load``/``prefill``/``decode`` strictly one after another, so
+a weight update always lands between two decode steps.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from actors.models import load_config
+
+__all__ = ["FP8_BLOCK", "Qwen3Engine", "dequantize_fp8_blocks", "wire_to_compute"]
+
+FP8_BLOCK = 128
+"""Side of the square FP8 scale blocks (as the weight sync quantises)."""
+
+_LAYER_PARTS = {
+    "qkv": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    "o": ("self_attn.o_proj.weight",),
+    "q_norm": ("self_attn.q_norm.weight",),
+    "k_norm": ("self_attn.k_norm.weight",),
+    "gate_up": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    "down": ("mlp.down_proj.weight",),
+    "ln1": ("input_layernorm.weight",),
+    "ln2": ("post_attention_layernorm.weight",),
+}
+
+
+def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``weight`` (float8_e4m3fn [M, N]) times its 128x128 block ``scale_inv`` [ceil(M/128), ceil(N/128)]."""
+    if weight.dim() != 2 or scale_inv.dim() != 2:
+        raise ValueError(f"FP8 weight and scale_inv must be 2-D, got {tuple(weight.shape)} and {tuple(scale_inv.shape)}")
+    m, n = weight.shape
+    want = (math.ceil(m / FP8_BLOCK), math.ceil(n / FP8_BLOCK))
+    if tuple(scale_inv.shape) != want:
+        raise ValueError(f"scale_inv has shape {tuple(scale_inv.shape)}, expected {want} for weight {m}x{n}")
+    scale = scale_inv.float().repeat_interleave(FP8_BLOCK, 0)[:m].repeat_interleave(FP8_BLOCK, 1)[:, :n]
+    return (weight.float() * scale).to(dtype)
+
+
+def wire_to_compute(
+    snapshot: Mapping[str, torch.Tensor], name: str, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """One tensor of a wire snapshot as a dense compute tensor (dequantising FP8 blocks)."""
+    try:
+        t = snapshot[name]
+    except KeyError:
+        raise KeyError(f"weight snapshot has no tensor {name!r}") from None
+    scale = snapshot.get(name + "_scale_inv")
+    if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        if scale is None:
+            raise ValueError(f"FP8 tensor {name!r} arrived without {name}_scale_inv")
+        return dequantize_fp8_blocks(t.to(device), scale.to(device), dtype)
+    return t.to(device=device, dtype=dtype)
+
+
+class Qwen3Engine:
+    """Batched Qwen3 forward over a slot KV cache.  See the module docstring.
+
+    Args:
+        config: model config dict (``actors.models``) or checkpoint directory.
+        max_slots: KV-cache slots, i.e. the most sequences decoding at once.
+        max_len: tokens per slot (prompt + generated); defaults to the config's
+            ``max_position_embeddings``.
+        device: "cpu" or "cuda[:i]".
+        compute_dtype: dtype of activations and compute weights (default float32
+            on CPU, bfloat16 on CUDA).
+    """
+
+    def __init__(
+        self,
+        config: dict[str, Any] | str,
+        *,
+        max_slots: int,
+        max_len: int | None = None,
+        device: str | torch.device = "cpu",
+        compute_dtype: torch.dtype | None = None,
+    ) -> None:
+        cfg = load_config(config)
+        rope = dict(cfg.rope_parameters or {})
+        if rope.get("rope_type", "default") != "default":
+            raise ValueError(f"model config: rope_type {rope.get('rope_type')!r} is not supported (only 'default')")
+        if cfg.sliding_window is not None:
+            raise ValueError("model config: sliding-window attention is not supported")
+        if cfg.attention_bias:
+            raise ValueError("model config: attention_bias=True is not supported")
+        if cfg.hidden_act != "silu":
+            raise ValueError(f"model config: hidden_act {cfg.hidden_act!r} is not supported (only 'silu')")
+        if max_slots < 1:
+            raise ValueError(f"max_slots must be >= 1, got {max_slots}")
+        self.device = torch.device(device)
+        self.dtype = compute_dtype or (torch.float32 if self.device.type == "cpu" else torch.bfloat16)
+        self.vocab_size = cfg.vocab_size
+        self.n_layers = cfg.num_hidden_layers
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
+        self.eps = cfg.rms_norm_eps
+        self.tied = bool(cfg.tie_word_embeddings)
+        self.max_slots = max_slots
+        self.max_len = max_len or cfg.max_position_embeddings
+        self._q_dim = self.n_heads * self.head_dim
+        self._kv_dim = self.n_kv * self.head_dim
+
+        # RoPE table computed as HF does (float32 positions x inv_freq), indexed by position.
+        d = self.head_dim
+        inv_freq = 1.0 / (rope["rope_theta"] ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+        freqs = torch.arange(self.max_len, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self._cos = emb.cos().to(self.device, self.dtype)
+        self._sin = emb.sin().to(self.device, self.dtype)
+
+        shape = (max_slots, self.n_kv, self.max_len, self.head_dim)
+        self._k = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(self.n_layers)]
+        self._v = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(self.n_layers)]
+        self.lengths = torch.zeros(max_slots, dtype=torch.long)
+        """Tokens held per slot (host tensor; the engine's caller owns slot bookkeeping)."""
+        self._layers: list[dict[str, torch.Tensor]] = [{} for _ in range(self.n_layers)]
+        self._top: dict[str, torch.Tensor] = {}
+        self._loaded = False
+
+    # ------------------------------------------------------------------ weights
+    def weight_names(self) -> list[str]:
+        """HF parameter names the engine reads from a snapshot."""
+        names = ["model.embed_tokens.weight", "model.norm.weight"]
+        if not self.tied:
+            names.append("lm_head.weight")
+        for i in range(self.n_layers):
+            names += [f"model.layers.{i}.{p}" for parts in _LAYER_PARTS.values() for p in parts]
+        return names
+
+    @torch.no_grad()
+    def load(self, snapshot: Mapping[str, torch.Tensor], names: Iterable[str] | None = None) -> None:
+        """(Re)build compute weights from a wire snapshot.
+
+        ``names``: the snapshot entries that changed (``<name>_scale_inv`` counts
+        as its weight); None rebuilds everything.  Only the touched fused blocks
+        are rebuilt, so a sparse delta costs little.  Raises KeyError/ValueError
+        naming a missing or malformed tensor; the previous weights then stay in
+        use only for the blocks not yet rebuilt, so the caller must treat a
+        failed load as fatal for the snapshot (reload it whole).
+        """
+        expected = {name: None for name in self.weight_names()}
+        if names is None or not self._loaded:
+            touched = set(expected)
+        else:
+            touched = {n.removesuffix("_scale_inv") for n in names} & expected.keys()
+        if not self._loaded:
+            missing = [n for n in expected if n not in snapshot]
+            if missing:
+                raise KeyError(f"weight snapshot lacks {len(missing)} tensors, first {missing[0]!r}")
+
+        def get(name: str) -> torch.Tensor:
+            return wire_to_compute(snapshot, name, self.dtype, self.device)
+
+        for name, key in (("model.embed_tokens.weight", "embed"), ("model.norm.weight", "norm")):
+            if name in touched:
+                self._top[key] = get(name)
+        lm = "model.embed_tokens.weight" if self.tied else "lm_head.weight"
+        if lm in touched:
+            self._top["lm_head"] = get(lm)
+        for i, layer in enumerate(self._layers):
+            prefix = f"model.layers.{i}."
+            for key, parts in _LAYER_PARTS.items():
+                full = [prefix + p for p in parts]
+                if any(n in touched for n in full):
+                    tensors = [get(n) for n in full]
+                    layer[key] = tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0).contiguous()
+        self._check_shapes()
+        self._loaded = True
+
+    def _check_shapes(self) -> None:
+        h = self._top["embed"].shape[1]
+        want = {
+            "qkv": (self._q_dim + 2 * self._kv_dim, h), "o": (h, self._q_dim),
+            "q_norm": (self.head_dim,), "k_norm": (self.head_dim,), "ln1": (h,), "ln2": (h,),
+        }
+        for i, layer in enumerate(self._layers):
+            for key, shape in want.items():
+                if tuple(layer[key].shape) != shape:
+                    raise ValueError(f"layer {i} weight {key} has shape {tuple(layer[key].shape)}, expected {shape}")
+        if self._top["embed"].shape[0] != self.vocab_size or self._top["lm_head"].shape != self._top["embed"].shape:
+            raise ValueError(
+                f"embed/lm_head shapes {tuple(self._top['embed'].shape)}/{tuple(self._top['lm_head'].shape)} "
+                f"do not match vocab_size {self.vocab_size}"
+            )
+
+    # ------------------------------------------------------------------ forward
+    def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            # Same math as HF's RMSNorm in float32, in one fused kernel.
+            return F.rms_norm(x, (x.shape[-1],), w, self.eps)
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return w * xf.to(x.dtype)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = self.head_dim // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+    def _qkv(self, layer: dict[str, torch.Tensor], h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """h [B, T, H] -> q [B, heads, T, d], k/v [B, kv_heads, T, d] (normed, rotated)."""
+        b, t, _ = h.shape
+        qkv = F.linear(h, layer["qkv"])
+        q, k, v = qkv.split((self._q_dim, self._kv_dim, self._kv_dim), dim=-1)
+        q = self._rms(q.view(b, t, self.n_heads, self.head_dim), layer["q_norm"]).transpose(1, 2)
+        k = self._rms(k.view(b, t, self.n_kv, self.head_dim), layer["k_norm"]).transpose(1, 2)
+        v = v.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        return self._rope(q, cos, sin), self._rope(k, cos, sin), v
+
+    def _mlp_block(self, layer: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(self._rms(x, layer["ln2"]), layer["gate_up"]).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, layer["down"])
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self._rms(x, self._top["norm"]), self._top["lm_head"]).float()
+
+    def _check_ready(self, slots: Sequence[int]) -> None:
+        if not self._loaded:
+            raise RuntimeError("engine has no weights: call load() first")
+        for s in slots:
+            if not 0 <= s < self.max_slots:
+                raise ValueError(f"slot {s} outside [0, {self.max_slots})")
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"slots repeat: {list(slots)}")
+
+    @torch.no_grad()
+    def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]], *, all_logits: bool = False) -> torch.Tensor:
+        """Write prompts into ``slots`` (resetting them) and return float32 logits.
+
+        Returns [B, V] logits at each prompt's last position, or [B, T, V] for
+        every position with ``all_logits`` (rows past a prompt's end are padding).
+        Raises ValueError for an empty prompt, a prompt longer than ``max_len``
+        or a token id outside the vocabulary (naming the row and position).
+        """
+        self._check_ready(slots)
+        if len(slots) != len(prompts) or not prompts:
+            raise ValueError(f"prefill needs one prompt per slot, got {len(prompts)} prompts for {len(slots)} slots")
+        lens = [len(p) for p in prompts]
+        for row, p in enumerate(prompts):
+            if not 0 < len(p) <= self.max_len:
+                raise ValueError(f"prompt {row} has {len(p)} tokens; must be 1..{self.max_len}")
+            bad = [i for i, tok in enumerate(p) if not 0 <= tok < self.vocab_size]
+            if bad:
+                raise ValueError(f"prompt {row} position {bad[0]}: token id {p[bad[0]]} outside vocab [0, {self.vocab_size})")
+        t = max(lens)
+        ids = torch.zeros(len(prompts), t, dtype=torch.long)
+        for row, p in enumerate(prompts):
+            ids[row, : len(p)] = torch.as_tensor(p, dtype=torch.long)
+        ids = ids.to(self.device)
+        slot_idx = torch.as_tensor(list(slots), dtype=torch.long, device=self.device)
+        cos, sin = self._cos[:t], self._sin[:t]
+        x = F.embedding(ids, self._top["embed"])
+        for li, layer in enumerate(self._layers):
+            q, k, v = self._qkv(layer, self._rms(x, layer["ln1"]), cos, sin)
+            # Right padding: pad rows sit after every real position, so the plain causal
+            # mask is exact for real rows; pad K/V land past the slot's length and are
+            # overwritten by later decode steps before anything can attend to them.
+            self._k[li][slot_idx, :, :t] = k
+            self._v[li][slot_idx, :, :t] = v
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            x = x + F.linear(a.transpose(1, 2).reshape(len(slots), t, self._q_dim), layer["o"])
+            x = self._mlp_block(layer, x)
+        self.lengths[list(slots)] = torch.as_tensor(lens, dtype=torch.long)
+        if all_logits:
+            return self._logits(x)
+        last = torch.as_tensor([n - 1 for n in lens], device=self.device)
+        return self._logits(x[torch.arange(len(slots), device=self.device), last])
+
+    @torch.no_grad()
+    def decode(self, slots: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
+        """Append ``tokens[i]`` to slot ``slots[i]`` for all i in one step; float32 logits [B, V].
+
+        Raises ValueError when a slot is full (its length reached ``max_len``) or a
+        token id is outside the vocabulary.
+        """
+        self._check_ready(slots)
+        b = len(slots)
+        if b != len(tokens) or b == 0:
+            raise ValueError(f"decode needs one token per slot, got {len(tokens)} tokens for {b} slots")
+        slot_host = torch.tensor(slots, dtype=torch.long)
+        pos_host = self.lengths[slot_host]
+        if int(pos_host.max()) >= self.max_len:
+            raise ValueError(f"a slot is full ({self.max_len} tokens); free it before decoding more")
+        tok = torch.as_tensor(list(tokens), dtype=torch.long)
+        if int(tok.min()) < 0 or int(tok.max()) >= self.vocab_size:
+            raise ValueError(f"decode token ids {list(tokens)} include one outside vocab [0, {self.vocab_size})")
+        span = int(pos_host.max()) + 1
+        pos = pos_host.to(self.device)
+        # A contiguous run of slots reads the cache as a view; otherwise gather rows.
+        first = slots[0]
+        contiguous = list(slots) == list(range(first, first + b))
+        slot_idx = slot_host.to(self.device)
+        # Additive float mask (cheaper than a boolean one in CPU SDPA), shared by all layers.
+        mask = torch.zeros(b, 1, 1, span, device=self.device, dtype=self.dtype).masked_fill_(
+            (torch.arange(span, device=self.device)[None, :] > pos[:, None])[:, None, None, :], float("-inf")
+        )
+        cos = self._cos.index_select(0, pos)[:, None, None, :]
+        sin = self._sin.index_select(0, pos)[:, None, None, :]
+        x = F.embedding(tok.to(self.device)[:, None], self._top["embed"])
+        for li, layer in enumerate(self._layers):
+            q, k, v = self._qkv(layer, self._rms(x, layer["ln1"]), cos, sin)
+            kc, vc = self._k[li], self._v[li]
+            kc[slot_idx, :, pos] = k[:, :, 0]
+            vc[slot_idx, :, pos] = v[:, :, 0]
+            if contiguous:
+                keys, values = kc[first : first + b, :, :span], vc[first : first + b, :, :span]
+            else:
+                keys, values = kc[:, :, :span].index_select(0, slot_idx), vc[:, :, :span].index_select(0, slot_idx)
+            a = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+            x = x + F.linear(a.transpose(1, 2).reshape(b, 1, self._q_dim), layer["o"])
+            x = self._mlp_block(layer, x)
+        self.lengths[slot_host] += 1
+        return self._logits(x[:, 0])
+
+    def free(self, slot: int) -> None:
+        """Forget a slot's sequence (its cache rows are simply overwritten later)."""
+        self.lengths[slot] = 0

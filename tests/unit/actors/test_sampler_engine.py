@@ -1,0 +1,197 @@
+"""The torch generation engine against transformers, and continuous batching on top of it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from actors.models import build_model, default_model_config, model_weights
+from actors.sampler import ContinuousBatcher, GenerateRequest, Qwen3Engine
+from policies import sample_with_support
+
+torch.set_num_threads(1)
+
+CFG = default_model_config()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_model(CFG, seed=0)
+
+
+@pytest.fixture(scope="module")
+def weights(model):
+    return model_weights(model)
+
+
+def _prompts(n: int, lengths: list[int], seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, CFG["vocab_size"], (length,), generator=g).tolist() for length in lengths[:n]]
+
+
+def _run(batcher: ContinuousBatcher) -> dict:
+    out = {}
+    while batcher.has_work():
+        for res in batcher.step():
+            out[res.request_id] = res
+    return out
+
+
+def test_logits_match_hf_prefill_and_decode(model, weights) -> None:
+    engine = Qwen3Engine(CFG, max_slots=4)
+    engine.load(weights)
+    prompts = _prompts(3, [5, 11, 2])
+    cont = _prompts(3, [6, 6, 6], seed=2)
+    with torch.no_grad():
+        ref = [model(torch.tensor([p + c])).logits[0] for p, c in zip(prompts, cont, strict=True)]
+    slots = [3, 0, 2]  # not contiguous, not in order: decode gathers cache rows
+    logits = engine.prefill(slots, prompts, all_logits=True)
+    for row, p in enumerate(prompts):
+        torch.testing.assert_close(logits[row, : len(p)], ref[row][: len(p)], atol=1e-4, rtol=0)
+    for step in range(6):
+        step_logits = engine.decode(slots, [c[step] for c in cont])
+        for row, p in enumerate(prompts):
+            torch.testing.assert_close(step_logits[row], ref[row][len(p) + step], atol=1e-4, rtol=0)
+    # A slot subset decodes on its own (the others are simply not stepped).
+    with torch.no_grad():
+        ref0 = model(torch.tensor([prompts[1] + cont[1] + [7]])).logits[0, -1]
+    torch.testing.assert_close(engine.decode([0], [7])[0], ref0, atol=1e-4, rtol=0)
+
+
+def test_partial_load_equals_full_load(weights) -> None:
+    full, part = Qwen3Engine(CFG, max_slots=1), Qwen3Engine(CFG, max_slots=1)
+    other = model_weights(build_model(CFG, seed=5))
+    full.load(other)
+    part.load(weights)
+    part.load(other, names=[n for n in other if ".layers.1." in n or "lm_head" in n])
+    assert not torch.equal(part.prefill([0], [[1, 2, 3]]), full.prefill([0], [[1, 2, 3]]))
+    part.load(other, names=list(other))
+    torch.testing.assert_close(part.prefill([0], [[1, 2, 3]]), full.prefill([0], [[1, 2, 3]]), atol=0, rtol=0)
+
+
+def test_tokens_lie_in_support_and_rows_equal_policies(model, weights) -> None:
+    """Replay the sampler's draws: HF logits + the request's generator reproduce every row."""
+    engine = Qwen3Engine(CFG, max_slots=2)
+    batcher = ContinuousBatcher(engine, pool="p")
+    batcher.set_weights(weights, version=0)
+    prompt = _prompts(1, [7])[0]
+    kw = dict(temperature=0.8, top_k=16, top_p=0.9)
+    batcher.submit(GenerateRequest(request_id="a", prompt_ids=prompt, max_new_tokens=12, seed=123, **kw))
+    res = _run(batcher)["a"]
+    support = res.support()
+    support.check()
+    support.token_index(torch.tensor(res.token_ids))  # raises if a token is outside its row
+    assert res.versions == [0] * 12 and res.finish_reason == "length" and res.prompt_tokens == 7
+
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + res.token_ids])).logits[0, len(prompt) - 1 : -1]
+    gen = torch.Generator().manual_seed(123)
+    for t in range(12):
+        tok, row = sample_with_support(logits[t : t + 1], generator=gen, **kw)
+        assert int(tok) == res.token_ids[t]
+        got = support.rows(t, t + 1)
+        assert torch.equal(got.ids, row.ids)
+        torch.testing.assert_close(got.logq, row.logq, atol=1e-5, rtol=0)
+
+
+def test_continuous_batching_matches_running_alone(weights) -> None:
+    """Requests of different lengths joining mid-flight (and queueing for a slot) give
+    the same tokens as each run alone with the same seed."""
+    prompts = _prompts(4, [3, 9, 5, 14], seed=3)
+    reqs = [
+        GenerateRequest(request_id=f"r{i}", prompt_ids=p, max_new_tokens=n, seed=10 + i, top_k=32)
+        for i, (p, n) in enumerate(zip(prompts, [10, 4, 8, 6], strict=True))
+    ]
+    alone = {}
+    for req in reqs:
+        b = ContinuousBatcher(Qwen3Engine(CFG, max_slots=1), pool="p")
+        b.set_weights(weights, 0)
+        b.submit(req)
+        alone.update(_run(b))
+
+    b = ContinuousBatcher(Qwen3Engine(CFG, max_slots=2), pool="p")
+    b.set_weights(weights, 0)
+    b.submit(reqs[0])
+    got = {}
+    for _ in range(3):
+        got.update({r.request_id: r for r in b.step()})
+    for req in reqs[1:]:  # r1 joins mid-flight, r2 and r3 wait for free slots
+        b.submit(req)
+    assert b.waiting == 3
+    b.step()
+    assert b.running == 2 and b.waiting == 2
+    got.update(_run(b))
+    assert set(got) == set(alone)
+    for rid, res in alone.items():
+        assert got[rid].token_ids == res.token_ids, rid
+        assert torch.equal(got[rid].support_ids, res.support_ids), rid
+        torch.testing.assert_close(got[rid].support_logq, res.support_logq, atol=1e-5, rtol=0)
+
+
+def test_in_flight_update_splits_versions(model, weights) -> None:
+    new_master = model_weights(build_model(CFG, seed=9))
+    snapshot = {k: v.to(torch.bfloat16) for k, v in weights.items()}
+    b = ContinuousBatcher(Qwen3Engine(CFG, max_slots=2), pool="p")
+    b.set_weights(snapshot, 3)
+    prompt = [5, 6, 7]
+    b.submit(GenerateRequest(request_id="x", prompt_ids=prompt, max_new_tokens=8, temperature=0.0))
+    for _ in range(3):
+        assert b.step() == []
+    changed = [n for n in new_master if "mlp" in n]  # a sparse update: only the MLPs change
+    for n in changed:
+        snapshot[n] = new_master[n].to(torch.bfloat16)
+    b.set_weights(snapshot, 4, changed)
+    (res,) = _run(b).values()
+    assert res.versions == [3, 3, 3, 4, 4, 4, 4, 4]
+    # Greedy tokens after the update follow the updated weights (the KV cache of the
+    # first tokens was computed with the old ones, so check the step right after).
+    engine = Qwen3Engine(CFG, max_slots=1)
+    engine.load(snapshot)
+    old = {k: v.to(torch.bfloat16) for k, v in weights.items()}
+    mixed = Qwen3Engine(CFG, max_slots=1)
+    mixed.load(old)
+    mixed.prefill([0], [prompt + res.token_ids[:2]])
+    mixed.load(snapshot, changed)
+    assert int(mixed.decode([0], [res.token_ids[2]]).argmax()) == res.token_ids[3]
+
+
+def test_stop_tokens_min_version_and_bad_input(weights) -> None:
+    b = ContinuousBatcher(Qwen3Engine(CFG, max_slots=2, max_len=16), pool="p")
+    b.set_weights(weights, 0)
+    # Greedy: learn the first token, then ask again with it as a stop token.
+    b.submit(GenerateRequest(request_id="g", prompt_ids=[1, 2], max_new_tokens=3, temperature=0.0))
+    first = _run(b)["g"].token_ids[0]
+    b.submit(GenerateRequest(request_id="s", prompt_ids=[1, 2], max_new_tokens=3, temperature=0.0,
+                             stop_token_ids=[first]))
+    res = _run(b)["s"]
+    assert res.token_ids == [first] and res.finish_reason == "stop"
+    # Context full: 14-token prompt in a 16-token slot leaves room for two tokens.
+    b.submit(GenerateRequest(request_id="c", prompt_ids=[3] * 14, max_new_tokens=10))
+    res = _run(b)["c"]
+    assert len(res.token_ids) == 2 and res.finish_reason == "length"
+    # min_version: not admitted until the weights catch up.
+    b.submit(GenerateRequest(request_id="m", prompt_ids=[1], max_new_tokens=2, min_version=1))
+    assert not b.has_work() and b.waiting == 1
+    b.set_weights(weights, 1)
+    assert _run(b)["m"].versions == [1, 1]
+
+    with pytest.raises(ValueError, match="prompt_ids\\[1\\] = 999"):
+        b.submit(GenerateRequest(request_id="v", prompt_ids=[1, 999], max_new_tokens=1))
+    with pytest.raises(ValueError, match="context is 16"):
+        b.submit(GenerateRequest(request_id="l", prompt_ids=[1] * 16, max_new_tokens=1))
+    b.submit(GenerateRequest(request_id="d", prompt_ids=[1], max_new_tokens=5))
+    with pytest.raises(ValueError, match="already in flight"):
+        b.submit(GenerateRequest(request_id="d", prompt_ids=[1], max_new_tokens=5))
+    b.step()
+    aborted = b.abort("d")
+    assert aborted is not None and aborted.finish_reason == "abort" and len(aborted.token_ids) == 1
+    assert b.running == 0 and b.abort("d") is None
+
+
+def test_missing_weight_is_named(weights) -> None:
+    engine = Qwen3Engine(CFG, max_slots=1)
+    partial = {k: v for k, v in weights.items() if k != "model.layers.1.mlp.up_proj.weight"}
+    with pytest.raises(KeyError, match="model.layers.1.mlp.up_proj.weight"):
+        engine.load(partial)
+    with pytest.raises(RuntimeError, match="no weights"):
+        engine.prefill([0], [[1]])
