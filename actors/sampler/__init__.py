@@ -4,12 +4,14 @@
 the lean Qwen3 forward with a slot KV cache; ``ContinuousBatcher`` schedules
 requests onto its slots and samples through ``policies.sample_with_support``;
 ``TorchBackend`` drives it from a trio task behind the ``GenerationBackend``
-interface that an SGLang server also fits.
+interface that an SGLang server also fits (``SGLangBackend``: an HTTP client for
+a CUDA-only server, untested here -- see its module docstring).
 """
 
 from ._backend import GenerationBackend, TorchBackend
 from ._batcher import ContinuousBatcher
 from ._engine import Qwen3Engine, dequantize_fp8_blocks
+from ._sglang import SGLangBackend, parse_sglang_response
 from ._types import FinishReason, GenerateRequest, GenerateResult, SamplerStats
 
 __all__ = [
@@ -19,7 +21,9 @@ __all__ = [
     "GenerateResult",
     "GenerationBackend",
     "Qwen3Engine",
+    "SGLangBackend",
     "SamplerStats",
     "TorchBackend",
     "dequantize_fp8_blocks",
+    "parse_sglang_response",
 ]
