@@ -1,0 +1,44 @@
+"""Monarch-style actors on trio + ZeroMQ, with span/traced helpers.
+
+Public API::
+
+    class Counter(Actor):
+        def __init__(self, start: int) -> None: ...
+        @endpoint
+        async def incr(self, by: int = 1) -> int: ...
+
+    async with open_mesh(Counter, 0, procs=2, name="counter") as mesh:
+        await mesh[0].incr.call_one(5)      # one actor
+        await mesh.incr.call(1)             # all, list in rank order
+        await mesh.incr.choose(1)           # one, least loaded
+        mesh.incr.broadcast(1)              # all, fire-and-forget
+        async for v in mesh.incr.stream(1): ...  # all, values in completion order
+
+Nothing here imports torch; tensors are handled when they are met.
+"""
+
+from ._actor import Actor, EndpointDef, current_rank, endpoint
+from ._calls import EndpointRef
+from ._curve import Curve
+from ._errors import ActorDied, ActorError, WireError
+from ._mesh import ActorRef, HostSpec, Mesh, open_mesh
+from ._tracing import configure_tracing, span, traced
+
+__all__ = [
+    "Actor",
+    "ActorDied",
+    "ActorError",
+    "ActorRef",
+    "Curve",
+    "EndpointDef",
+    "EndpointRef",
+    "HostSpec",
+    "Mesh",
+    "WireError",
+    "configure_tracing",
+    "current_rank",
+    "endpoint",
+    "open_mesh",
+    "span",
+    "traced",
+]

@@ -1,0 +1,235 @@
+"""Endpoint call kinds: call_one, call, choose, broadcast, stream.
+
+Delivery and failure, per kind:
+
+- ``call_one``: exactly one actor; its value. ``ActorError`` if the endpoint
+  raised, ``ActorDied`` if the actor is or becomes dead, ``TypeError`` for
+  arguments that do not fit the signature or fail validation on arrival.
+- ``call``: every actor of the target; values in rank order. The first failure
+  (in rank order) is raised and the other outstanding calls are abandoned.
+- ``choose``: one live actor with the fewest calls in flight from this
+  process, ties broken by the lowest rank.
+- ``broadcast``: every live actor, fire-and-forget, no delivery guarantee
+  (dead or restarting ranks are skipped, errors go to the actor's stderr).
+- ``stream``: every actor; an async iterator of *values in completion order*
+  (not rank order). A failure is raised from the iterator when it arrives.
+
+Cancellation: a cancelled caller abandons its outstanding calls and sends a
+cancel message, so the remote task is cancelled too (a plain ``def`` endpoint
+that already ran is not undone). Timeouts are the caller's ``trio.fail_after``.
+Arguments are referenced, not copied, until sent: do not mutate a tensor or
+bytearray passed to ``broadcast`` right after the call.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar
+
+import trio
+
+from ._actor import EndpointDef
+from ._conn import Connection, Pending
+from ._errors import ActorDied, ActorError
+from ._tracing import current_traceparent
+from ._wire import decode, encode
+
+if TYPE_CHECKING:
+    from ._mesh import Mesh
+
+__all__ = ["EndpointRef"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+_SCALARS = (int, float, str, bool, type(None))
+
+
+class EndpointRef(Generic[P, R]):
+    """One endpoint on a set of ranks of a mesh (all of them, or one for ``mesh[i]``)."""
+
+    def __init__(self, mesh: Mesh[Any], ranks: list[int], name: str,
+                 ep: EndpointDef[P, R] | None) -> None:
+        self._mesh = mesh
+        self._ranks = ranks
+        self._name = name
+        self._ep = ep
+        self._qual = ep.spec.qualname if ep is not None else f"{mesh.name}.{name}"
+
+    def __repr__(self) -> str:
+        return f"<endpoint {self._qual} on ranks {self._ranks}>"
+
+    # -- building requests ------------------------------------------------------
+    def _header(self, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+                ) -> tuple[dict[str, Any], list[Any]]:
+        if self._ep is not None:
+            self._ep.spec.check_call(args, kwargs)
+        frames: list[Any] = []
+        a = [v if type(v) in _SCALARS else encode(v, frames, where=f"{self._qual} argument {i}")
+             for i, v in enumerate(args)]
+        header: dict[str, Any] = {"k": kind, "e": self._name, "a": a}
+        if kwargs:
+            header["w"] = {k: encode(v, frames, where=f"{self._qual} argument {k!r}")
+                           for k, v in kwargs.items()}
+        tp = current_traceparent()
+        if tp is not None:
+            header["t"] = tp
+        return header, frames
+
+    def _result(self, p: Pending) -> Any:
+        if p.error is not None:
+            e = p.error
+            if isinstance(e, ActorDied):
+                raise ActorDied(e.name, e.rank, e.reason)
+            raise e
+        h = p.header
+        assert h is not None
+        kind = h.get("k")
+        if kind == "ok":
+            value = decode(h.get("v"), p.frames)
+            if self._ep is None:
+                return value
+            try:
+                return self._ep.spec.validate_return(value)
+            except TypeError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - pydantic ValidationError
+                raise TypeError(f"{self._qual} returned a value that does not match its "
+                                f"annotation: {exc}") from None
+        if kind == "err":
+            x = h.get("x") or {}
+            raise ActorError(str(x.get("type")), str(x.get("msg")), str(x.get("tb")))
+        if kind == "bad":
+            raise TypeError(f"rank {p.rank} rejected the call: {h.get('m')}")
+        raise ActorError("WireError", f"unexpected reply kind {kind!r}", "")
+
+    async def _wait(self, p: Pending) -> Any:
+        assert p.event is not None
+        try:
+            await p.event.wait()
+        except BaseException:
+            p.abandon()
+            raise
+        return self._result(p)
+
+    # -- call kinds ---------------------------------------------------------------
+    async def call_one(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        """Call exactly one actor (the target must have one rank) and return its value."""
+        if len(self._ranks) != 1:
+            raise ValueError(f"call_one on {len(self._ranks)} actors; index the mesh "
+                             "(mesh[i]) or use call/choose")
+        rank = self._ranks[0]
+        header, frames = self._header("call", args, kwargs)
+        conn = await self._mesh._connection(rank)
+        p = conn.request(header, frames, reply=True, rank=rank)
+        assert p is not None
+        return await self._wait(p)
+
+    async def call(self, *args: P.args, **kwargs: P.kwargs) -> list[R]:
+        """Call every actor; values in rank order."""
+        header, frames = self._header("call", args, kwargs)
+        pending: list[Pending] = []
+        try:
+            for rank in self._ranks:
+                conn = await self._mesh._connection(rank)
+                p = conn.request(dict(header), frames, reply=True, rank=rank)
+                assert p is not None
+                pending.append(p)
+            return [await self._wait(p) for p in pending]
+        except BaseException:
+            for p in pending:
+                p.abandon()
+            raise
+
+    async def choose(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        """Call the live actor with the fewest calls in flight (ties: lowest rank)."""
+        header, frames = self._header("call", args, kwargs)
+        best: tuple[int, int, Connection] | None = None
+        first_death: ActorDied | None = None
+        for rank in self._ranks:
+            try:
+                conn = self._mesh._live_connection(rank)
+            except ActorDied as exc:
+                first_death = first_death or exc
+                continue
+            if conn is None:
+                continue
+            load = len(conn.pending)
+            if best is None or load < best[0]:
+                best = (load, rank, conn)
+        if best is None:
+            if first_death is not None:
+                raise first_death
+            # Every candidate is restarting: wait for the first rank to come back.
+            return await EndpointRef(self._mesh, self._ranks[:1], self._name, self._ep
+                                     ).call_one(*args, **kwargs)
+        p = best[2].request(header, frames, reply=True, rank=best[1])
+        assert p is not None
+        return await self._wait(p)
+
+    def broadcast(self, *args: P.args, **kwargs: P.kwargs) -> None:
+        """Send to every live actor without waiting for (or receiving) any reply."""
+        header, frames = self._header("send", args, kwargs)
+        for rank in self._ranks:
+            try:
+                conn = self._mesh._live_connection(rank)
+                if conn is not None:
+                    conn.request(dict(header), frames, reply=False)
+            except ActorDied:
+                continue
+
+    def stream(self, *args: P.args, **kwargs: P.kwargs) -> AsyncIterator[R]:
+        """Call every actor; iterate over the values as they arrive (completion order)."""
+        header, frames = self._header("call", args, kwargs)
+        return _Stream(self, header, frames)
+
+
+class _Stream(AsyncIterator[Any]):
+    """Replies of one ``stream`` call. Breaking out early abandons the outstanding calls
+    only if ``aclose()`` is called; otherwise their replies are dropped on arrival."""
+
+    def __init__(self, ref: EndpointRef[Any, Any], header: dict[str, Any],
+                 frames: list[Any]) -> None:
+        self._ref = ref
+        self._header = header
+        self._frames = frames
+        self._sent = False
+        self._outstanding: dict[int, Pending] = {}
+        self._done: deque[Pending] = deque()
+        self._wakeup = trio.Event()
+
+    def _sink(self, p: Pending) -> None:
+        self._outstanding.pop(id(p), None)
+        self._done.append(p)
+        self._wakeup.set()
+
+    async def _send(self) -> None:
+        self._sent = True
+        for rank in self._ref._ranks:
+            conn = await self._ref._mesh._connection(rank)
+            p = conn.request(dict(self._header), self._frames, reply=True, sink=self._sink,
+                             rank=rank)
+            assert p is not None
+            self._outstanding[id(p)] = p
+
+    async def __anext__(self) -> Any:
+        try:
+            if not self._sent:
+                await self._send()
+            while not self._done:
+                if not self._outstanding:
+                    raise StopAsyncIteration
+                self._wakeup = trio.Event()
+                await self._wakeup.wait()
+            return self._ref._result(self._done.popleft())
+        except StopAsyncIteration:
+            raise
+        except BaseException:
+            await self.aclose()
+            raise
+
+    async def aclose(self) -> None:
+        outstanding, self._outstanding = self._outstanding, {}
+        for p in outstanding.values():
+            p.abandon()
+        self._done.clear()

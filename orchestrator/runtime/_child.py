@@ -1,0 +1,98 @@
+"""Entry point of an actor process: ``python -m orchestrator.runtime._child --cls mod:Cls ...``.
+
+Lifecycle: bind, report the bound address on ``--ready-fd``, serve until
+SIGTERM/SIGINT (then ``on_stop`` runs) or until the parent dies
+(``PR_SET_PDEATHSIG`` delivers SIGKILL, so no actor outlives its spawner).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import signal
+import sys
+from typing import Any
+
+import trio
+import zmq
+
+from . import _actor
+from ._curve import Curve, start_authenticator
+from ._server import Server, actor_class
+from ._zsock import context, tune
+
+__all__ = ["main"]
+
+def _die_with_parent(parent_pid: int | None) -> None:
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    if parent_pid is not None and os.getppid() != parent_pid:
+        sys.exit(1)  # the parent died before the death signal was armed
+
+
+async def _serve(cls: Any, args: argparse.Namespace) -> None:
+    ctx = context()
+    curve = Curve.from_env()
+    auth = start_authenticator(ctx, curve) if curve is not None and args.bind.startswith(
+        "tcp://") else None
+    sock = ctx.socket(zmq.ROUTER)
+    try:
+        tune(sock, tcp=args.bind.startswith("tcp://"))
+        if auth is not None and curve is not None:
+            curve.serve(sock)
+        sock.bind(args.bind)
+        address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        if args.advertise:
+            port = address.rsplit(":", 1)[1]
+            address = f"tcp://{args.advertise}:{port}"
+        server = Server(cls, sock, name=args.name, rank=args.rank)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_stop_on_signal, nursery.cancel_scope)
+            await nursery.start(server.serve)
+            if args.ready_fd is not None:
+                os.write(args.ready_fd, (address + "\n").encode())
+                os.close(args.ready_fd)
+            else:
+                print(f"serving {args.cls} on {address}", flush=True)
+    finally:
+        sock.close(linger=0)
+        if auth is not None:
+            auth.stop()
+
+
+async def _stop_on_signal(scope: trio.CancelScope) -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for _ in signals:
+            scope.cancel()
+            return
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m orchestrator.runtime._child")
+    p.add_argument("--cls", required=True, help="actor class as module:QualName")
+    p.add_argument("--bind", required=True, help="ZeroMQ address to bind (ipc:// or tcp://)")
+    p.add_argument("--name", default="actor")
+    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--ready-fd", type=int, default=None)
+    p.add_argument("--parent-pid", type=int, default=None)
+    p.add_argument("--advertise", default=None, help="host name to report instead of the bind IP")
+    args = p.parse_args(argv)
+    if args.parent_pid is not None:
+        _die_with_parent(args.parent_pid)
+    _actor.rank_of_this_process = args.rank
+    trace_file = os.environ.get("FLOTILLA_TRACE_FILE")
+    if trace_file:
+        from ._tracing import configure_tracing
+
+        configure_tracing(trace_file, f"{args.name}[{args.rank}]")
+    cls = actor_class(args.cls)
+    trio.run(_serve, cls, args)
+
+
+if __name__ == "__main__":
+    main()

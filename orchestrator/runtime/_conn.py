@@ -1,0 +1,223 @@
+"""Client side: one DEALER socket per (trio loop, actor address), shared by all calls.
+
+A single reader task per connection demultiplexes replies by request id into
+the pending table. Connections live in a per-loop registry so that every
+handle to the same actor in one process shares one socket; their reader tasks
+are trio system tasks because a handle can arrive anywhere (inside a message,
+in any task) and must still work; the owner of a mesh closes its connections
+when the mesh closes, and the rest close when the trio run ends.
+
+Failure model: a connection is *dead* after the owner saw the process exit,
+after ZeroMQ reported the peer disconnected (ipc: at once; tcp: heartbeats
+within ~3 s), after a CurveZMQ refusal, or when no handshake happened within
+``connect_timeout``. Every pending call then fails with ``ActorDied`` and new
+calls fail fast until a handshake succeeds again (or the owner respawns).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import trio
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from ._errors import ActorDied
+from ._wire import dumps, loads
+from ._zsock import ZSocket, context, log, tune
+
+__all__ = ["Connection", "Pending", "close_connection", "connection"]
+
+_EVENTS = (zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+           | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+_monitor_ids = itertools.count()
+
+
+class Pending:
+    """One outstanding request: set exactly once with a reply or an error."""
+
+    __slots__ = ("conn", "rid", "event", "header", "frames", "error", "sink", "rank")
+
+    def __init__(self, conn: Connection, rid: int, sink: Callable[[Pending], None] | None,
+                 rank: int) -> None:
+        self.conn = conn
+        self.rid = rid
+        self.event = trio.Event() if sink is None else None
+        self.header: dict[str, Any] | None = None
+        self.frames: list[Any] = []
+        self.error: BaseException | None = None
+        self.sink = sink
+        self.rank = rank
+
+    def _done(self) -> None:
+        if self.sink is not None:
+            self.sink(self)
+        else:
+            assert self.event is not None
+            self.event.set()
+
+    def abandon(self) -> None:
+        """The caller gave up (cancelled): forget the reply and cancel the remote task."""
+        self.conn.cancel(self.rid)
+
+
+class Connection:
+    """A DEALER socket to one actor address with request-id demultiplexing."""
+
+    def __init__(self, address: str, *, name: str, rank: int, server_key: bytes | None,
+                 identity: Any | None, connect_timeout: float | None) -> None:
+        self.address = address
+        self.name = name
+        self.rank = rank
+        self.pending: dict[int, Pending] = {}
+        self.dead: ActorDied | None = None
+        self.sticky = False  # set by the owner: stays dead until respawn
+        self.connected = False
+        self._ids = itertools.count(1)
+        self._connect_timeout = connect_timeout
+        self.scope = trio.CancelScope()
+        sock = context().socket(zmq.DEALER)
+        tune(sock, tcp=address.startswith("tcp://"))
+        if server_key is not None:
+            if identity is None:
+                raise ValueError(f"{address} needs CurveZMQ: pass curve= to open_mesh "
+                                 "or set FLOTILLA_CURVE_* in this process")
+            sock.curve_serverkey = server_key
+            sock.curve_publickey = identity.public
+            sock.curve_secretkey = identity.secret
+        mon_addr = f"inproc://flotilla-mon-{next(_monitor_ids)}"
+        sock.monitor(mon_addr, _EVENTS)
+        mon = context().socket(zmq.PAIR)
+        mon.setsockopt(zmq.LINGER, 0)
+        mon.connect(mon_addr)
+        sock.connect(address)
+        self.z = ZSocket(sock, self._on_reply)
+        self._mon = ZSocket(mon, self._on_event)
+
+    # -- sending ---------------------------------------------------------------
+    def request(self, header: dict[str, Any], frames: list[Any], *, reply: bool,
+                sink: Callable[[Pending], None] | None = None, rank: int = 0) -> Pending | None:
+        """Send a request; returns its pending entry (None for fire-and-forget).
+
+        Raises ActorDied at once when the connection is dead.
+        """
+        if self.dead is not None:
+            raise self.dead
+        rid = next(self._ids)
+        header["i"] = rid
+        p = None
+        if reply:
+            p = Pending(self, rid, sink, rank)
+            self.pending[rid] = p
+        try:
+            self.z.send([dumps(header), *frames])
+        except zmq.ZMQError as exc:
+            self.pending.pop(rid, None)
+            raise ActorDied(self.name, self.rank, f"send failed: {exc}") from None
+        return p
+
+    def cancel(self, rid: int) -> None:
+        if self.pending.pop(rid, None) is not None and self.dead is None and not self.z.closed:
+            try:
+                self.z.send([dumps({"i": rid, "k": "cancel"})])
+            except zmq.ZMQError:
+                pass
+
+    # -- receiving -------------------------------------------------------------
+    def _on_reply(self, frames: list[Any]) -> None:
+        try:
+            header = loads(frames[0].bytes)
+        except ValueError as exc:
+            log(f"{self.name}[{self.rank}]: dropped a malformed reply: {exc}")
+            return
+        p = self.pending.pop(header.get("i"), None)  # type: ignore[arg-type]
+        if p is None:
+            return  # reply to a cancelled call
+        p.header = header
+        p.frames = frames
+        p._done()
+
+    def _on_event(self, frames: list[Any]) -> None:
+        ev = parse_monitor_message([f.bytes for f in frames])["event"]
+        if ev == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self.connected = True
+            if self.dead is not None and not self.sticky:
+                self.dead = None
+        elif ev == zmq.EVENT_DISCONNECTED:
+            self.connected = False
+            self.fail(ActorDied(self.name, self.rank, f"connection to {self.address} lost"))
+        elif ev == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            self.fail(ActorDied(self.name, self.rank,
+                                f"refused by {self.address}: CurveZMQ authentication failed "
+                                "(this process's public key is not in the actor's allowed keys)"))
+        else:
+            self.fail(ActorDied(self.name, self.rank, f"handshake with {self.address} failed"))
+
+    def fail(self, exc: ActorDied, *, sticky: bool = False) -> None:
+        """Mark dead and fail every pending call with ``exc``."""
+        self.dead = exc
+        self.sticky = self.sticky or sticky
+        pending, self.pending = self.pending, {}
+        for p in pending.values():
+            p.error = exc
+            p._done()
+
+    async def _watch_connect(self) -> None:
+        assert self._connect_timeout is not None
+        await trio.sleep(self._connect_timeout)
+        if not self.connected and self.dead is None:
+            self.fail(ActorDied(self.name, self.rank, f"no connection to {self.address} "
+                                f"within {self._connect_timeout:g} s"))
+
+    async def run(self) -> None:
+        """Reader and monitor tasks; on exit the sockets are closed and pending calls fail."""
+        try:
+            with self.scope:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self.z.run)
+                    nursery.start_soon(self._mon.run)
+                    if self._connect_timeout is not None:
+                        nursery.start_soon(self._watch_connect)
+        except Exception as exc:  # noqa: BLE001 - a system task must never crash the run
+            log(f"connection to {self.address} failed: {exc!r}")
+        finally:
+            self.z.close()
+            self._mon.close()
+            if self.dead is None:
+                self.fail(ActorDied(self.name, self.rank, "connection closed"))
+
+
+_registry: trio.lowlevel.RunVar[dict[str, Connection]] = trio.lowlevel.RunVar("flotilla_conns")
+
+
+def _conns() -> dict[str, Connection]:
+    try:
+        return _registry.get()
+    except LookupError:
+        conns: dict[str, Connection] = {}
+        _registry.set(conns)
+        return conns
+
+
+def connection(address: str, *, name: str, rank: int, server_key: bytes | None = None,
+               identity: Any | None = None, connect_timeout: float | None = 10.0) -> Connection:
+    """The shared connection of this trio loop to ``address``, opened on first use."""
+    conns = _conns()
+    conn = conns.get(address)
+    if conn is None or conn.z.closed:
+        conn = Connection(address, name=name, rank=rank, server_key=server_key,
+                          identity=identity, connect_timeout=connect_timeout)
+        conns[address] = conn
+        trio.lowlevel.spawn_system_task(conn.run, name=f"flotilla-conn {address}")
+    return conn
+
+
+def close_connection(address: str, exc: ActorDied | None = None) -> None:
+    """Close the connection to ``address`` (if any), failing its pending calls with ``exc``."""
+    conn = _conns().pop(address, None)
+    if conn is not None:
+        if exc is not None:
+            conn.fail(exc, sticky=True)
+        conn.scope.cancel()

@@ -1,0 +1,439 @@
+"""Meshes: ``open_mesh``, mesh and actor handles, supervision and respawn.
+
+A mesh handle is a wire value: passed as an argument or returned from an
+endpoint it arrives as a handle in the receiving process, which opens its own
+connections (in its own trio loop) on first use. Only the process that opened
+the mesh (the owner) watches the processes, can respawn ranks and stops them.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import tempfile
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from contextlib import asynccontextmanager
+from typing import Any, Generic, Literal, TypeVar
+
+import trio
+from pydantic import BaseModel
+
+from ._actor import Actor, EndpointDef, _Spec, endpoints_of
+from ._calls import EndpointRef
+from ._conn import Connection, Pending, connection
+from ._curve import Curve, default_identity
+from ._errors import ActorDied, ActorError
+from ._proc import ActorProcess, child_env, spawn_local, stop_all
+from ._wire import encode, register_handle_decoder
+from ._zsock import log
+
+__all__ = ["ActorRef", "HostSpec", "Mesh", "open_mesh"]
+
+A = TypeVar("A", bound=Actor)
+
+
+class HostSpec(BaseModel):
+    """An actor host (``python -m orchestrator.runtime.host``) that spawns actors for a controller."""
+
+    address: str
+    """The host's control address, ``tcp://HOST:PORT``."""
+    public_key: str
+    """The host's CurveZMQ public key (z85), printed by the host at start-up."""
+
+
+class _Slot:
+    __slots__ = ("address", "proc", "conn", "state", "ready", "died")
+
+    def __init__(self) -> None:
+        self.address = ""
+        self.proc: ActorProcess | None = None
+        self.conn: Connection | None = None
+        self.state: Literal["starting", "live", "dead"] = "starting"
+        self.ready = trio.Event()
+        self.died: ActorDied | None = None
+
+
+def _copy(exc: ActorDied) -> ActorDied:
+    return ActorDied(exc.name, exc.rank, exc.reason)
+
+
+class Mesh(Generic[A]):
+    """Actors of one class, indexable by rank; ``mesh.<endpoint>`` targets all of them.
+
+    Endpoint names that clash with mesh attributes (``name``, ``size``,
+    ``respawn``, ``endpoint``) are reached with ``mesh.endpoint("name")``.
+    """
+
+    def __init__(self, name: str, cls_path: str, endpoints: list[str], addresses: list[str],
+                 keys: list[str | None], owner: _Owner | None = None) -> None:
+        self.name = name
+        self._cls_path = cls_path
+        self._ep_names = endpoints
+        self._addresses = addresses
+        self._keys = keys
+        self._owner = owner
+        self._defs: dict[str, EndpointDef[Any, Any]] | None = None
+        cls = _loaded_actor(cls_path)
+        if cls is not None:
+            self._defs = endpoints_of(cls)
+        self._refs = [ActorRef(self, r) for r in range(len(addresses))]
+
+    @property
+    def size(self) -> int:
+        return len(self._addresses)
+
+    def __len__(self) -> int:
+        return len(self._addresses)
+
+    def __iter__(self) -> Iterator[ActorRef[A]]:
+        return iter(self._refs)
+
+    def __getitem__(self, rank: int) -> ActorRef[A]:
+        return self._refs[rank]
+
+    def __repr__(self) -> str:
+        return f"<Mesh {self.name} of {self._cls_path} x{self.size}>"
+
+    def endpoint(self, name: str, ranks: list[int] | None = None) -> EndpointRef[Any, Any]:
+        ep = self._defs.get(name) if self._defs is not None else None
+        if ep is None and name not in self._ep_names:
+            raise AttributeError(f"{self._cls_path} has no endpoint {name!r}")
+        return EndpointRef(self, list(range(self.size)) if ranks is None else ranks, name, ep)
+
+    def __getattr__(self, name: str) -> EndpointRef[Any, Any]:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        ref = self.endpoint(name)
+        self.__dict__[name] = ref  # later lookups skip __getattr__
+        return ref
+
+    # -- wire ---------------------------------------------------------------------
+    def __flotilla_wire__(self) -> dict[str, Any]:
+        return {"kind": "mesh", **self._desc()}
+
+    def _desc(self) -> dict[str, Any]:
+        return {"name": self.name, "cls": self._cls_path, "eps": self._ep_names,
+                "addrs": list(self._addresses), "keys": list(self._keys)}
+
+    @classmethod
+    def _from_desc(cls, d: dict[str, Any]) -> Mesh[Any]:
+        name, path, eps, addrs, keys = d["name"], d["cls"], d["eps"], d["addrs"], d["keys"]
+        if not (isinstance(name, str) and isinstance(path, str) and _strs(eps)
+                and _strs(addrs) and isinstance(keys, list) and len(keys) == len(addrs)
+                and all(k is None or isinstance(k, str) for k in keys)):
+            raise ValueError("malformed mesh descriptor")
+        return cls(name, path, eps, addrs, keys)
+
+    # -- connections ----------------------------------------------------------------
+    async def _connection(self, rank: int) -> Connection:
+        if self._owner is None:
+            return self._remote_connection(rank)
+        slot = self._owner.slots[rank]
+        while slot.state == "starting":
+            await slot.ready.wait()
+        if slot.state == "dead" or slot.conn is None:
+            assert slot.died is not None
+            raise _copy(slot.died)
+        return slot.conn
+
+    def _live_connection(self, rank: int) -> Connection | None:
+        """The connection if usable now, None while restarting; ActorDied if dead."""
+        if self._owner is None:
+            conn = self._remote_connection(rank)
+            if conn.dead is not None:
+                raise _copy(conn.dead)
+            return conn
+        slot = self._owner.slots[rank]
+        if slot.state == "starting":
+            return None
+        if slot.state == "dead" or slot.conn is None:
+            assert slot.died is not None
+            raise _copy(slot.died)
+        return slot.conn
+
+    def _remote_connection(self, rank: int) -> Connection:
+        key = self._keys[rank]
+        return connection(self._addresses[rank], name=self.name, rank=rank,
+                          server_key=key.encode() if key else None,
+                          identity=default_identity() if key else None)
+
+    # -- supervision ----------------------------------------------------------------
+    def respawn(self, rank: int) -> None:
+        """Start a fresh process for ``rank`` (stopping the old one if it still runs).
+
+        Returns at once; calls on the rank wait until the new actor has been
+        constructed (``ActorDied`` if that fails). Only the owner can respawn.
+        """
+        if self._owner is None:
+            raise RuntimeError(f"only the process that opened mesh {self.name!r} can respawn it")
+        self._owner.respawn(rank)
+
+    @property
+    def dead_ranks(self) -> list[int]:
+        """Ranks known dead (owner only; empty elsewhere)."""
+        if self._owner is None:
+            return []
+        return [r for r, s in enumerate(self._owner.slots) if s.state == "dead"]
+
+
+class ActorRef(Generic[A]):
+    """One actor of a mesh: ``ref.<endpoint>.call_one(...)``."""
+
+    def __init__(self, mesh: Mesh[A], rank: int) -> None:
+        self.mesh = mesh
+        self.rank = rank
+
+    def __repr__(self) -> str:
+        return f"<Actor {self.mesh.name}[{self.rank}]>"
+
+    def __getattr__(self, name: str) -> EndpointRef[Any, Any]:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        ref = self.mesh.endpoint(name, [self.rank])
+        self.__dict__[name] = ref
+        return ref
+
+    def __flotilla_wire__(self) -> dict[str, Any]:
+        return {"kind": "actor", "mesh": self.mesh._desc(), "rank": self.rank}
+
+    @classmethod
+    def _from_desc(cls, d: dict[str, Any]) -> ActorRef[Any]:
+        mesh, rank = Mesh._from_desc(d["mesh"]), d["rank"]
+        if type(rank) is not int or not 0 <= rank < mesh.size:
+            raise ValueError(f"bad rank {rank!r}")
+        return mesh[rank]
+
+
+def _strs(x: Any) -> bool:
+    return isinstance(x, list) and all(isinstance(s, str) for s in x)
+
+
+def _loaded_actor(path: str) -> type[Actor] | None:
+    module, _, qual = path.partition(":")
+    obj: Any = sys.modules.get(module)  # never import on behalf of a message
+    for part in qual.split("."):
+        obj = getattr(obj, part, None) if obj is not None and not part.startswith("_") else None
+    return obj if isinstance(obj, type) and issubclass(obj, Actor) else None
+
+
+register_handle_decoder("mesh", Mesh._from_desc)
+register_handle_decoder("actor", ActorRef._from_desc)
+
+
+class _Owner:
+    """The owner's view of a mesh: processes, slots, supervision tasks."""
+
+    def __init__(self, *, name: str, cls_path: str, procs: int, init: tuple[Any, list[Any]],
+                 nursery: trio.Nursery, env: dict[str, str], transport: str, curve: Curve | None,
+                 hosts: list[Mesh[Any]], tcp_host: str, grace: float,
+                 on_death: Callable[[ActorDied], None] | None, addresses: list[str]) -> None:
+        self.addresses = addresses  # the mesh handle's list: respawns update it in place
+        self.name, self.cls_path, self.init = name, cls_path, init
+        self.nursery, self.env, self.transport, self.curve = nursery, env, transport, curve
+        self.hosts, self.tcp_host, self.grace, self.on_death = hosts, tcp_host, grace, on_death
+        self.slots = [_Slot() for _ in range(procs)]
+        self.procs: list[ActorProcess] = []
+        self.closing = False
+        self.tmpdir = tempfile.mkdtemp(prefix="flotilla-") if transport == "ipc" and not hosts \
+            else None
+
+    async def _spawn(self, rank: int) -> ActorProcess:
+        slot = self.slots[rank]
+        if self.hosts:
+            from .host import RemoteProcess
+
+            host = self.hosts[rank % len(self.hosts)][0]
+            return await RemoteProcess.spawn(host, self.cls_path, name=self.name, rank=rank,
+                                             env=self.env, register=self.procs.append)
+        if self.tmpdir is not None:
+            bind = f"ipc://{self.tmpdir}/{rank}"
+        else:  # tcp: a respawned rank reuses its port so handles held elsewhere stay valid
+            bind = slot.address or f"tcp://{self.tcp_host}:*"
+        return await spawn_local(self.cls_path, name=self.name, rank=rank, bind=bind,
+                                 env=child_env(self.env, self.curve), register=self.procs.append)
+
+    async def start(self, rank: int) -> None:
+        """Spawn, connect and construct one rank; raises ActorDied/ActorError on failure."""
+        slot = self.slots[rank]
+        proc = await self._spawn(rank)
+        slot.proc, slot.address = proc, proc.address
+        self.addresses[rank] = proc.address
+        self.nursery.start_soon(self._supervise, rank, proc)
+        key = self.curve.public if self.curve is not None and proc.address.startswith(
+            "tcp://") else None
+        if self.hosts:
+            key = self.hosts[rank % len(self.hosts)]._keys[0].encode()
+        conn = connection(proc.address, name=self.name, rank=rank, server_key=key,
+                          identity=self.curve, connect_timeout=None)
+        slot.conn = conn
+        a, frames = self.init
+        p = conn.request({"k": "init", "a": a[0], "w": a[1]}, frames, reply=True, rank=rank)
+        assert p is not None and p.event is not None
+        await p.event.wait()
+        _init_result(p)
+        if slot.proc is proc and slot.state == "starting":
+            slot.state = "live"
+            slot.ready.set()
+
+    async def start_all(self) -> None:
+        errors: dict[int, BaseException] = {}
+
+        async def one(rank: int) -> None:
+            try:
+                await self.start(rank)
+            except (ActorDied, ActorError, OSError) as exc:
+                errors[rank] = exc
+                nursery.cancel_scope.cancel()
+
+        async with trio.open_nursery() as nursery:
+            for rank in range(len(self.slots)):
+                nursery.start_soon(one, rank)
+        if errors:
+            raise errors[min(errors)]
+
+    async def _supervise(self, rank: int, proc: ActorProcess) -> None:
+        try:
+            how = await proc.wait_exit()
+        except ActorDied as exc:
+            how = exc.reason
+        except Exception as exc:  # noqa: BLE001 - a supervisor must not take the mesh down
+            how = f"lost track of the process: {exc!r}"
+        slot = self.slots[rank]
+        if self.closing or slot.proc is not proc:
+            return
+        self._mark_dead(rank, ActorDied(self.name, rank, how))
+
+    def _mark_dead(self, rank: int, exc: ActorDied) -> None:
+        slot = self.slots[rank]
+        slot.state, slot.died = "dead", exc
+        slot.ready.set()
+        if slot.conn is not None:
+            _close(slot.conn, exc)
+            slot.conn = None
+        if self.on_death is not None:
+            try:
+                self.on_death(exc)
+            except Exception as err:  # noqa: BLE001
+                log(f"on_death callback raised: {err!r}")
+
+    def respawn(self, rank: int) -> None:
+        if self.closing:
+            raise RuntimeError(f"mesh {self.name!r} is closed")
+        slot = self.slots[rank]
+        if slot.state == "starting":
+            return
+        old = slot.proc
+        slot.state, slot.died, slot.ready = "starting", None, trio.Event()
+        slot.proc = None
+        if slot.conn is not None:
+            _close(slot.conn, ActorDied(self.name, rank, "respawned"))
+            slot.conn = None
+        self.nursery.start_soon(self._restart, rank, old)
+
+    async def _restart(self, rank: int, old: ActorProcess | None) -> None:
+        if old is not None:
+            with trio.CancelScope(shield=True):
+                await old.stop(self.grace)
+        try:
+            await self.start(rank)
+        except (ActorDied, ActorError, OSError) as exc:
+            reason = exc.reason if isinstance(exc, ActorDied) else f"respawn failed: {exc}"
+            if not self.closing:
+                self._mark_dead(rank, ActorDied(self.name, rank, reason))
+
+    async def shutdown(self) -> None:
+        """Fail outstanding calls, stop and reap every process. Call shielded."""
+        self.closing = True
+        for rank, slot in enumerate(self.slots):
+            exc = ActorDied(self.name, rank, "mesh closed")
+            if slot.conn is not None:
+                _close(slot.conn, exc)
+                slot.conn = None
+            slot.state, slot.died = "dead", exc
+            slot.ready.set()
+        await stop_all(self.procs, self.grace)
+        if self.tmpdir is not None:
+            shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+
+def _close(conn: Connection, exc: ActorDied) -> None:
+    from ._conn import _conns
+
+    conn.fail(exc, sticky=True)
+    conn.scope.cancel()
+    conns = _conns()
+    if conns.get(conn.address) is conn:
+        del conns[conn.address]
+
+
+def _init_result(p: Pending) -> None:
+    if p.error is not None:
+        raise p.error
+    h = p.header or {}
+    if h.get("k") == "ok":
+        return
+    x = h.get("x") or {}
+    if h.get("k") == "err":
+        raise ActorError(str(x.get("type")), str(x.get("msg")), str(x.get("tb")))
+    raise TypeError(f"actor rejected its constructor arguments: {h.get('m')}")
+
+
+@asynccontextmanager
+async def open_mesh(cls: type[A], *args: Any, procs: int = 1, name: str | None = None,
+                    env: Mapping[str, str] | None = None,
+                    transport: Literal["ipc", "tcp"] = "ipc", curve: Curve | None = None,
+                    hosts: Sequence[HostSpec] | None = None, tcp_host: str = "127.0.0.1",
+                    grace: float = 5.0, on_death: Callable[[ActorDied], None] | None = None,
+                    **kwargs: Any) -> AsyncIterator[Mesh[A]]:
+    """Spawn ``procs`` processes each running ``cls(*args, **kwargs)``; yield the mesh.
+
+    Every rank is constructed before the block starts (a constructor error
+    raises ``ActorError``, a process that dies during start-up ``ActorDied``).
+    Leaving the block in any way (normally, by exception, by cancellation)
+    fails outstanding calls with ``ActorDied``, sends SIGTERM (``on_stop``
+    runs), SIGKILLs what is still alive after ``grace`` seconds and reaps
+    every process. ``on_death`` is called (in the owner's loop) when a rank
+    dies; the owner may then call ``mesh.respawn(rank)``.
+
+    ``transport="tcp"`` needs ``curve``; with ``hosts`` the ranks are spread
+    round-robin over remote actor hosts (tcp + curve). Constructor keyword
+    arguments that clash with these options must be passed positionally.
+    """
+    if not (isinstance(cls, type) and issubclass(cls, Actor)):
+        raise TypeError(f"open_mesh needs an Actor subclass, got {cls!r}")
+    if "<locals>" in cls.__qualname__ or cls.__module__ == "__main__":
+        raise TypeError(f"{cls.__qualname__} must be defined at top level of an importable "
+                        "module (actor processes import it by name)")
+    if procs < 1:
+        raise ValueError(f"procs must be >= 1, got {procs}")
+    if (transport == "tcp" or hosts) and curve is None:
+        raise ValueError("tcp meshes need curve= (CurveZMQ keys); see Curve.generate/from_dir")
+    _Spec(cls.__init__, f"{cls.__qualname__}.__init__").check_call(args, kwargs)
+    frames: list[Any] = []
+    a = encode(list(args), frames, where=f"{cls.__qualname__}() argument")
+    w = encode(dict(kwargs), frames, where=f"{cls.__qualname__}() argument")
+    cls_path = f"{cls.__module__}:{cls.__qualname__}"
+    name = name or cls.__name__.lower()
+    async with trio.open_nursery() as nursery:
+        host_meshes = []
+        for h in hosts or ():
+            host_meshes.append(Mesh(f"host {h.address}", "orchestrator.runtime.host:HostActor",
+                                    ["spawn", "wait_exit", "stop", "signal"], [h.address],
+                                    [h.public_key]))
+        keys: list[str | None] = [
+            host_meshes[r % len(host_meshes)]._keys[0] if host_meshes
+            else curve.public.decode() if curve is not None and transport == "tcp" else None
+            for r in range(procs)]
+        mesh: Mesh[A] = Mesh(name, cls_path, list(endpoints_of(cls)), [""] * procs, keys)
+        owner = _Owner(name=name, cls_path=cls_path, procs=procs, init=((a, w), frames),
+                       nursery=nursery, env=dict(env or {}), transport=transport, curve=curve,
+                       hosts=host_meshes, tcp_host=tcp_host, grace=grace, on_death=on_death,
+                       addresses=mesh._addresses)
+        mesh._owner = owner
+        try:
+            await owner.start_all()
+            yield mesh
+        finally:
+            with trio.CancelScope(shield=True):
+                await owner.shutdown()
+            nursery.cancel_scope.cancel()

@@ -1,0 +1,235 @@
+"""Actor side: one ROUTER socket, one reader task, one trio task per async call.
+
+Message kinds (header ``"k"``): ``init`` (constructor arguments, once),
+``call`` (reply expected), ``send`` (fire-and-forget), ``cancel`` (cancel the
+running call with the same id from the same peer). Replies: ``ok`` (value),
+``err`` (exception type, message, traceback), ``bad`` (the request itself was
+invalid: malformed message, unknown endpoint, arguments that fail validation).
+
+Malformed input never stops the actor: the reader answers ``bad`` when it can
+tell who asked, else drops the message with a line on stderr.
+"""
+
+from __future__ import annotations
+
+import traceback
+from typing import Any
+
+import trio
+import zmq
+
+from . import _tracing
+from ._actor import Actor, EndpointDef, _Spec, endpoints_of
+from ._errors import WireError
+from ._wire import decode, dumps, encode, loads
+from ._zsock import ZSocket, log
+
+__all__ = ["Server", "exception_info"]
+
+
+def exception_info(exc: BaseException) -> dict[str, str]:
+    t = type(exc)
+    name = t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+    tb = "".join(traceback.format_exception(exc))
+    return {"type": name, "msg": str(exc), "tb": tb}
+
+
+class Server:
+    """Serves one actor instance on a bound ROUTER socket.
+
+    Cancellation: cancelling ``serve`` cancels every running call (callers see
+    the process go away) and then runs ``on_stop``. Errors: endpoint exceptions
+    become ``err`` replies; the actor keeps serving.
+    """
+
+    def __init__(self, cls: type[Actor], sock: zmq.Socket[Any], *, name: str, rank: int) -> None:
+        self.cls = cls
+        self.name = name
+        self.rank = rank
+        self.endpoints: dict[str, EndpointDef[Any, Any]] = endpoints_of(cls)
+        self.actor: Actor | None = None
+        self.ready = trio.Event()
+        self.running: dict[tuple[bytes, Any], trio.CancelScope] = {}
+        self.z = ZSocket(sock, self._on_message)
+        self._nursery: trio.Nursery | None = None
+        self._next_seq = 0
+        self._started = 0
+        self._turns: dict[int, trio.Event] = {}
+        self._init_spec = _Spec(cls.__init__, f"{cls.__qualname__}.__init__")
+
+    async def serve(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                await nursery.start(self.z.run)
+                task_status.started()
+        finally:
+            if self.actor is not None:
+                with trio.CancelScope(shield=True), trio.move_on_after(10):
+                    try:
+                        await self.actor.on_stop()
+                    except Exception as exc:  # noqa: BLE001 - report, then exit anyway
+                        log(f"{self.name}[{self.rank}].on_stop raised: {exc!r}")
+
+    # -- replies ---------------------------------------------------------------
+    def _reply(self, ident: bytes, header: dict[str, Any], frames: list[Any] = ()) -> None:  # type: ignore[assignment]
+        try:
+            self.z.send([ident, dumps(header), *frames])
+        except zmq.ZMQError as exc:
+            log(f"{self.name}[{self.rank}]: reply not sent: {exc}")
+
+    def _bad(self, ident: bytes, rid: Any, msg: str) -> None:
+        log(f"{self.name}[{self.rank}]: rejected a request: {msg}")
+        self._reply(ident, {"i": rid if type(rid) is int else None, "k": "bad", "m": msg})
+
+    def _answer(self, ident: bytes, rid: Any, value: Any, spec: _Spec | None) -> None:
+        frames: list[Any] = []
+        try:
+            tree = encode(value, frames, where="return value" if spec is None
+                          else f"{spec.qualname} return value")
+        except TypeError as exc:
+            self._reply(ident, {"i": rid, "k": "err", "x": exception_info(exc)})
+            return
+        self._reply(ident, {"i": rid, "k": "ok", "v": tree}, frames)
+
+    def _error(self, ident: bytes, rid: Any, exc: BaseException, reply: bool, what: str) -> None:
+        if reply:
+            self._reply(ident, {"i": rid, "k": "err", "x": exception_info(exc)})
+        else:
+            log(f"{self.name}[{self.rank}]: {what} raised:\n" + exception_info(exc)["tb"])
+
+    # -- dispatch --------------------------------------------------------------
+    def _on_message(self, frames: list[Any]) -> None:
+        if len(frames) < 2:
+            log(f"{self.name}[{self.rank}]: dropped a message with {len(frames)} frame(s)")
+            return
+        ident = frames[0].bytes
+        try:
+            header = loads(frames[1].bytes)
+        except WireError as exc:
+            self._bad(ident, None, str(exc))
+            return
+        rid, kind = header.get("i"), header.get("k")
+        if kind == "cancel":
+            scope = self.running.get((ident, rid))
+            if scope is not None:
+                scope.cancel()
+            return
+        if type(rid) is not int:
+            self._bad(ident, None, f"request id must be an integer, got {rid!r}")
+            return
+        try:
+            args, kwargs = self._decode_args(header, frames[1:])
+        except (WireError, TypeError) as exc:
+            self._bad(ident, rid, str(exc))
+            return
+        if kind == "init":
+            assert self._nursery is not None
+            self._nursery.start_soon(self._init, ident, rid, args, kwargs)
+            return
+        if kind not in ("call", "send"):
+            self._bad(ident, rid, f"unknown message kind {kind!r}")
+            return
+        name = header.get("e")
+        ep = self.endpoints.get(name) if type(name) is str else None
+        if ep is None:
+            self._bad(ident, rid, f"{self.cls.__qualname__} has no endpoint {name!r}")
+            return
+        try:
+            args, kwargs = ep.spec.validate_args(args, kwargs)
+        except Exception as exc:  # noqa: BLE001 - TypeError or pydantic ValidationError
+            self._bad(ident, rid, f"{ep.spec.qualname}: invalid arguments: {exc}")
+            return
+        reply = kind == "call"
+        seq = self._next_seq
+        self._next_seq += 1
+        tp = header.get("t")
+        if not ep.is_async and self._started == seq and self.ready.is_set():
+            # Nothing queued ahead of it: run a plain function inline, without a task.
+            self._started += 1
+            with _tracing.remote_parent(tp):
+                self._run_sync(ep, ident, rid, args, kwargs, reply)
+            return
+        assert self._nursery is not None
+        self._nursery.start_soon(self._run, seq, ep, ident, rid, args, kwargs, reply, tp)
+
+    def _decode_args(self, header: dict[str, Any], frames: list[Any]
+                     ) -> tuple[list[Any], dict[str, Any]]:
+        a, w = header.get("a", []), header.get("w", {})
+        if type(a) is not list or type(w) is not dict:
+            raise WireError("arguments must be a list and keyword arguments an object")
+        args, kwargs = decode([a, w], frames)
+        return args, kwargs
+
+    def _run_sync(self, ep: EndpointDef[Any, Any], ident: bytes, rid: int, args: list[Any],
+                  kwargs: dict[str, Any], reply: bool) -> None:
+        try:
+            value = ep.fn(self.actor, *args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - the caller gets it as ActorError
+            self._error(ident, rid, exc, reply, ep.spec.qualname)
+        else:
+            if reply:
+                self._answer(ident, rid, value, ep.spec)
+
+    async def _turn(self, seq: int) -> None:
+        """Wait until every earlier call has started (trio does not start tasks in FIFO order)."""
+        if not self.ready.is_set():
+            await self.ready.wait()
+        if self._started != seq:
+            ev = self._turns[seq] = trio.Event()
+            await ev.wait()
+        self._started = seq + 1
+        nxt = self._turns.pop(seq + 1, None)
+        if nxt is not None:
+            nxt.set()
+
+    async def _run(self, seq: int, ep: EndpointDef[Any, Any], ident: bytes, rid: int,
+                   args: list[Any], kwargs: dict[str, Any], reply: bool, tp: Any) -> None:
+        with trio.CancelScope() as scope:
+            key = (ident, rid)
+            self.running[key] = scope
+            try:
+                with trio.CancelScope(shield=True):
+                    await self._turn(seq)
+                with _tracing.remote_parent(tp):
+                    if ep.is_async:
+                        value = await ep.fn(self.actor, *args, **kwargs)
+                    else:
+                        value = ep.fn(self.actor, *args, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - the caller gets it as ActorError
+                self._error(ident, rid, exc, reply, ep.spec.qualname)
+                return
+            finally:
+                self.running.pop(key, None)
+            if reply:
+                self._answer(ident, rid, value, ep.spec)
+
+    async def _init(self, ident: bytes, rid: int, args: list[Any], kwargs: dict[str, Any]) -> None:
+        if self.actor is not None:
+            self._bad(ident, rid, "actor already initialised")
+            return
+        try:
+            args, kwargs = self._init_spec.validate_args(args, kwargs)
+            actor = self.cls(*args, **kwargs)
+            assert self._nursery is not None
+            await actor.on_start(self._nursery)
+        except Exception as exc:  # noqa: BLE001 - the owner reports it and stops the process
+            self._reply(ident, {"i": rid, "k": "err", "x": exception_info(exc)})
+            return
+        self.actor = actor
+        self.ready.set()
+        self._reply(ident, {"i": rid, "k": "ok", "v": None})
+
+
+def actor_class(path: str) -> type[Actor]:
+    """Import ``module:QualName`` (from the command line of a trusted spawner, never a message)."""
+    import importlib
+
+    module, _, qual = path.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in qual.split("."):
+        obj = getattr(obj, part)
+    if not (isinstance(obj, type) and issubclass(obj, Actor)):
+        raise TypeError(f"{path} is not an Actor subclass")
+    return obj
+

@@ -1,0 +1,128 @@
+"""Small purpose-named actors for the runtime tests (importable by actor processes)."""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+import trio
+from pydantic import BaseModel, ConfigDict
+
+from orchestrator.runtime import Actor, ActorRef, Mesh, current_rank, endpoint, span
+
+if TYPE_CHECKING:
+    import torch
+
+
+class Counter(Actor):
+    def __init__(self, start: int) -> None:
+        self.n = start
+
+    @endpoint
+    async def incr(self, by: int = 1) -> int:
+        self.n += by
+        return self.n
+
+    @endpoint
+    def value(self) -> int:
+        return self.n
+
+    @endpoint
+    async def echo(self, x: int) -> int:
+        await trio.lowlevel.checkpoint()
+        return x
+
+    @endpoint
+    def rank(self) -> int:
+        return current_rank()
+
+    @endpoint
+    def pid(self) -> int:
+        return os.getpid()
+
+    @endpoint
+    async def fail(self, message: str) -> None:
+        raise ValueError(message)
+
+    @endpoint
+    async def block(self) -> None:
+        await trio.sleep_forever()
+
+
+class Gate(Actor):
+    """Calls park on ``wait`` until ``open`` is called; ``cancelled`` counts cancellations."""
+
+    def __init__(self) -> None:
+        self.event = trio.Event()
+        self.parked = 0
+        self.cancelled = 0
+
+    @endpoint
+    async def wait(self) -> str:
+        self.parked += 1
+        try:
+            await self.event.wait()
+        except trio.Cancelled:
+            self.cancelled += 1
+            raise
+        return "opened"
+
+    @endpoint
+    def open(self) -> None:
+        self.event.set()
+
+    @endpoint
+    def counts(self) -> dict[str, int]:
+        return {"parked": self.parked, "cancelled": self.cancelled}
+
+    @endpoint
+    async def wait_parked(self, n: int) -> None:
+        while self.parked < n:
+            await trio.sleep(0.005)
+
+
+class Item(BaseModel):
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+    name: str
+    weights: Any
+    tags: tuple[str, ...] = ()
+
+
+class Echo(Actor):
+    @endpoint
+    async def echo(self, value: Any) -> Any:
+        return value
+
+    @endpoint
+    async def tensor(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    @endpoint
+    async def item(self, item: Item) -> Item:
+        return item
+
+    @endpoint
+    async def scale(self, xs: list[float], factor: float = 2.0) -> list[float]:
+        return [x * factor for x in xs]
+
+
+class Relay(Actor):
+    """Calls another actor it was handed (a handle crossing the wire)."""
+
+    @endpoint
+    async def via_mesh(self, counters: Mesh[Counter], by: int) -> list[int]:
+        return await counters.incr.call(by)
+
+    @endpoint
+    async def via_actor(self, counter: ActorRef[Counter], by: int) -> int:
+        return await counter.incr.call_one(by)
+
+    @endpoint
+    async def traced_child(self, label: str) -> None:
+        with span("relay.inner", label=label):
+            pass
+
+
+class BadInit(Actor):
+    def __init__(self) -> None:
+        raise RuntimeError("constructor failed")
