@@ -1,0 +1,353 @@
+"""Encode and apply weight messages: deltas between snapshots, and keyframes.
+
+A *snapshot* is `dict[str, torch.Tensor]` of contiguous CPU tensors of any
+dtype. Work is split into chunks (see `_chunks`) and run on a thread pool of
+`threads` workers, each with its own zstd contexts and scratch.
+
+Memory: besides the snapshots, the message and the per-tensor hash digests,
+encoding and applying hold only the workers' scratch, O(threads x
+chunk_bytes); the chunk size is capped at largest_tensor_bytes / (8 x threads)
+(never below 4 KiB) so that scratch stays under one copy of the largest
+tensor even for tiny models.
+
+Atomicity (`apply`): a delta is applied chunk by chunk in place, hashing each
+chunk's new bytes as it goes. If any chunk fails to decode or any tensor's
+hash disagrees, every chunk already applied is XORed again with its
+(deterministically re-decoded) change, which restores it exactly, because
+XOR is its own inverse. So a failed apply leaves the target bit-identical to
+before, without a staging copy. A keyframe overwrites rather than XORs, so
+it is checked in a first pass (decode into scratch, hash, discard) and
+written in a second.
+"""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TypeVar
+
+import numpy as np
+import torch
+
+from ._chunks import HASHERS, Workspace, decode_xor_into, default_hash_algo, encode_chunk, tree_hash, word_dtype
+from ._errors import DeltaError, HashMismatchError, MalformedMessageError, StructureMismatchError
+from ._message import MessageMeta, Precision, TensorMeta, WeightMessage
+
+__all__ = ["Snapshot", "apply", "decode_keyframe", "encode_delta", "encode_keyframe", "snapshot_bytes"]
+
+Snapshot = dict[str, torch.Tensor]
+T = TypeVar("T")
+
+DEFAULT_CHUNK_BYTES = 1 << 20
+_MIN_CHUNK = 4096
+
+
+def snapshot_bytes(snapshot: Mapping[str, torch.Tensor]) -> int:
+    """Raw bytes of a snapshot (what the GB/s figures are measured against)."""
+    return sum(t.numel() * t.element_size() for t in snapshot.values())
+
+
+def _words(t: torch.Tensor, name: str) -> np.ndarray:
+    """The tensor's storage as a numpy word array (shares memory)."""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        raise StructureMismatchError("must be a contiguous CPU tensor", tensor=name)
+    raw = t.detach().reshape(-1).view(torch.uint8).numpy()
+    return raw.view(word_dtype(t.element_size()))
+
+
+def _dtype(name: str, tensor: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise MalformedMessageError(f"unknown dtype {name!r}", tensor=tensor)
+    return dt
+
+
+def _chunk_size(requested: int, largest: int, threads: int) -> int:
+    cap = max(_MIN_CHUNK, largest // (8 * threads))
+    return max(8, min(requested, cap) // 8 * 8)
+
+
+@dataclass(frozen=True, slots=True)
+class _Chunk:
+    tensor: int  # index in meta.tensors
+    index: int  # chunk index within the tensor
+    frame: int  # index in message.frames
+    start: int  # first word
+    stop: int
+
+
+def _split(nwords: int, wsize: int, chunk_bytes: int) -> list[tuple[int, int]]:
+    per = chunk_bytes // wsize
+    return [(s, min(s + per, nwords)) for s in range(0, nwords, per)]
+
+
+def _run(jobs: list[Callable[[Workspace], T]], threads: int, level: int = 1) -> list[T | DeltaError]:
+    """Run jobs on `threads` workers; a DeltaError is returned in its slot, not raised."""
+
+    def guarded(job: Callable[[Workspace], T], ws: Workspace) -> T | DeltaError:
+        try:
+            return job(ws)
+        except DeltaError as e:
+            return e
+
+    if threads <= 1 or len(jobs) <= 1:
+        ws = Workspace(level)
+        return [guarded(j, ws) for j in jobs]
+    pool: queue.SimpleQueue[Workspace] = queue.SimpleQueue()
+    for _ in range(threads):
+        pool.put(Workspace(level))
+
+    def with_ws(job: Callable[[Workspace], T]) -> T | DeltaError:
+        ws = pool.get()
+        try:
+            return guarded(job, ws)
+        finally:
+            pool.put(ws)
+
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="weightsync") as ex:
+        return list(ex.map(with_ws, jobs))
+
+
+def _check_same(prev: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]) -> None:
+    for name in new:
+        if name not in prev:
+            raise StructureMismatchError("in the new snapshot but not in the previous one", tensor=name)
+    for name, p in prev.items():
+        q = new.get(name)
+        if q is None:
+            raise StructureMismatchError("in the previous snapshot but not in the new one", tensor=name)
+        if p.dtype != q.dtype or p.shape != q.shape:
+            raise StructureMismatchError(
+                f"changed from {p.dtype} {tuple(p.shape)} to {q.dtype} {tuple(q.shape)}", tensor=name
+            )
+
+
+def _encode(
+    prev: Mapping[str, torch.Tensor] | None,
+    new: Mapping[str, torch.Tensor],
+    *,
+    version: int,
+    base_version: int | None,
+    precision: Precision,
+    threads: int,
+    level: int,
+    chunk_bytes: int,
+    hash_algo: str | None,
+) -> WeightMessage:
+    algo = hash_algo or default_hash_algo()
+    if algo not in HASHERS:
+        raise ValueError(f"hash_algo {algo!r} unavailable here; have {sorted(HASHERS)}")
+    largest = max((t.numel() * t.element_size() for t in new.values()), default=0)
+    cb = _chunk_size(chunk_bytes, largest, threads)
+    hasher = HASHERS[algo]
+    names = list(new)
+    jobs: list[Callable[[Workspace], tuple[bytes, bytes]]] = []
+    owner: list[int] = []
+    for i, name in enumerate(names):
+        q = _words(new[name], name)
+        p = None if prev is None else _words(prev[name], name)
+        for s, e in _split(q.size, q.dtype.itemsize, cb):
+            qs, ps = q[s:e], None if p is None else p[s:e]
+            jobs.append(lambda ws, ps=ps, qs=qs: (encode_chunk(ps, qs, ws), hasher(qs)))
+            owner.append(i)
+    results = _run(jobs, threads, level)
+    frames: list[bytes] = []
+    per_tensor: list[tuple[list[int], list[bytes]]] = [([], []) for _ in names]
+    for i, (frame, digest) in zip(owner, results, strict=True):  # type: ignore[misc]
+        frames.append(frame)
+        per_tensor[i][0].append(len(frame))
+        per_tensor[i][1].append(digest)
+    metas = [
+        TensorMeta(
+            name=name,
+            dtype=str(new[name].dtype).removeprefix("torch."),
+            shape=tuple(new[name].shape),
+            hash=tree_hash(algo, digests),
+            chunks=tuple(lens),
+        )
+        for name, (lens, digests) in zip(names, per_tensor, strict=True)
+    ]
+    meta = MessageMeta(
+        version=version,
+        base_version=base_version,
+        encoding="keyframe-zstd" if prev is None else "xor-zstd",
+        precision=precision,
+        hash_algo=algo,  # type: ignore[arg-type]
+        chunk_bytes=cb,
+        tensors=tuple(metas),
+    )
+    return WeightMessage(meta, frames)
+
+
+def encode_delta(
+    prev: Mapping[str, torch.Tensor],
+    new: Mapping[str, torch.Tensor],
+    version: int,
+    base_version: int,
+    precision: Precision,
+    *,
+    threads: int = 2,
+    level: int = 1,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    hash_algo: str | None = None,
+) -> WeightMessage:
+    """Delta taking snapshot `prev` (at `base_version`) to `new` (at `version`).
+
+    Both snapshots must hold the same names with the same dtypes and shapes,
+    as contiguous CPU tensors; neither is modified. Raises
+    StructureMismatchError naming the first offending tensor, ValueError for
+    an unavailable hash_algo.
+    """
+    _check_same(prev, new)
+    return _encode(
+        prev, new, version=version, base_version=base_version, precision=precision,
+        threads=threads, level=level, chunk_bytes=chunk_bytes, hash_algo=hash_algo,
+    )  # fmt: skip
+
+
+def encode_keyframe(
+    snapshot: Mapping[str, torch.Tensor],
+    version: int,
+    precision: Precision,
+    *,
+    threads: int = 2,
+    level: int = 1,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    hash_algo: str | None = None,
+) -> WeightMessage:
+    """Full compressed snapshot at `version`. Raises StructureMismatchError for
+    a non-contiguous or non-CPU tensor."""
+    return _encode(
+        None, snapshot, version=version, base_version=None, precision=precision,
+        threads=threads, level=level, chunk_bytes=chunk_bytes, hash_algo=hash_algo,
+    )  # fmt: skip
+
+
+def _plan(message: WeightMessage, target: Mapping[str, torch.Tensor]) -> tuple[list[np.ndarray], list[_Chunk]]:
+    """Validate message against target and cut it into chunk jobs. Raises before any write."""
+    meta = message.meta
+    if meta.hash_algo not in HASHERS:
+        raise MalformedMessageError(f"hash {meta.hash_algo!r} is not available here (install xxhash)")
+    wanted = {t.name for t in meta.tensors}
+    for name in target:
+        if name not in wanted:
+            raise StructureMismatchError("in the target snapshot but not in the message", tensor=name)
+    words: list[np.ndarray] = []
+    chunks: list[_Chunk] = []
+    frame = 0
+    for i, tm in enumerate(meta.tensors):
+        dt = _dtype(tm.dtype, tm.name)
+        t = target.get(tm.name)
+        if t is None:
+            raise StructureMismatchError("not in the target snapshot", tensor=tm.name)
+        if t.dtype != dt or tuple(t.shape) != tm.shape:
+            raise StructureMismatchError(
+                f"message has {tm.dtype} {list(tm.shape)}, target has "
+                f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)}",
+                tensor=tm.name,
+            )
+        w = _words(t, tm.name)
+        spans = _split(w.size, w.dtype.itemsize, meta.chunk_bytes)
+        if len(spans) != len(tm.chunks):
+            raise MalformedMessageError(f"{len(tm.chunks)} chunks listed, {len(spans)} expected", tensor=tm.name)
+        words.append(w)
+        for j, (s, e) in enumerate(spans):
+            chunks.append(_Chunk(i, j, frame, s, e))
+            frame += 1
+    return words, chunks
+
+
+def _verify(meta: MessageMeta, chunks: list[_Chunk], results: list[bytes | DeltaError]) -> DeltaError | None:
+    digests: list[list[bytes]] = [[] for _ in meta.tensors]
+    for c, r in zip(chunks, results, strict=True):
+        if isinstance(r, DeltaError):
+            return r
+        digests[c.tensor].append(r)
+    for tm, ds in zip(meta.tensors, digests, strict=True):
+        got = tree_hash(meta.hash_algo, ds)
+        if got != tm.hash:
+            return HashMismatchError(f"hash of new bytes is {got}, message says {tm.hash}", tensor=tm.name)
+    return None
+
+
+def apply(message: WeightMessage, target: Mapping[str, torch.Tensor], *, threads: int = 2) -> None:
+    """Apply `message` to `target` in place, exactly, verifying every tensor's hash.
+
+    A delta needs target to hold the message's base version; a keyframe
+    overwrites whatever target holds. Target must hold exactly the message's
+    tensor names, dtypes and shapes, as contiguous CPU tensors.
+
+    Errors (all DeltaError subclasses, each naming the tensor): Structure-
+    MismatchError, MalformedMessageError (chunk count, unknown dtype/hash),
+    CorruptPayloadError (zstd failure, bad body), HashMismatchError. On any
+    of them target is left bit-identical to before (see module docstring).
+    Version bookkeeping is the caller's (`WeightReceiver`).
+    """
+    _apply(message, target, threads=threads, fresh=False)
+
+
+def _apply(message: WeightMessage, target: Mapping[str, torch.Tensor], *, threads: int, fresh: bool) -> None:
+    """fresh: target is all zeros and may be left garbage on error, so a
+    keyframe is applied in one pass like a delta against zeros."""
+    meta = message.meta
+    words, chunks = _plan(message, target)
+    hasher = HASHERS[meta.hash_algo]
+    frames = message.frames
+    name = [t.name for t in meta.tensors]
+    cb = meta.chunk_bytes
+
+    def xor_job(c: _Chunk, *, digest: bool) -> Callable[[Workspace], bytes]:
+        def job(ws: Workspace) -> bytes:
+            view = words[c.tensor][c.start : c.stop]
+            decode_xor_into(frames[c.frame], view, ws, tensor=name[c.tensor], chunk=c.index)
+            return hasher(view) if digest else b""
+
+        return job
+
+    def scratch_job(c: _Chunk) -> Callable[[Workspace], bytes]:
+        def job(ws: Workspace) -> bytes:
+            w = words[c.tensor]
+            view = ws.buf("verify", (c.stop - c.start) * w.dtype.itemsize, w.dtype)
+            view.fill(0)
+            decode_xor_into(frames[c.frame], view, ws, tensor=name[c.tensor], chunk=c.index)
+            return hasher(view)
+
+        return job
+
+    if meta.is_keyframe and not fresh:
+        error = _verify(meta, chunks, _run([scratch_job(c) for c in chunks], threads))
+        if error is not None:
+            raise error
+        for w in words:
+            w.fill(0)
+        _raise_first(_run([xor_job(c, digest=False) for c in chunks], threads))
+        return
+    results = _run([xor_job(c, digest=True) for c in chunks], threads)
+    error = _verify(meta, chunks, results)
+    if error is not None and not fresh:
+        applied = [c for c, r in zip(chunks, results, strict=True) if not isinstance(r, DeltaError)]
+        _raise_first(_run([xor_job(c, digest=False) for c in applied], threads))
+    if error is not None:
+        raise error
+
+
+def _raise_first(results: list[bytes | DeltaError]) -> None:
+    for r in results:
+        if isinstance(r, DeltaError):  # cannot happen: these frames decoded once already
+            raise RuntimeError(f"weightsync: a chunk that decoded before failed on re-decode: {r}") from r
+
+
+def decode_keyframe(message: WeightMessage, *, threads: int = 2) -> Snapshot:
+    """A new snapshot from a keyframe (allocates it; nothing else is touched).
+
+    Raises MalformedMessageError for a delta or an unknown dtype,
+    CorruptPayloadError, HashMismatchError; nothing is returned then.
+    """
+    if not message.is_keyframe:
+        raise MalformedMessageError(f"decode_keyframe needs a keyframe, got a delta from {message.base_version}")
+    snapshot: Snapshot = {tm.name: torch.zeros(tm.shape, dtype=_dtype(tm.dtype, tm.name)) for tm in message.meta.tensors}
+    _apply(message, snapshot, threads=threads, fresh=True)
+    return snapshot
+

@@ -1,0 +1,318 @@
+"""Publisher / receiver protocol, transport-agnostic.
+
+The publisher (next to the trainer) turns each new master state dict into a
+wire snapshot per precision, keeps a delta per version and a keyframe every
+`keyframe_interval` versions, and answers "I hold version v, what do I need?"
+with the cheaper of two paths: the delta chain from v, or the newest keyframe
+plus the deltas after it. Receivers (samplers) apply, then acknowledge; the
+publisher keeps the newest keyframe and the chain since the oldest
+acknowledged version among registered receivers, nothing more.
+
+Moving messages (ZeroMQ frames, actor calls, object storage) is the caller's
+job: both classes are plain synchronous objects, not thread-safe, whose
+methods run CPU-bound work to completion (no cancellation points). Call them
+from one thread at a time, e.g. via `trio.to_thread.run_sync`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ._codec import DEFAULT_CHUNK_BYTES, Snapshot, apply, decode_keyframe, encode_delta, encode_keyframe
+from ._errors import StructureMismatchError, UnknownReceiverError, VersionError
+from ._fp8 import DEFAULT_FP8_SKIP, wire_snapshot
+from ._message import Precision, WeightMessage
+
+__all__ = ["WeightPublisher", "WeightReceiver"]
+
+
+@dataclass(slots=True)
+class _Peer:
+    precision: Precision
+    acked: int | None
+
+
+def _same_structure(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(a[n].dtype == b[n].dtype and a[n].shape == b[n].shape for n in a)
+
+
+class _Track:
+    """One precision's current snapshot and stored messages."""
+
+    def __init__(self) -> None:
+        self.snapshot: Snapshot | None = None
+        self.deltas: dict[int, WeightMessage] = {}  # keyed by base_version
+        self.keyframe: WeightMessage | None = None  # only the newest is kept
+
+    def chain(self, start: int, latest: int) -> list[WeightMessage] | None:
+        """Deltas from `start` to `latest`, or None where the chain is broken."""
+        out: list[WeightMessage] = []
+        cur = start
+        while cur != latest:
+            d = self.deltas.get(cur)
+            if d is None:
+                return None
+            out.append(d)
+            cur = d.version
+        return out
+
+
+class WeightPublisher:
+    """Builds and stores weight messages; tells each receiver what it needs.
+
+    `publish` raises VersionError for a version that does not increase, and
+    ValueError as `wire_snapshot` does; nothing is stored then. `ack` and
+    `updates_for` raise VersionError for a version never published,
+    `ack` raises UnknownReceiverError for an unregistered receiver, and
+    StructureMismatchError flags a precision that is not published or a
+    receiver asking in another precision than it registered with.
+    """
+
+    def __init__(
+        self,
+        *,
+        keyframe_interval: int = 20,
+        precisions: Sequence[Precision] = ("bf16",),
+        fp8_skip: Sequence[str] = DEFAULT_FP8_SKIP,
+        threads: int = 2,
+        level: int = 1,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    ) -> None:
+        if keyframe_interval < 1:
+            raise ValueError(f"keyframe_interval must be >= 1, got {keyframe_interval}")
+        if not precisions or len(set(precisions)) != len(precisions):
+            raise ValueError(f"precisions must be non-empty and distinct, got {list(precisions)}")
+        self.keyframe_interval = keyframe_interval
+        self.precisions = tuple(precisions)
+        self._fp8_skip = tuple(fp8_skip)
+        self._codec = {"threads": threads, "level": level, "chunk_bytes": chunk_bytes}
+        self._tracks = {p: _Track() for p in self.precisions}
+        self._peers: dict[str, _Peer] = {}
+        self._latest: int | None = None
+        self._keyframe_version: int | None = None
+
+    @property
+    def latest_version(self) -> int | None:
+        """Newest published version (None before the first publish)."""
+        return self._latest
+
+    def snapshot(self, precision: Precision) -> Snapshot:
+        """The current wire snapshot of `precision` (read it, do not modify it)."""
+        snap = self._track(precision).snapshot
+        if snap is None:
+            raise VersionError("nothing published yet")
+        return snap
+
+    def keyframe(self, precision: Precision) -> WeightMessage:
+        """The newest keyframe of `precision`, e.g. as a new sampler's initial weights."""
+        kf = self._track(precision).keyframe
+        if kf is None:
+            raise VersionError("nothing published yet")
+        return kf
+
+    def held(self, precision: Precision) -> list[WeightMessage]:
+        """Every message stored for `precision`: the keyframe, then deltas by version."""
+        t = self._track(precision)
+        return ([t.keyframe] if t.keyframe else []) + sorted(t.deltas.values(), key=lambda m: m.version)
+
+    def publish(self, version: int, master: Mapping[str, torch.Tensor]) -> list[WeightMessage]:
+        """Publish master weights (any dtype/device; copied) as `version`.
+
+        Per precision: a delta from the previous version, plus a keyframe on
+        the first publish, every `keyframe_interval` versions, and whenever the
+        set/dtypes/shapes of tensors change (then no delta). Returns the new
+        messages, deltas first.
+        """
+        if version < 0 or (self._latest is not None and version <= self._latest):
+            raise VersionError(f"published version {version} must exceed the latest, {self._latest}")
+        snaps = {p: wire_snapshot(master, p, fp8_skip=self._fp8_skip) for p in self.precisions}
+        due = self._keyframe_version is None or version - self._keyframe_version >= self.keyframe_interval
+        out: list[WeightMessage] = []
+        keyframes: list[tuple[_Track, WeightMessage]] = []
+        for p, new in snaps.items():
+            track = self._tracks[p]
+            prev = track.snapshot
+            if prev is not None and _same_structure(prev, new):
+                assert self._latest is not None
+                out.append(encode_delta(prev, new, version, self._latest, p, **self._codec))
+            else:
+                due = True
+        for p, new in snaps.items():
+            if due:
+                kf = encode_keyframe(new, version, p, **self._codec)
+                keyframes.append((self._tracks[p], kf))
+                out.append(kf)
+        for msg in out:
+            if not msg.is_keyframe:
+                self._tracks[msg.precision].deltas[msg.base_version] = msg
+        for track, kf in keyframes:
+            track.keyframe = kf
+        for p, new in snaps.items():
+            self._tracks[p].snapshot = new
+        if due:
+            self._keyframe_version = version
+        self._latest = version
+        self._collect()
+        return out
+
+    def register(self, receiver_id: str, precision: Precision, version: int | None = None) -> None:
+        """Start tracking a receiver (replacing any earlier registration) that
+        holds `version` (None: no verified weights yet)."""
+        self._track(precision)
+        self._check_published(version)
+        self._peers[receiver_id] = _Peer(precision, version)
+        self._collect()
+
+    def forget(self, receiver_id: str) -> None:
+        """Stop tracking a receiver (it died or left); a no-op if unknown."""
+        if self._peers.pop(receiver_id, None) is not None:
+            self._collect()
+
+    def ack(self, receiver_id: str, version: int) -> None:
+        """Receiver confirms it holds `version`; history it no longer needs is dropped."""
+        peer = self._peers.get(receiver_id)
+        if peer is None:
+            raise UnknownReceiverError(f"receiver {receiver_id!r} is not registered")
+        self._check_published(version)
+        peer.acked = version
+        self._collect()
+
+    def updates_for(self, receiver_id: str, have_version: int | None, precision: Precision) -> list[WeightMessage]:
+        """Messages that take a receiver holding `have_version` (None: nothing
+        trustworthy, e.g. `WeightReceiver.have_version` after a failure) to the
+        latest version: the delta chain or the newest keyframe plus the deltas
+        after it, whichever has fewer bytes (ties: the chain). Empty when it is
+        current or nothing is published. Registers an unknown receiver."""
+        track = self._track(precision)
+        peer = self._peers.get(receiver_id)
+        if peer is None:
+            self._peers[receiver_id] = _Peer(precision, None)
+        elif peer.precision != precision:
+            raise StructureMismatchError(f"receiver {receiver_id!r} registered for {peer.precision}, asks for {precision}")
+        if self._latest is None:
+            return []
+        self._check_published(have_version)
+        if have_version == self._latest:
+            return []
+        assert track.keyframe is not None
+        after = track.chain(track.keyframe.version, self._latest)
+        assert after is not None, "deltas after the newest keyframe are never collected"
+        via_keyframe = [track.keyframe, *after]
+        direct = None if have_version is None else track.chain(have_version, self._latest)
+        if direct is not None and sum(m.nbytes for m in direct) <= sum(m.nbytes for m in via_keyframe):
+            return direct
+        return via_keyframe
+
+    def _track(self, precision: Precision) -> _Track:
+        track = self._tracks.get(precision)
+        if track is None:
+            raise StructureMismatchError(f"precision {precision!r} is not published (have {list(self.precisions)})")
+        return track
+
+    def _check_published(self, version: int | None) -> None:
+        if version is not None and (version < 0 or self._latest is None or version > self._latest):
+            raise VersionError(f"version {version} was never published (latest: {self._latest})")
+
+    def _collect(self) -> None:
+        """Keep per precision the newest keyframe and deltas from the oldest
+        acknowledged version (or the keyframe, if older) onward."""
+        for p, track in self._tracks.items():
+            if track.keyframe is None:
+                continue
+            floor = min([track.keyframe.version, *(r.acked for r in self._peers.values() if r.precision == p and r.acked is not None)])
+            for base in [b for b in track.deltas if b < floor]:
+                del track.deltas[base]
+
+
+class WeightReceiver:
+    """Holds one precision's weights and applies messages to them, verified.
+
+    `apply` raises (all DeltaError): VersionError for a delta whose base is
+    not the held version (gap, duplicate, out of order) or a stale keyframe;
+    StructureMismatchError for another precision or layout; Corrupt-
+    PayloadError / HashMismatchError / MalformedMessageError from the codec.
+    On any of them the weights stay bit-identical at the last good version
+    and `needs_keyframe` turns true, so `have_version` is None and the
+    publisher's next `updates_for` answers with a keyframe path. A successful
+    apply clears it (the held weights are verified, so a delta continuing them
+    is as good as a keyframe).
+    """
+
+    def __init__(
+        self, precision: Precision, snapshot: Snapshot | None = None, version: int | None = None, *, threads: int = 2
+    ) -> None:
+        if (snapshot is None) != (version is None):
+            raise ValueError("give both snapshot and version, or neither")
+        self.precision = precision
+        self._snapshot = snapshot
+        self._version = version
+        self._threads = threads
+        self.needs_keyframe = snapshot is None
+
+    @property
+    def snapshot(self) -> Snapshot | None:
+        """The held weights (tensors are updated in place by deltas; a keyframe
+        with a different layout replaces the dict)."""
+        return self._snapshot
+
+    @property
+    def version(self) -> int | None:
+        """Version of the held weights (the last good one)."""
+        return self._version
+
+    @property
+    def have_version(self) -> int | None:
+        """What to tell `updates_for`: the held version, or None when a keyframe is needed."""
+        return None if self.needs_keyframe else self._version
+
+    def apply(self, message: WeightMessage) -> int:
+        """Apply one message; returns the version now held (then acknowledge it)."""
+        try:
+            self._apply(message)
+        except BaseException:
+            # DeltaErrors leave the weights intact; anything else (MemoryError,
+            # a bug) might not, and a keyframe is the safe way back either way.
+            self.needs_keyframe = True
+            raise
+        self.needs_keyframe = False
+        return message.version
+
+    def apply_all(self, messages: Iterable[WeightMessage]) -> int | None:
+        """Apply messages in order; stops at (and raises) the first failure."""
+        for m in messages:
+            self.apply(m)
+        return self._version
+
+    def _apply(self, message: WeightMessage) -> None:
+        if message.precision != self.precision:
+            raise StructureMismatchError(f"message is {message.precision}, receiver holds {self.precision}")
+        snap, held = self._snapshot, self._version
+        if message.is_keyframe:
+            if snap is not None and held is not None and not self.needs_keyframe and message.version <= held:
+                raise VersionError(f"stale keyframe {message.version}: already at {held}")
+            if snap is None or not _fits(message, snap):
+                self._snapshot = decode_keyframe(message, threads=self._threads)
+            else:
+                apply(message, snap, threads=self._threads)
+        else:
+            if snap is None:
+                raise VersionError(f"delta {message.base_version}->{message.version} but no weights held: need a keyframe")
+            if message.base_version != held:
+                kind = "gap" if message.base_version > held else "out-of-order delta"  # type: ignore[operator]
+                raise VersionError(f"{kind}: delta {message.base_version}->{message.version}, receiver at {held}")
+            apply(message, snap, threads=self._threads)
+        self._version = message.version
+
+
+def _fits(message: WeightMessage, snap: Mapping[str, torch.Tensor]) -> bool:
+    metas = message.meta.tensors
+    if len(metas) != len(snap):
+        return False
+    for tm in metas:
+        t = snap.get(tm.name)
+        if t is None or str(t.dtype).removeprefix("torch.") != tm.dtype or tuple(t.shape) != tm.shape:
+            return False
+    return True
