@@ -1,0 +1,174 @@
+"""Sampler pools: typed, validated, loadable from a TOML `[[pools]]` table list.
+
+A pool is a set of identical GPUs serving the policy at one precision in one region. Impossible
+pools are refused at load time with a pydantic ValidationError whose location is the offending
+field and whose message names the pool.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from hardware.catalog import CATALOG, GpuSpec, canonical_gpu
+
+__all__ = ["PoolConfig", "PoolList", "HardwareConfig", "DEFAULT_ROLLOUTS_PER_GPU"]
+
+DEFAULT_ROLLOUTS_PER_GPU = 64
+"""Concurrent rollouts per GPU when a pool does not say (a typical decode batch per GPU)."""
+
+
+def _who(info: ValidationInfo) -> str:
+    name = info.data.get("name")
+    return f"pool {name!r}" if name else "pool"
+
+
+class PoolConfig(BaseModel):
+    """One sampler pool. Nested as `pools: PoolList` in the run config."""
+
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+    name: str = Field(min_length=1)
+    """Unique pool name; appears in traces, the cost report and each rollout's `pool`."""
+    gpu: str
+    """GPU type from the catalog (`A100-80GB`, `H100-SXM`, `H200`, `B200`, `L40S`, `cpu`); aliases such as `h100` are accepted and stored canonical."""
+    count: int = 1
+    """Number of GPUs in the pool (≥ 1)."""
+    precision: Literal["bf16", "fp8"] = "bf16"
+    """Weight precision the pool serves; `fp8` needs a GPU with FP8 arithmetic."""
+    price_per_gpu_hour: float | None = None
+    """USD per GPU-hour; None takes the catalog's typical on-demand price."""
+    region: str = "local"
+    """Where the pool runs (free text: a cloud region, `local`); shown in reports."""
+    device: Literal["cpu", "cuda"] = "cpu"
+    """`cpu` emulates the pool on this machine (priced and modelled as `gpu`); `cuda` runs on real GPUs."""
+    staleness_budget: int = 2
+    """Most versions this pool's weights may lag the trainer and still start rollouts (≥ 0); trajectories staler than this at train time are dropped."""
+    max_concurrent_rollouts: int | None = None
+    """Most rollouts in flight on the pool at once (≥ 1); None means 64 per GPU."""
+
+    @field_validator("gpu")
+    @classmethod
+    def _known_gpu(cls, v: str, info: ValidationInfo) -> str:
+        canon = canonical_gpu(v)
+        if canon is None:
+            raise ValueError(f"{_who(info)}: unknown GPU {v!r}; known: {', '.join(CATALOG)}")
+        return canon
+
+    @field_validator("count")
+    @classmethod
+    def _positive_count(cls, v: int, info: ValidationInfo) -> int:
+        if v <= 0:
+            raise ValueError(f"{_who(info)}: count must be ≥ 1, got {v}")
+        return v
+
+    @field_validator("precision")
+    @classmethod
+    def _precision_supported(cls, v: str, info: ValidationInfo) -> str:
+        gpu = info.data.get("gpu")
+        if v == "fp8" and gpu is not None and not CATALOG[gpu].has_fp8:
+            raise ValueError(f"{_who(info)}: precision 'fp8' needs FP8 arithmetic, which {gpu} lacks")
+        return v
+
+    @field_validator("price_per_gpu_hour")
+    @classmethod
+    def _non_negative_price(cls, v: float | None, info: ValidationInfo) -> float | None:
+        if v is not None and not v >= 0.0:  # also refuses NaN
+            raise ValueError(f"{_who(info)}: price_per_gpu_hour must be ≥ 0, got {v}")
+        return v
+
+    @field_validator("device")
+    @classmethod
+    def _device_matches(cls, v: str, info: ValidationInfo) -> str:
+        if v == "cuda" and info.data.get("gpu") == "cpu":
+            raise ValueError(f"{_who(info)}: device 'cuda' with gpu 'cpu'; use device 'cpu' or a GPU type")
+        return v
+
+    @field_validator("staleness_budget")
+    @classmethod
+    def _non_negative_budget(cls, v: int, info: ValidationInfo) -> int:
+        if v < 0:
+            raise ValueError(f"{_who(info)}: staleness_budget must be ≥ 0, got {v}")
+        return v
+
+    @field_validator("max_concurrent_rollouts")
+    @classmethod
+    def _positive_rollouts(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and v <= 0:
+            raise ValueError(f"{_who(info)}: max_concurrent_rollouts must be ≥ 1, got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _fill_defaults(self) -> PoolConfig:
+        # Filled in here (not left None) so the resolved config saved with a run shows the
+        # numbers that were actually used.
+        if self.price_per_gpu_hour is None:
+            self.price_per_gpu_hour = CATALOG[self.gpu].price_per_hour
+        if self.max_concurrent_rollouts is None:
+            self.max_concurrent_rollouts = DEFAULT_ROLLOUTS_PER_GPU * self.count
+        return self
+
+    @property
+    def spec(self) -> GpuSpec:
+        """The catalog entry of this pool's GPU type."""
+        return CATALOG[self.gpu]
+
+    @property
+    def price(self) -> float:
+        """USD per GPU-hour (resolved)."""
+        assert self.price_per_gpu_hour is not None
+        return self.price_per_gpu_hour
+
+    @property
+    def capacity(self) -> int:
+        """Most rollouts in flight at once (resolved `max_concurrent_rollouts`)."""
+        assert self.max_concurrent_rollouts is not None
+        return self.max_concurrent_rollouts
+
+    @property
+    def emulated(self) -> bool:
+        """True when a GPU pool is emulated on this machine's CPU."""
+        return self.device == "cpu" and self.gpu != "cpu"
+
+
+def _unique_names(pools: list[PoolConfig]) -> list[PoolConfig]:
+    seen: dict[str, int] = {}
+    for i, p in enumerate(pools):
+        if p.name in seen:
+            raise ValueError(f"duplicate pool name {p.name!r} at positions {seen[p.name]} and {i}")
+        seen[p.name] = i
+    return pools
+
+
+PoolList = Annotated[list[PoolConfig], AfterValidator(_unique_names)]
+"""A list of pools with unique names: use as `pools: PoolList` in a config model."""
+
+
+class HardwareConfig(BaseModel):
+    """The pools of a run (the `[[pools]]` tables of its TOML)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    pools: PoolList = Field(min_length=1)
+    """Sampler pools; names must be unique."""
+
+    def pool(self, name: str) -> PoolConfig:
+        """The pool called `name`; KeyError naming the known pools otherwise."""
+        for p in self.pools:
+            if p.name == name:
+                return p
+        raise KeyError(f"no pool {name!r}; pools: {', '.join(p.name for p in self.pools)}")
+
+    @classmethod
+    def from_toml_text(cls, text: str) -> HardwareConfig:
+        """Parse TOML text and validate its `[[pools]]`; other top-level tables are ignored."""
+        data: dict[str, Any] = tomllib.loads(text)
+        return cls.model_validate({"pools": data.get("pools", [])})
+
+    @classmethod
+    def from_toml(cls, path: str | Path) -> HardwareConfig:
+        """Read a TOML file (a run config or a pools-only file) and validate its `[[pools]]`."""
+        return cls.from_toml_text(Path(path).read_text())

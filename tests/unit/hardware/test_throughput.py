@@ -1,0 +1,104 @@
+"""Roofline arithmetic against hand-computed numbers, and the online correction."""
+
+import math
+
+import pytest
+from pydantic import ValidationError
+
+from hardware import (
+    CATALOG,
+    ModelSpec,
+    PoolConfig,
+    RooflineAssumptions,
+    ThroughputModel,
+    bytes_per_param,
+    decode_step_seconds,
+    fit_batch_per_gpu,
+    replica_gpus,
+    roofline_tokens_per_s,
+)
+
+IDEAL = RooflineAssumptions(bandwidth_efficiency=1.0, compute_efficiency=1.0, gpu_step_overhead_s=0.0)
+
+
+def test_dense_decode_is_bandwidth_bound_by_hand():
+    # 4e9 params × 2 B = 8e9 B per step at 8000 GB/s -> 1 ms; 10 tokens × 8e9 FLOP = 8e10 FLOP
+    # at 2250 TFLOPS -> 35.6 µs, so memory wins: 10 tokens per 1 ms = 10,000 tokens/s.
+    dense = ModelSpec(total_params=4e9, active_params=4e9)
+    b200 = CATALOG["B200"]
+    assert decode_step_seconds(b200, "bf16", dense, 10, IDEAL) == pytest.approx(1e-3)
+    assert roofline_tokens_per_s(b200, "bf16", dense, 10, IDEAL) == pytest.approx(10_000)
+    # Defaults: 70% of bandwidth and 1 ms overhead -> 8e9 / 5.6e12 + 1e-3 s.
+    step = 8e9 / 5.6e12 + 1e-3
+    assert roofline_tokens_per_s(b200, "bf16", dense, 10) == pytest.approx(10 / step)
+    # FP8 halves the weight bytes (plus one FP32 scale per 128×128 block).
+    assert bytes_per_param("fp8") == pytest.approx(1 + 4 / 16384)
+    assert decode_step_seconds(b200, "fp8", dense, 10, IDEAL) == pytest.approx(4e9 * (1 + 4 / 16384) / 8e12)
+
+
+def test_compute_bound_at_large_batch():
+    dense = ModelSpec(total_params=1e9, active_params=1e9)
+    a100 = CATALOG["A100-80GB"]
+    # batch 4096: FLOPs 4096 × 2e9 = 8.192e12 at 312 TFLOPS = 26.3 ms > 2e9 B / 2039 GB/s = 0.98 ms
+    assert decode_step_seconds(a100, "bf16", dense, 4096, IDEAL) == pytest.approx(4096 * 2e9 / 312e12)
+
+
+def test_moe_reads_active_params_at_batch_one_and_all_experts_at_large_batch():
+    moe = ModelSpec(total_params=35e9, active_params=3e9, shared_params=1e9)
+    assert moe.params_read(1) == pytest.approx(3e9)
+    f = 2e9 / 34e9
+    assert moe.params_read(8) == pytest.approx(1e9 + 34e9 * (1 - (1 - f) ** 8))
+    assert moe.params_read(10_000) == pytest.approx(35e9)
+    dense = ModelSpec(total_params=7e9, active_params=7e9)
+    assert dense.params_read(1) == dense.params_read(100) == 7e9
+
+
+def test_kv_cache_adds_bytes_and_decides_replica_size():
+    m = ModelSpec(total_params=35e9, active_params=35e9, kv_bytes_per_token=1e5, context_tokens=1e4)  # 1 GB/seq
+    h100 = CATALOG["H100-SXM"]  # 80 GB × 0.9 = 72 GB usable
+    a = RooflineAssumptions()
+    assert replica_gpus(h100, "bf16", m, 1, a) == 1  # 70 + 1 <= 72
+    assert replica_gpus(h100, "bf16", m, 10, a) == 2  # 62 GB room per GPU: 2 × 62 >= 70
+    assert replica_gpus(h100, "bf16", m, 72, a) is None  # KV alone fills the memory
+    assert roofline_tokens_per_s(h100, "bf16", m, 72, a) == 0.0
+    # Per GPU of a 2-GPU replica at batch 10: (70 GB + 20 GB) / 2 read per step at 3350 GB/s.
+    step = (70e9 + 20e9) / 2 / 3350e9
+    assert decode_step_seconds(h100, "bf16", m, 10, IDEAL) == pytest.approx(step)
+    # A 70 GB model takes half of a 2-GPU replica's 144 GB; the other 74 GB hold 37 seqs per GPU.
+    assert fit_batch_per_gpu(h100, "bf16", m) == 37
+    big = ModelSpec(total_params=100e9, active_params=100e9)
+    assert fit_batch_per_gpu(CATALOG["cpu"], "bf16", big) == 0  # 200 GB needs more than 8 × 23 GB
+
+
+def test_model_spec_refuses_inconsistent_counts():
+    with pytest.raises(ValidationError, match="active_params"):
+        ModelSpec(total_params=1e9, active_params=2e9)
+    with pytest.raises(ValidationError, match="shared_params"):
+        ModelSpec(total_params=3e9, active_params=2e9, shared_params=2.5e9)
+    with pytest.raises(ValidationError):
+        ModelSpec(total_params=0, active_params=0)
+
+
+def test_online_factor_is_a_log_space_ewma_and_drives_the_estimate():
+    pools = [PoolConfig(name="a", gpu="B200", count=2, max_concurrent_rollouts=20)]
+    dense = ModelSpec(total_params=4e9, active_params=4e9)
+    tp = ThroughputModel(pools, dense, IDEAL, alpha=0.3)
+    assert tp.batch_per_gpu("a") == 10
+    assert tp.roofline("a") == pytest.approx(10_000)
+    assert tp.factor("a") == 1.0
+    # 5,000 tokens/s per GPU measured at the full batch: ratio 0.5.
+    f1 = tp.observe("a", tokens=50_000, gpu_seconds=10.0)
+    assert f1 == pytest.approx(math.exp(0.3 * math.log(0.5)))
+    for _ in range(40):
+        tp.observe("a", tokens=50_000, gpu_seconds=10.0)
+    assert tp.factor("a") == pytest.approx(0.5, rel=1e-4)
+    assert tp.estimate("a") == pytest.approx(5_000, rel=1e-4)
+    assert tp.usd_per_token("a") == pytest.approx(CATALOG["B200"].price_per_hour / 3600 / 5_000, rel=1e-4)
+    # A measurement at a smaller batch is compared with the roofline at that batch.
+    tp2 = ThroughputModel(pools, dense, IDEAL, alpha=1.0)
+    tp2.observe("a", tokens=2_000, gpu_seconds=1.0, batch_per_gpu=2)  # roofline at b=2: 2,000
+    assert tp2.factor("a") == pytest.approx(1.0)
+    assert tp2.observe("a", tokens=0, gpu_seconds=1.0) == pytest.approx(1.0)  # ignored
+    assert tp2.observations("a") == 1
+    with pytest.raises(KeyError, match="no pool 'b'"):
+        tp.estimate("b")
