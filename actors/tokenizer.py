@@ -63,6 +63,16 @@ VOCAB_SIZE = len(VOCAB)
 assert len(set(VOCAB)) == VOCAB_SIZE < 128
 
 
+def _check_extra(extra_words: Sequence[str]) -> None:
+    seen = set(VOCAB)
+    for i, w in enumerate(extra_words):
+        if not w or any(c.isspace() for c in w):
+            raise ValueError(f"extra_words[{i}] = {w!r}: a word must be non-empty without whitespace")
+        if w in seen:
+            raise ValueError(f"extra_words[{i}] = {w!r} is already in the vocabulary")
+        seen.add(w)
+
+
 def build_tokenizer(extra_words: Sequence[str] = ()) -> PreTrainedTokenizerFast:
     """Build the word-level tokenizer locally; ``extra_words`` are appended in order.
 
@@ -74,15 +84,8 @@ def build_tokenizer(extra_words: Sequence[str] = ()) -> PreTrainedTokenizerFast:
     from tokenizers.pre_tokenizers import WhitespaceSplit
     from transformers import PreTrainedTokenizerFast
 
-    words = list(VOCAB)
-    seen = set(words)
-    for i, w in enumerate(extra_words):
-        if not w or any(c.isspace() for c in w):
-            raise ValueError(f"extra_words[{i}] = {w!r}: a word must be non-empty without whitespace")
-        if w in seen:
-            raise ValueError(f"extra_words[{i}] = {w!r} is already in the vocabulary")
-        seen.add(w)
-        words.append(w)
+    _check_extra(extra_words)
+    words = list(VOCAB) + list(extra_words)
     core = Tokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token=UNK_TOKEN))
     core.pre_tokenizer = WhitespaceSplit()
     return PreTrainedTokenizerFast(
@@ -96,12 +99,22 @@ class ChatTokens:
     """Chat turns as token ids over a word-level tokenizer.
 
     Every method returns fresh ``list[int]`` to append to the running sequence;
-    nothing here re-tokenises earlier turns.
+    nothing here re-tokenises earlier turns. Encoding and decoding use the word
+    table directly (WhitespaceSplit + WordLevel is a dictionary lookup), so the
+    ``transformers`` wrapper is only built when ``.tokenizer`` is first read.
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerFast | None = None) -> None:
-        self.tokenizer = tokenizer if tokenizer is not None else build_tokenizer()
-        vocab = self.tokenizer.get_vocab()
+    def __init__(self, tokenizer: PreTrainedTokenizerFast | None = None,
+                 extra_words: Sequence[str] = ()) -> None:
+        if tokenizer is not None and extra_words:
+            raise ValueError("pass either a tokenizer or extra_words, not both")
+        self._hf = tokenizer
+        self._extra = tuple(extra_words)
+        if tokenizer is not None:
+            vocab = tokenizer.get_vocab()
+        else:
+            _check_extra(self._extra)
+            vocab = {w: i for i, w in enumerate(VOCAB + self._extra)}
         missing = [t for t in SPECIAL_TOKENS + (UNK_TOKEN,) if t not in vocab]
         if missing:
             raise ValueError(f"tokenizer lacks the chat special tokens {missing}")
@@ -111,6 +124,13 @@ class ChatTokens:
         self.user_id, self.assistant_id, self.end_id = vocab[USER], vocab[ASSISTANT], vocab[END]
         self.unk_id = vocab[UNK_TOKEN]
         self.special_ids = frozenset(vocab[t] for t in SPECIAL_TOKENS)
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerFast:
+        """The ``transformers`` tokenizer with the same vocabulary (built on first use)."""
+        if self._hf is None:
+            self._hf = build_tokenizer(self._extra)
+        return self._hf
 
     @property
     def vocab_size(self) -> int:
@@ -137,16 +157,17 @@ class ChatTokens:
         return ids
 
     def decode(self, ids: Sequence[int], *, skip_special: bool = True) -> str:
-        """Space-joined words of ``ids``; specials dropped unless ``skip_special`` is False."""
+        """Space-joined words of ``ids``; specials dropped unless ``skip_special`` is False.
+
+        Ids outside the vocabulary decode as ``<unk>``.
+        """
         out = []
-        for pos, i in enumerate(ids):
-            w = self._words.get(int(i))
-            if w is None:
-                raise ValueError(f"token id {i} at position {pos} is outside the vocabulary "
-                                 f"(size {self.vocab_size})")
+        for i in ids:
             if skip_special and int(i) in self.special_ids:
                 continue
-            out.append(w)
+            # ids past the vocabulary exist: the model's embedding is padded to a multiple
+            # of 8 and an untrained sampler may emit those rows
+            out.append(self._words.get(int(i), UNK_TOKEN))
         return " ".join(out)
 
     def int_id(self, n: int) -> int:

@@ -4,6 +4,8 @@ Implement ``Environment.reset(task)`` and ``Environment.step(action_text, action
 (plain or async), register it with ``@register_task("name")``, and an ``EnvActor``
 plays episodes of it against a sampler, returning ``Trajectory`` objects.
 """
+from actors.env._actor import EnvActor, EnvConfig
+from actors.env._episode import EpisodeBuilder
 from actors.env._interface import (
     Environment,
     Observation,
@@ -17,7 +19,10 @@ from actors.env._tasks import Arithmetic, GuessNumber, first_int, guess_number_o
 
 __all__ = [
     "Arithmetic",
+    "EnvActor",
+    "EnvConfig",
     "Environment",
+    "EpisodeBuilder",
     "GuessNumber",
     "Observation",
     "StepOutcome",

@@ -34,6 +34,9 @@ def test_vocabulary_small_and_integers_single_tokens(chat: ChatTokens) -> None:
 def test_extra_words_and_bad_words() -> None:
     tok = build_tokenizer(["banana"])
     assert tok.convert_tokens_to_ids("banana") == VOCAB_SIZE
+    chat = ChatTokens(extra_words=["banana"])
+    assert chat.encode("banana 3", strict=True) == tok("banana 3")["input_ids"]
+    assert chat.vocab_size == VOCAB_SIZE + 1 == len(chat.tokenizer)
     with pytest.raises(ValueError, match=r"extra_words\[0\]"):
         build_tokenizer(["higher"])
     with pytest.raises(ValueError, match=r"extra_words\[1\]"):

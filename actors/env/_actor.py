@@ -1,0 +1,98 @@
+"""``EnvActor``: plays episodes against a sampler it calls directly.
+
+The controller hands the actor a sampler handle (one actor, or a mesh to let the
+runtime choose the least-loaded sampler per turn), a task and sampling params; the
+actor builds the prompt, alternates generate calls and environment steps, and
+returns the trajectory. Many episodes run concurrently on one actor (one trio
+task per call); environments are fresh instances per episode.
+"""
+from __future__ import annotations
+
+import importlib
+import uuid
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from actors.env._episode import EpisodeLimits, play_episode
+from actors.env._interface import registered_tasks
+from actors.sampler import GenerateRequest, GenerateResult
+from actors.tokenizer import default_chat_tokens
+from actors.types import SamplingParams, TaskSpec, Trajectory
+from orchestrator.runtime import Actor, ActorRef, Mesh, endpoint, span
+
+__all__ = ["EnvActor", "EnvConfig"]
+
+
+class EnvConfig(BaseModel):
+    """Limits of the episodes an EnvActor plays, and which task modules it loads."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    step_timeout_s: float = Field(30.0, gt=0.0)
+    """Limit on each environment call (reset or step); past it the episode fails."""
+    generate_timeout_s: float = Field(300.0, gt=0.0)
+    """Limit on each generate call (includes waiting for min_version weights)."""
+    max_seq_len: int = Field(256, ge=2)
+    """The episode ends (not failed) before a turn that could exceed this many tokens
+    (the model's context)."""
+    task_modules: list[str] = Field(default_factory=list)
+    """Modules imported at start-up so their ``@register_task`` environments exist in
+    the actor's process (the built-in tasks are always there)."""
+
+
+class EnvActor(Actor):
+    """Runs episodes of registered tasks against sampler actors.
+
+    Endpoints never raise for environment or sampler trouble: errors and timeouts
+    come back as ``failed=True`` trajectories with the error text and reward 0, and
+    the actor keeps serving. Cancelling a ``run_episode`` call (the caller's cancel
+    scope) abandons its generate call and its environment.
+    """
+
+    def __init__(self, config: EnvConfig | None = None) -> None:
+        self.config = config if config is not None else EnvConfig()
+        for module in self.config.task_modules:
+            importlib.import_module(module)
+        self.chat = default_chat_tokens()
+        self.limits = EpisodeLimits(self.config.step_timeout_s, self.config.generate_timeout_s,
+                                    self.config.max_seq_len)
+        self.episodes = 0
+        self.failed = 0
+        self.running = 0
+
+    @endpoint
+    async def run_episode(self, sampler: ActorRef | Mesh, task: TaskSpec,
+                          sampling: SamplingParams, min_version: int = 0) -> Trajectory:
+        """Play ``task`` with ``sampler`` (one actor: ``call_one``; a mesh: ``choose``).
+
+        Every generate request carries ``min_version``, so a sampler whose weights
+        lag does not start it until it has caught up.
+        """
+        if isinstance(sampler, Mesh):
+            async def generate(req: GenerateRequest) -> GenerateResult:
+                return await sampler.generate.choose(req)
+        else:
+            async def generate(req: GenerateRequest) -> GenerateResult:
+                return await sampler.generate.call_one(req)
+
+        self.running += 1
+        try:
+            traj = await play_episode(
+                generate, GenerateRequest, task, sampling, min_version,
+                chat=self.chat, limits=self.limits,
+                request_prefix=f"{task.prompt_id}/{uuid.uuid4().hex[:12]}", span=span)
+        finally:
+            self.running -= 1
+        self.episodes += 1
+        self.failed += traj.failed
+        return traj
+
+    @endpoint
+    def tasks(self) -> list[str]:
+        """Names of the tasks this actor can play."""
+        return registered_tasks()
+
+    @endpoint
+    def stats(self) -> dict[str, int]:
+        """Episodes finished, failed, and running now."""
+        return {"episodes": self.episodes, "failed": self.failed, "running": self.running}
