@@ -163,7 +163,8 @@ def main() -> None:
           f"roofline = {headroom:.2f} × consumption), {steps} steps; rollout length lognormal "
           f"mean {MEAN_TOKENS:.0f} tokens, sigma {SIGMA}, clipped [{MIN_TOKENS}, {MAX_TOKENS}]")
     print(f"  staleness budget {BUDGET} on every pool, weight sync {SYNC_DELAY_S:.0f} s after each step, "
-          f"controller keeps ≤ {1 + MAX_AHEAD_STEPS} steps of rollouts outstanding, throughput observed every {OBSERVE_EVERY_S:.0f} s")
+          f"controller keeps ≤ {1 + MAX_AHEAD_STEPS} steps of rollouts outstanding, throughput observed "
+          f"every {OBSERVE_EVERY_S:.0f} s")
     print()
     print("Pools (roofline at full batch)")
     print(f"  {'pool':<12} {'GPU':<10} {'prec':<5} {'GPUs':>4} {'slots/GPU':>9} {'tok/s/GPU':>10} {'$/Mtok':>7}")
@@ -171,7 +172,8 @@ def main() -> None:
         print(f"  {p.name:<12} {p.gpu:<10} {p.precision:<5} {p.count:>4} {p.capacity // p.count:>9} "
               f"{tp.roofline(p.name):>10,.0f} {tp.usd_per_token(p.name) * 1e6:>7.3f}")
     print()
-    print(f"  {'policy':<12} {'$/Mtok':>8} {'total $':>9} {'Mtokens':>8} {'idle':>6} {'dropped':>7}   rollouts per pool")
+    print(f"  {'policy':<12} {'$/Mtok':>8} {'total $':>9} {'Mtokens':>8} {'idle':>6} {'dropped':>7}   "
+          "rollouts per pool")
     for name, r in runs.items():
         share = ", ".join(f"{k}={v.completed}" for k, v in r.pools.items())
         print(f"  {name:<12} {r.usd_per_mtok:>8.4f} {r.cost_usd:>9.2f} {r.tokens / 1e6:>8.1f} "
@@ -202,6 +204,7 @@ def main() -> None:
         "saving_vs_homogeneous_pct": round(saving, 2),
         "decision_us": round(typical_us, 2),
         "decision_us_worst": round(worst_us, 2),
+        "sweep_usd_per_mtok": {str(hr): {k: round(r.usd_per_mtok, 5) for k, r in rs.items()} for hr, rs in sweep.items()},
         "steps": steps,
         "trainer_step_s": round(step_s, 2),
     }))

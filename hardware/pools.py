@@ -34,7 +34,8 @@ class PoolConfig(BaseModel):
     name: str = Field(min_length=1)
     """Unique pool name; appears in traces, the cost report and each rollout's `pool`."""
     gpu: str
-    """GPU type from the catalog (`A100-80GB`, `H100-SXM`, `H200`, `B200`, `L40S`, `cpu`); aliases such as `h100` are accepted and stored canonical."""
+    """GPU type from the catalog (`A100-80GB`, `H100-SXM`, `H200`, `B200`, `L40S`, `cpu`);
+    aliases such as `h100` are accepted and stored canonical."""
     count: int = 1
     """Number of GPUs in the pool (≥ 1)."""
     precision: Literal["bf16", "fp8"] = "bf16"
@@ -43,10 +44,12 @@ class PoolConfig(BaseModel):
     """USD per GPU-hour; None takes the catalog's typical on-demand price."""
     region: str = "local"
     """Where the pool runs (free text: a cloud region, `local`); shown in reports."""
-    device: Literal["cpu", "cuda"] = "cpu"
-    """`cpu` emulates the pool on this machine (priced and modelled as `gpu`); `cuda` runs on real GPUs."""
+    device: Literal["cpu", "cuda"] | None = None
+    """`cuda` runs on real GPUs; `cpu` emulates the pool on this machine (priced and modelled
+    as `gpu`). None: `cpu` for gpu `cpu`, else `cuda`."""
     staleness_budget: int = 2
-    """Most versions this pool's weights may lag the trainer and still start rollouts (≥ 0); trajectories staler than this at train time are dropped."""
+    """Most versions this pool's weights may lag the trainer and still start rollouts (≥ 0);
+    trajectories staler than this at train time are dropped."""
     max_concurrent_rollouts: int | None = None
     """Most rollouts in flight on the pool at once (≥ 1); None means 64 per GPU."""
 
@@ -82,7 +85,7 @@ class PoolConfig(BaseModel):
 
     @field_validator("device")
     @classmethod
-    def _device_matches(cls, v: str, info: ValidationInfo) -> str:
+    def _device_matches(cls, v: str | None, info: ValidationInfo) -> str | None:
         if v == "cuda" and info.data.get("gpu") == "cpu":
             raise ValueError(f"{_who(info)}: device 'cuda' with gpu 'cpu'; use device 'cpu' or a GPU type")
         return v
@@ -107,6 +110,8 @@ class PoolConfig(BaseModel):
         # numbers that were actually used.
         if self.price_per_gpu_hour is None:
             self.price_per_gpu_hour = CATALOG[self.gpu].price_per_hour
+        if self.device is None:
+            self.device = "cpu" if self.gpu == "cpu" else "cuda"
         if self.max_concurrent_rollouts is None:
             self.max_concurrent_rollouts = DEFAULT_ROLLOUTS_PER_GPU * self.count
         return self

@@ -69,7 +69,8 @@ class ModelSpec(BaseModel):
     active_params: float = Field(gt=0)
     """Parameters one token uses (MoE: shared part + the routed experts it picks; dense: total)."""
     shared_params: float = Field(default=0.0, ge=0)
-    """Part of `active_params` that every token reads (attention, embeddings, shared experts); the rest is routed experts."""
+    """Part of `active_params` that every token reads (attention, embeddings, shared experts);
+    the rest is routed experts."""
     kv_bytes_per_token: float = Field(default=0.0, ge=0)
     """KV-cache bytes per token of context, all layers, K and V, BF16."""
     context_tokens: float = Field(default=0.0, ge=0)
@@ -112,7 +113,8 @@ class RooflineAssumptions(BaseModel):
     gpu_step_overhead_s: float = Field(default=0.001, ge=0)
     """Fixed cost per decode step on a GPU (launches, scheduling)."""
     cpu_step_overhead_s: float = Field(default=0.004, ge=0)
-    """Fixed cost per decode step on this machine's CPU (a tiny model decodes 256 sequences × 16 tokens in ~70 ms here)."""
+    """Fixed cost per decode step on this machine's CPU (a tiny model decodes 256 sequences ×
+    16 tokens in ~70 ms here)."""
     max_replica_gpus: int = Field(default=8, ge=1)
     """Largest tensor-parallel replica (one NVLink node); a model needing more does not fit."""
 

@@ -29,8 +29,10 @@ def test_defaults_come_from_the_catalog_and_aliases_are_canonical():
     assert p.gpu == "H200"
     assert p.price == CATALOG["H200"].price_per_hour == p.price_per_gpu_hour
     assert p.capacity == 64 * 3
-    assert p.staleness_budget == 2 and p.device == "cpu" and p.emulated
-    assert not PoolConfig(name="c", gpu="cpu").emulated
+    assert p.staleness_budget == 2 and p.device == "cuda" and not p.emulated
+    assert PoolConfig(name="e", gpu="H200", device="cpu").emulated
+    c = PoolConfig(name="c", gpu="cpu")
+    assert c.device == "cpu" and not c.emulated
     # The resolved config (what a run saves) carries the numbers actually used.
     dumped = p.model_dump()
     assert dumped["price_per_gpu_hour"] == CATALOG["H200"].price_per_hour
