@@ -1,5 +1,7 @@
 """The sampler: token-in/tokens-out generation with support records and in-flight weight updates.
 
+``SamplerActor`` is one sampler process of a pool (endpoints ``generate``,
+``apply_weights``, ``version``, ``have_version``, ``abort``, ``stats``).
 ``GenerateRequest``/``GenerateResult`` are the link's messages.  ``Qwen3Engine`` is
 the lean Qwen3 forward with a slot KV cache; ``ContinuousBatcher`` schedules
 requests onto its slots and samples through ``policies.sample_with_support``;
@@ -8,9 +10,10 @@ interface that an SGLang server also fits (``SGLangBackend``: an HTTP client for
 a CUDA-only server, untested here -- see its module docstring).
 """
 
+from ._actor import SamplerActor, as_weight_messages
 from ._backend import GenerationBackend, TorchBackend
 from ._batcher import ContinuousBatcher
-from ._engine import Qwen3Engine, dequantize_fp8_blocks
+from ._engine import Qwen3Engine, wire_to_compute
 from ._sglang import SGLangBackend, parse_sglang_response
 from ._types import FinishReason, GenerateRequest, GenerateResult, SamplerStats
 
@@ -22,8 +25,10 @@ __all__ = [
     "GenerationBackend",
     "Qwen3Engine",
     "SGLangBackend",
+    "SamplerActor",
     "SamplerStats",
     "TorchBackend",
-    "dequantize_fp8_blocks",
+    "as_weight_messages",
     "parse_sglang_response",
+    "wire_to_compute",
 ]

@@ -29,7 +29,6 @@ a weight update always lands between two decode steps.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -37,11 +36,9 @@ import torch
 import torch.nn.functional as F
 
 from actors.models import load_config
+from orchestrator.weightsync import dequantize_fp8
 
-__all__ = ["FP8_BLOCK", "Qwen3Engine", "dequantize_fp8_blocks", "wire_to_compute"]
-
-FP8_BLOCK = 128
-"""Side of the square FP8 scale blocks (as the weight sync quantises)."""
+__all__ = ["Qwen3Engine", "wire_to_compute"]
 
 _LAYER_PARTS = {
     "qkv": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
@@ -53,18 +50,6 @@ _LAYER_PARTS = {
     "ln1": ("input_layernorm.weight",),
     "ln2": ("post_attention_layernorm.weight",),
 }
-
-
-def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``weight`` (float8_e4m3fn [M, N]) times its 128x128 block ``scale_inv`` [ceil(M/128), ceil(N/128)]."""
-    if weight.dim() != 2 or scale_inv.dim() != 2:
-        raise ValueError(f"FP8 weight and scale_inv must be 2-D, got {tuple(weight.shape)} and {tuple(scale_inv.shape)}")
-    m, n = weight.shape
-    want = (math.ceil(m / FP8_BLOCK), math.ceil(n / FP8_BLOCK))
-    if tuple(scale_inv.shape) != want:
-        raise ValueError(f"scale_inv has shape {tuple(scale_inv.shape)}, expected {want} for weight {m}x{n}")
-    scale = scale_inv.float().repeat_interleave(FP8_BLOCK, 0)[:m].repeat_interleave(FP8_BLOCK, 1)[:, :n]
-    return (weight.float() * scale).to(dtype)
 
 
 def wire_to_compute(
@@ -79,8 +64,10 @@ def wire_to_compute(
     if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         if scale is None:
             raise ValueError(f"FP8 tensor {name!r} arrived without {name}_scale_inv")
-        return dequantize_fp8_blocks(t.to(device), scale.to(device), dtype)
-    return t.to(device=device, dtype=dtype)
+        return dequantize_fp8(t.to(device), scale.to(device), dtype)
+    # Always a copy: the weight receiver updates snapshot tensors in place (in a worker
+    # thread, while decoding goes on), so compute weights must never alias them.
+    return t.to(device=device, dtype=dtype, copy=True)
 
 
 class Qwen3Engine:

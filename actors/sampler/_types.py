@@ -129,3 +129,5 @@ class SamplerStats(BaseModel):
     """Requests queued for a slot or for newer weights (min_version)."""
     weight_updates: int
     """Weight messages applied."""
+    staleness_budget: int | None = None
+    """The pool's staleness budget (versions), as configured; None if not given."""
