@@ -110,15 +110,10 @@ class Scheduler:
         n = len(self._pools)
         self._cost = [self.throughput.usd_per_token(name) for name in self._names]
         self._tps = [self.throughput.estimate(name) for name in self._names]
-        # Per pool: slot_s = seconds one slot takes per rollout token at full batch;
-        # pool_tps = tokens/s of the whole pool at full batch.
-        self._slot_s: list[float] = []
-        self._pool_tps: list[float] = []
-        for i, p in enumerate(self._pools):
-            tps = self._tps[i]
-            per_gpu_batch = p.capacity / p.count
-            self._slot_s.append(per_gpu_batch / tps if tps > 0 else math.inf)
-            self._pool_tps.append(p.count * tps)
+        # slot_s: seconds one sequence takes per token on a full pool, so R_i = tokens × slot_s.
+        self._slot_s = [
+            (p.capacity / p.count) / tps if tps > 0 else math.inf for p, tps in zip(self._pools, self._tps, strict=True)
+        ]
         self._order = sorted(range(n), key=lambda i: (self._cost[i], self._names[i]))
 
     # -- inputs from the controller ---------------------------------------------------------

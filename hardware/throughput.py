@@ -23,7 +23,10 @@ The roofline (per GPU, batch `b` sequences decoding one token each per step):
 
 Online correction: each measurement gives a ratio measured / roofline at the measured batch;
 the pool's factor is an exponentially weighted mean of these ratios in log space (so halving
-and doubling weigh the same), and every estimate is roofline × factor.
+and doubling weigh the same), and every estimate is roofline × factor. A pool emulated on this
+machine's CPU is measured running on the CPU, so its ratio is taken against the `cpu` roofline
+and applied to the emulated GPU's: the pool keeps its modelled speed, corrected by how far its
+emulation runs from the model (a slowed-down emulated pool still looks slower).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from collections.abc import Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from hardware.catalog import GpuSpec
+from hardware.catalog import CATALOG, GpuSpec
 from hardware.pools import PoolConfig
 
 __all__ = [
@@ -247,10 +250,15 @@ class ThroughputModel:
         """Fold in a measurement: `tokens` decoded in `gpu_seconds` busy GPU-seconds at a mean
         of `batch_per_gpu` sequences per GPU (None: full batch). Returns the new factor.
         Measurements with no tokens or no time are ignored."""
-        name = self._pool(pool).name
+        p = self._pool(pool)
+        name = p.name
         if tokens <= 0 or gpu_seconds <= 0:
             return self.factor(name)
-        expected = self.roofline(name, batch_per_gpu)
+        if p.emulated:
+            b = self.batch_per_gpu(name) if batch_per_gpu is None else batch_per_gpu
+            expected = roofline_tokens_per_s(CATALOG["cpu"], p.precision, self.model, b, self.assumptions)
+        else:
+            expected = self.roofline(name, batch_per_gpu)
         if expected <= 0.0:
             return self.factor(name)
         ratio = (tokens / gpu_seconds) / expected

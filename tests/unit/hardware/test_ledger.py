@@ -5,7 +5,16 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from hardware import CostLedger, ModelSpec, PoolConfig, RooflineAssumptions, ThroughputModel, describe
+from hardware import (
+    CostLedger,
+    HardwareConfig,
+    ModelSpec,
+    PoolConfig,
+    RooflineAssumptions,
+    Scheduler,
+    ThroughputModel,
+    describe,
+)
 
 IDEAL = RooflineAssumptions(bandwidth_efficiency=1.0, compute_efficiency=1.0, gpu_step_overhead_s=0.0)
 # 4e9 dense params in BF16 on a B200 at batch 10: 8e9 B / 8000 GB/s = 1 ms per step -> 10,000 tokens/s/GPU.
@@ -154,3 +163,40 @@ gpu = "cpu"
     with pytest.raises(ValueError, match="precision") as e:
         describe(str(cfg))
     assert str(cfg) in str(e.value) and isinstance(e.value.__cause__, ValidationError)
+
+
+def test_the_controller_path_from_toml_to_report(tmp_path):
+    """Config -> throughput model -> scheduler -> ledger -> report, as the controller wires them."""
+    hw = HardwareConfig.from_toml_text(
+        """
+[[pools]]
+name = "h200-fp8"
+gpu = "H200"
+precision = "fp8"
+device = "cpu"
+max_concurrent_rollouts = 2
+
+[[pools]]
+name = "b200"
+gpu = "B200"
+device = "cpu"
+max_concurrent_rollouts = 2
+"""
+    )
+    tp = ThroughputModel(hw.pools, ModelSpec(total_params=1e6, active_params=1e6))
+    sched = Scheduler(hw.pools, tp, mean_rollout_tokens=100)
+    ledger = CostLedger(hw.pools, throughput=tp)
+    sched.set_trainer(version=0, demand=4)
+    placed = [sched.place() for _ in range(5)]
+    assert placed.count(None) == 1 and set(placed) - {None} <= {"h200-fp8", "b200"}
+    for pool in placed[:4]:
+        sched.complete(pool, tokens=100)
+        ledger.record_busy(pool, 0.5)
+        ledger.record_rollout(pool, 100, staleness=0)
+        sched.observe(pool, tokens=100, gpu_seconds=0.5)
+    rep = ledger.report()
+    assert rep.totals.rollouts == 4 and rep.totals.tokens == 400
+    assert all(p.billing == "modelled" for p in rep.pools)
+    assert rep.counterfactual is not None and rep.counterfactual.pool == "b200"
+    json_path, md_path = rep.write(tmp_path)
+    assert "(emulated)" in md_path.read_text()

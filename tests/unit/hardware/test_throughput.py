@@ -102,3 +102,17 @@ def test_online_factor_is_a_log_space_ewma_and_drives_the_estimate():
     assert tp2.observations("a") == 1
     with pytest.raises(KeyError, match="no pool 'b'"):
         tp.estimate("b")
+
+
+def test_emulated_pools_are_corrected_against_the_cpu_roofline():
+    # Two pools emulated on the CPU run at the same real speed; each keeps its own GPU's
+    # modelled speed, so the B200 stays faster than the A100 after measurements.
+    pools = [PoolConfig(name="b", gpu="B200", device="cpu", max_concurrent_rollouts=8),
+             PoolConfig(name="a", gpu="A100-80GB", device="cpu", max_concurrent_rollouts=8)]
+    dense = ModelSpec(total_params=1e6, active_params=1e6)
+    tp = ThroughputModel(pools, dense, alpha=1.0)
+    cpu = roofline_tokens_per_s(CATALOG["cpu"], "bf16", dense, 8)
+    for name in ("a", "b"):
+        assert tp.observe(name, tokens=cpu * 0.5, gpu_seconds=1.0) == pytest.approx(0.5)
+    assert tp.estimate("b") / tp.estimate("a") == pytest.approx(tp.roofline("b") / tp.roofline("a"))
+    assert tp.estimate("b") > tp.estimate("a")
