@@ -1,0 +1,96 @@
+"""The trainer's configuration and what one training step reports."""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from policies import PoolMetrics, RecipeConfig
+
+__all__ = ["StepResult", "TrainerConfig"]
+
+
+class TrainerConfig(BaseModel):
+    """Optimiser, batching, precision and recipe settings of the trainer."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: dict[str, Any] | str | None = None
+    """Model config dict (random init from ``seed``), a local checkpoint directory
+    (``config.json`` + ``*.safetensors``), or None for the embedded tiny Qwen3 sized to
+    the built-in tokenizer. Ignored when resuming: the checkpoint holds the model."""
+    lr: float = Field(1e-3, gt=0.0)
+    """AdamW learning rate."""
+    betas: tuple[float, float] = (0.9, 0.99)
+    """AdamW (beta1, beta2)."""
+    eps: float = Field(1e-8, gt=0.0)
+    """AdamW epsilon."""
+    weight_decay: float = Field(0.0, ge=0.0)
+    """AdamW decoupled weight decay."""
+    micro_batch_tokens: int = Field(4096, ge=1)
+    """Padded tokens (rows × longest sequence) per forward pass; gradients accumulate
+    over micro-batches and the loss is normalised by the whole batch's token count, so
+    this changes memory, not the result."""
+    grad_clip: float | None = Field(1.0, gt=0.0)
+    """Clip the global gradient L2 norm to this value; None disables clipping (the
+    norm is still reported)."""
+    seed: int = 0
+    """Seed of the model init (same seed, same weights as samplers building the model)
+    and of torch's CPU generator."""
+    precisions: list[Literal["bf16", "fp8"]] = Field(default_factory=lambda: ["bf16"])
+    """Wire precisions published after every step (one snapshot + delta chain each)."""
+    keyframe_interval: int = Field(10, ge=1)
+    """A full keyframe every this many versions (deltas in between)."""
+    device: Literal["cpu", "cuda"] = "cpu"
+    """Where the master weights and the optimizer live."""
+    recipe: RecipeConfig = Field(default_factory=RecipeConfig)
+    """The loss recipe (importance sampling, score centering, replay, advantages)."""
+
+    @field_validator("betas")
+    @classmethod
+    def _betas(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in v):
+            raise ValueError(f"betas must each be in [0, 1), got {v}")
+        return v
+
+    @field_validator("precisions")
+    @classmethod
+    def _precisions(cls, v: list[str]) -> list[str]:
+        if len(set(v)) != len(v):
+            raise ValueError(f"precisions has duplicates: {v}")
+        return v
+
+
+class StepResult(BaseModel):
+    """What one ``train_step`` did (metrics are over the batch's generated tokens)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    version: int
+    """Policy version after the step (unchanged when ``applied`` is False)."""
+    applied: bool
+    """False when the gradient was not finite and the optimizer step was skipped."""
+    loss: float
+    """Recipe loss of the batch at the weights before the step (global token mean)."""
+    grad_norm: float
+    """Global gradient L2 norm before clipping."""
+    tokens: int
+    """Generated (loss) tokens trained on."""
+    trajectories: int
+    """Trajectories trained on (failed ones excluded)."""
+    failed_skipped: int
+    """Failed trajectories in the batch, not trained on."""
+    micro_batches: int
+    """Forward/backward passes the batch was split into."""
+    reward_mean: float
+    """Mean reward of the trained trajectories."""
+    seconds: float
+    """Wall time of the step (packing, forward/backward, optimizer), excluding publishing."""
+    overall: PoolMetrics
+    """Recipe metrics over all tokens: mismatch KL, masked fraction, mean weight, entropy."""
+    per_pool: dict[str, PoolMetrics]
+    """The same metrics per sampler pool."""
+    publish_seconds: float = 0.0
+    """Time spent building wire snapshots and deltas after the step."""
+    publish_bytes: dict[str, int] = Field(default_factory=dict)
+    """Wire bytes of this version's delta (or keyframe) per precision."""
