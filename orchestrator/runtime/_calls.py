@@ -86,7 +86,9 @@ class EndpointRef(Generic[P, R]):
         assert h is not None
         kind = h.get("k")
         if kind == "ok":
-            value = decode(h.get("v"), p.frames)
+            value = h.get("v")
+            if len(p.frames) > 1 or type(value) not in _SCALARS:
+                value = decode(value, p.frames)
             if self._ep is None:
                 return value
             try:
@@ -104,12 +106,7 @@ class EndpointRef(Generic[P, R]):
         raise ActorError("WireError", f"unexpected reply kind {kind!r}", "")
 
     async def _wait(self, p: Pending) -> Any:
-        assert p.event is not None
-        try:
-            await p.event.wait()
-        except BaseException:
-            p.abandon()
-            raise
+        await p.wait()
         return self._result(p)
 
     # -- call kinds ---------------------------------------------------------------

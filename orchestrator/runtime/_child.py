@@ -1,14 +1,13 @@
 """Entry point of an actor process: ``python -m orchestrator.runtime._child --cls mod:Cls ...``.
 
 Lifecycle: bind, report the bound address on ``--ready-fd``, serve until
-SIGTERM/SIGINT (then ``on_stop`` runs) or until the parent dies
-(``PR_SET_PDEATHSIG`` delivers SIGKILL, so no actor outlives its spawner).
+SIGTERM/SIGINT or until the spawning process exits (then ``on_stop`` runs), so no actor
+outlives its spawner.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import signal
 import sys
@@ -24,15 +23,25 @@ from ._zsock import context, tune
 
 __all__ = ["main"]
 
-def _die_with_parent(parent_pid: int | None) -> None:
-    if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            pass
-    if parent_pid is not None and os.getppid() != parent_pid:
-        sys.exit(1)  # the parent died before the death signal was armed
+async def _stop_with_parent(parent_pid: int, scope: trio.CancelScope) -> None:
+    """Stop when the spawning process exits (a pidfd: no polling).
+
+    PR_SET_PDEATHSIG is not used: it fires when the spawning *thread* exits,
+    and trio spawns processes from worker threads that come and go.
+    """
+    try:
+        fd = os.pidfd_open(parent_pid)
+    except (OSError, AttributeError):
+        return  # no pidfd support: rely on the owner's SIGTERM/SIGKILL
+    try:
+        if os.getppid() != parent_pid:
+            scope.cancel()  # the parent died before we started watching
+            return
+        await trio.lowlevel.wait_readable(fd)
+        scope.cancel()
+    finally:
+        trio.lowlevel.notify_closing(fd)
+        os.close(fd)
 
 
 async def _serve(cls: Any, args: argparse.Namespace) -> None:
@@ -53,12 +62,16 @@ async def _serve(cls: Any, args: argparse.Namespace) -> None:
         server = Server(cls, sock, name=args.name, rank=args.rank)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_stop_on_signal, nursery.cancel_scope)
+            if args.parent_pid is not None:
+                nursery.start_soon(_stop_with_parent, args.parent_pid, nursery.cancel_scope)
             await nursery.start(server.serve)
+            if args.autostart:
+                await server.autostart()
             if args.ready_fd is not None:
                 os.write(args.ready_fd, (address + "\n").encode())
                 os.close(args.ready_fd)
             else:
-                print(f"serving {args.cls} on {address}", flush=True)
+                print(f"listening on {address}", flush=True)
     finally:
         sock.close(linger=0)
         if auth is not None:
@@ -81,9 +94,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ready-fd", type=int, default=None)
     p.add_argument("--parent-pid", type=int, default=None)
     p.add_argument("--advertise", default=None, help="host name to report instead of the bind IP")
+    p.add_argument("--autostart", action="store_true",
+                   help="construct the actor without arguments instead of waiting for init")
     args = p.parse_args(argv)
-    if args.parent_pid is not None:
-        _die_with_parent(args.parent_pid)
     _actor.rank_of_this_process = args.rank
     trace_file = os.environ.get("FLOTILLA_TRACE_FILE")
     if trace_file:

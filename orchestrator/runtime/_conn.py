@@ -36,15 +36,20 @@ _monitor_ids = itertools.count()
 
 
 class Pending:
-    """One outstanding request: set exactly once with a reply or an error."""
+    """One outstanding request: completed exactly once with a reply or an error.
 
-    __slots__ = ("conn", "rid", "event", "header", "frames", "error", "sink", "rank")
+    A waiter parks its task directly (cheaper than ``trio.Event``); a ``sink``
+    (used by ``stream``) is called instead when the reply arrives.
+    """
+
+    __slots__ = ("conn", "rid", "done", "task", "header", "frames", "error", "sink", "rank")
 
     def __init__(self, conn: Connection, rid: int, sink: Callable[[Pending], None] | None,
                  rank: int) -> None:
         self.conn = conn
         self.rid = rid
-        self.event = trio.Event() if sink is None else None
+        self.done = False
+        self.task: Any = None
         self.header: dict[str, Any] | None = None
         self.frames: list[Any] = []
         self.error: BaseException | None = None
@@ -52,11 +57,26 @@ class Pending:
         self.rank = rank
 
     def _done(self) -> None:
+        self.done = True
         if self.sink is not None:
             self.sink(self)
-        else:
-            assert self.event is not None
-            self.event.set()
+        elif self.task is not None:
+            trio.lowlevel.reschedule(self.task)
+            self.task = None
+
+    async def wait(self) -> None:
+        """Wait for completion. Cancellation: the call is abandoned (remote task cancelled)."""
+        if self.done:
+            await trio.lowlevel.checkpoint()
+            return
+        self.task = trio.lowlevel.current_task()
+
+        def abort(_: Any) -> trio.lowlevel.Abort:
+            self.task = None
+            self.abandon()
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        await trio.lowlevel.wait_task_rescheduled(abort)
 
     def abandon(self) -> None:
         """The caller gave up (cancelled): forget the reply and cancel the remote task."""
@@ -91,10 +111,14 @@ class Connection:
         sock.monitor(mon_addr, _EVENTS)
         mon = context().socket(zmq.PAIR)
         mon.setsockopt(zmq.LINGER, 0)
+        # libzmq's I/O thread sends monitor events with a *blocking* send: a full
+        # or unconnected monitor pipe would freeze every socket of the process.
+        # Unlimited HWM here, and the monitor is disabled before either end closes.
+        mon.setsockopt(zmq.RCVHWM, 0)
         mon.connect(mon_addr)
         sock.connect(address)
-        self.z = ZSocket(sock, self._on_reply)
-        self._mon = ZSocket(mon, self._on_event)
+        self.z = ZSocket(sock, self._on_reply, close_on_exit=False)
+        self._mon = ZSocket(mon, self._on_event, close_on_exit=False)
 
     # -- sending ---------------------------------------------------------------
     def request(self, header: dict[str, Any], frames: list[Any], *, reply: bool,
@@ -183,6 +207,11 @@ class Connection:
         except Exception as exc:  # noqa: BLE001 - a system task must never crash the run
             log(f"connection to {self.address} failed: {exc!r}")
         finally:
+            if not self.z.closed:
+                try:
+                    self.z.sock.disable_monitor()
+                except zmq.ZMQError:
+                    pass
             self.z.close()
             self._mon.close()
             if self.dead is None:

@@ -79,6 +79,11 @@ class Mesh(Generic[A]):
         self._refs = [ActorRef(self, r) for r in range(len(addresses))]
 
     @property
+    def addresses(self) -> list[str]:
+        """ZeroMQ address of each rank (ipc:// or tcp://)."""
+        return list(self._addresses)
+
+    @property
     def size(self) -> int:
         return len(self._addresses)
 
@@ -268,8 +273,8 @@ class _Owner:
         slot.conn = conn
         a, frames = self.init
         p = conn.request({"k": "init", "a": a[0], "w": a[1]}, frames, reply=True, rank=rank)
-        assert p is not None and p.event is not None
-        await p.event.wait()
+        assert p is not None
+        await p.wait()
         _init_result(p)
         if slot.proc is proc and slot.state == "starting":
             slot.state = "live"
@@ -414,8 +419,32 @@ async def open_mesh(cls: type[A], *args: Any, procs: int = 1, name: str | None =
     w = encode(dict(kwargs), frames, where=f"{cls.__qualname__}() argument")
     cls_path = f"{cls.__module__}:{cls.__qualname__}"
     name = name or cls.__name__.lower()
+    # The nursery holds only supervisors (which never raise); unwrap the group trio
+    # puts around an exception from start-up or from the body, so callers see e.g.
+    # ActorError or their own exception, not an ExceptionGroup.
+    unwrapped: BaseException | None = None
+    try:
+        async with _mesh_lifetime(cls, cls_path, name, procs, env, transport, curve, hosts,
+                                  tcp_host, grace, on_death, ((a, w), frames)) as mesh:
+            yield mesh
+    except BaseExceptionGroup as group:
+        if len(group.exceptions) != 1:
+            raise
+        unwrapped = group.exceptions[0]
+    if unwrapped is not None:
+        raise unwrapped
+
+
+@asynccontextmanager
+async def _mesh_lifetime(cls: type[A], cls_path: str, name: str, procs: int,
+                         env: Mapping[str, str] | None, transport: str, curve: Curve | None,
+                         hosts: Sequence[HostSpec] | None, tcp_host: str, grace: float,
+                         on_death: Callable[[ActorDied], None] | None,
+                         init: tuple[Any, list[Any]]) -> AsyncIterator[Mesh[A]]:
     async with trio.open_nursery() as nursery:
         host_meshes = []
+        if hosts:
+            from . import host as _host  # noqa: F401 - typed endpoints for the host handles
         for h in hosts or ():
             host_meshes.append(Mesh(f"host {h.address}", "orchestrator.runtime.host:HostActor",
                                     ["spawn", "wait_exit", "stop", "signal"], [h.address],
@@ -425,7 +454,7 @@ async def open_mesh(cls: type[A], *args: Any, procs: int = 1, name: str | None =
             else curve.public.decode() if curve is not None and transport == "tcp" else None
             for r in range(procs)]
         mesh: Mesh[A] = Mesh(name, cls_path, list(endpoints_of(cls)), [""] * procs, keys)
-        owner = _Owner(name=name, cls_path=cls_path, procs=procs, init=((a, w), frames),
+        owner = _Owner(name=name, cls_path=cls_path, procs=procs, init=init,
                        nursery=nursery, env=dict(env or {}), transport=transport, curve=curve,
                        hosts=host_meshes, tcp_host=tcp_host, grace=grace, on_death=on_death,
                        addresses=mesh._addresses)

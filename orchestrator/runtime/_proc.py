@@ -4,7 +4,7 @@ A child is ``python -m orchestrator.runtime._child``: it binds its ROUTER
 socket, writes the bound address to an inherited pipe and waits for the
 ``init`` message carrying the constructor arguments (wire-encoded, never
 pickled). The class path travels on the command line, chosen by the trusted
-spawner. Children get ``PR_SET_PDEATHSIG`` so they die with their spawner.
+spawner. Children watch their spawner's pid and stop when it exits.
 """
 
 from __future__ import annotations

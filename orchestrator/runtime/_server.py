@@ -26,6 +26,8 @@ from ._zsock import ZSocket, log
 
 __all__ = ["Server", "exception_info"]
 
+_SCALARS = (int, float, str, bool, type(None))
+
 
 def exception_info(exc: BaseException) -> dict[str, str]:
     t = type(exc)
@@ -158,6 +160,8 @@ class Server:
         a, w = header.get("a", []), header.get("w", {})
         if type(a) is not list or type(w) is not dict:
             raise WireError("arguments must be a list and keyword arguments an object")
+        if len(frames) == 1 and not w and all(type(x) in _SCALARS for x in a):
+            return a, w
         args, kwargs = decode([a, w], frames)
         return args, kwargs
 
@@ -178,6 +182,9 @@ class Server:
         if self._started != seq:
             ev = self._turns[seq] = trio.Event()
             await ev.wait()
+        self._pass_turn(seq)
+
+    def _pass_turn(self, seq: int) -> None:
         self._started = seq + 1
         nxt = self._turns.pop(seq + 1, None)
         if nxt is not None:
@@ -189,8 +196,11 @@ class Server:
             key = (ident, rid)
             self.running[key] = scope
             try:
-                with trio.CancelScope(shield=True):
-                    await self._turn(seq)
+                if self._started != seq or not self.ready.is_set():
+                    with trio.CancelScope(shield=True):
+                        await self._turn(seq)
+                else:
+                    self._pass_turn(seq)
                 with _tracing.remote_parent(tp):
                     if ep.is_async:
                         value = await ep.fn(self.actor, *args, **kwargs)
@@ -203,6 +213,14 @@ class Server:
                 self.running.pop(key, None)
             if reply:
                 self._answer(ident, rid, value, ep.spec)
+
+    async def autostart(self) -> None:
+        """Construct the actor with no arguments (for processes nobody sends ``init`` to)."""
+        actor = self.cls()
+        assert self._nursery is not None
+        await actor.on_start(self._nursery)
+        self.actor = actor
+        self.ready.set()
 
     async def _init(self, ident: bytes, rid: int, args: list[Any], kwargs: dict[str, Any]) -> None:
         if self.actor is not None:

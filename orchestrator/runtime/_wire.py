@@ -45,8 +45,11 @@ def register_handle_decoder(kind: str, fn: Callable[[dict[str, Any]], Any]) -> N
     _handle_decoders[kind] = fn
 
 
+_encoder = json.JSONEncoder(separators=(",", ":"), check_circular=False)
+
+
 def dumps(header: dict[str, Any]) -> bytes:
-    return json.dumps(header, separators=(",", ":")).encode()
+    return _encoder.encode(header).encode()
 
 
 def loads(frame: bytes) -> dict[str, Any]:

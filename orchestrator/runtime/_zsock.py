@@ -19,7 +19,9 @@ import zmq
 
 __all__ = ["ZSocket", "context", "tune"]
 
-_DRAIN_BATCH = 64  # messages handled before yielding to other tasks
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
+_NOBLOCK, _NOBLOCK_MORE = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE)
+_BATCH = 256  # messages the reader handles before yielding
 
 
 def context() -> zmq.Context[Any]:
@@ -49,58 +51,72 @@ def tune(sock: zmq.Socket[Any], *, tcp: bool) -> None:
 class ZSocket:
     """A ZeroMQ socket with one reader task and synchronous, non-blocking sends.
 
-    ``on_message(frames)`` is called from the reader task for every message
-    (frames are ``zmq.Frame`` objects, zero-copy); it must not block.
-    Cancellation: cancelling ``run`` closes the socket. Errors: a send that
-    would block raises ``zmq.Again`` (cannot happen with unlimited HWMs unless
-    the socket has no peer pipe at all).
+    ``on_message(frames)`` is called for every message (frames are
+    ``zmq.Frame`` objects, zero-copy); it must not block. It runs in the
+    reader task, or inside ``send`` when the send consumed the FD's edge
+    while input was pending (then the sender drains, since the reader would
+    not be woken). Cancellation: cancelling ``run`` closes the socket.
+    Errors: a send that would block raises ``zmq.Again`` (only possible when
+    the socket has no peer pipe at all, as HWMs are unlimited).
     """
 
-    def __init__(self, sock: zmq.Socket[Any], on_message: Callable[[list[Any]], None]) -> None:
+    def __init__(self, sock: zmq.Socket[Any], on_message: Callable[[list[Any]], None], *,
+                 close_on_exit: bool = True) -> None:
         self.sock = sock
+        self._close_on_exit = close_on_exit
         self._on_message = on_message
         self._fd = sock.getsockopt(zmq.FD)
-        self._wait_scope: trio.CancelScope | None = None
+        self._draining = False
         self.closed = False
 
     def send(self, frames: list[Any], *, copy: bool = False) -> None:
-        """Queue one multipart message without blocking (tensor frames are not copied)."""
+        """Queue one multipart message without blocking (large frames are not copied)."""
         if self.closed:
             raise zmq.ZMQError(zmq.ENOTSOCK, "socket closed")
-        self.sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=copy)
-        if self._wait_scope is not None and self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            self._wait_scope.cancel()
+        sock = self.sock
+        last = len(frames) - 1
+        for i, f in enumerate(frames):
+            sock.send(f, _NOBLOCK_MORE if i < last else _NOBLOCK, copy=copy)
+        if not self._draining and sock.get(_EVENTS) & _POLLIN:
+            self._drain()
+
+    def _drain(self, limit: int = -1) -> bool:
+        """Handle pending messages; False if ``limit`` stopped it with input left."""
+        sock, handle = self.sock, self._on_message
+        self._draining = True
+        try:
+            while not self.closed and sock.get(_EVENTS) & _POLLIN:
+                if limit == 0:
+                    return False
+                limit -= 1
+                try:
+                    frames = sock.recv_multipart(_NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                try:
+                    handle(frames)
+                except Exception as exc:  # noqa: BLE001 - one bad message must not stop the reader
+                    log(f"dropped a message: {exc!r}")
+        finally:
+            self._draining = False
+        return True
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Read until cancelled; the socket is closed on exit."""
-        sock = self.sock
+        """Read until cancelled; the socket is closed on exit unless its owner closes it."""
         try:
             task_status.started()
             while True:
-                n = 0
-                while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                    try:
-                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    try:
-                        self._on_message(frames)
-                    except Exception as exc:  # noqa: BLE001 - one bad message must not stop the reader
-                        log(f"dropped a message: {exc!r}")
-                    n += 1
-                    if n % _DRAIN_BATCH == 0:
-                        await trio.lowlevel.checkpoint()
-                with trio.CancelScope() as scope:
-                    self._wait_scope = scope
+                if self._drain(_BATCH):
                     await trio.lowlevel.wait_readable(self._fd)
-                self._wait_scope = None
+                else:
+                    await trio.lowlevel.checkpoint()  # a flood must not starve other tasks
         finally:
-            self.close()
+            if self._close_on_exit:
+                self.close()
 
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            self._wait_scope = None
             try:
                 trio.lowlevel.notify_closing(self._fd)
             except RuntimeError:  # outside a trio run (interpreter shutdown)

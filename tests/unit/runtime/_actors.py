@@ -50,20 +50,28 @@ class Counter(Actor):
 
 
 class Gate(Actor):
-    """Calls park on ``wait`` until ``open`` is called; ``cancelled`` counts cancellations."""
+    """Calls park on ``wait`` until ``open``; ``wait_parked(n)`` returns once n calls are parked."""
 
     def __init__(self) -> None:
         self.event = trio.Event()
+        self.changed = trio.Event()
         self.parked = 0
         self.cancelled = 0
+        self.order: list[int] = []
+
+    def _bump(self) -> None:
+        self.changed.set()
+        self.changed = trio.Event()
 
     @endpoint
     async def wait(self) -> str:
         self.parked += 1
+        self._bump()
         try:
             await self.event.wait()
         except trio.Cancelled:
             self.cancelled += 1
+            self._bump()
             raise
         return "opened"
 
@@ -78,7 +86,25 @@ class Gate(Actor):
     @endpoint
     async def wait_parked(self, n: int) -> None:
         while self.parked < n:
-            await trio.sleep(0.005)
+            await self.changed.wait()
+
+    @endpoint
+    async def wait_cancelled(self, n: int) -> None:
+        while self.cancelled < n:
+            await self.changed.wait()
+
+    @endpoint
+    async def record(self, i: int) -> None:
+        self.order.append(i)
+        await trio.lowlevel.checkpoint()
+
+    @endpoint
+    def recorded(self) -> list[int]:
+        return self.order
+
+    @endpoint
+    def pid(self) -> int:
+        return os.getpid()
 
 
 class Item(BaseModel):

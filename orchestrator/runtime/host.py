@@ -1,0 +1,164 @@
+"""Actor host: lets a controller on another machine spawn actors here (tcp + CurveZMQ).
+
+Run on each machine that should host actors::
+
+    python -m orchestrator.runtime.host --bind tcp://0.0.0.0:5555 --keys ~/.flotilla/keys \\
+        [--advertise this-host.example.com]
+
+On first start ``--keys DIR`` gets a keypair (``DIR/id.key`` public,
+``DIR/id.key_secret`` secret). The host prints its address and public key;
+the controller passes them as ``HostSpec(address=..., public_key=...)`` in
+``open_mesh(..., hosts=[...], curve=...)``. Only clients whose public keys are
+in ``DIR/allowed/*.key`` may connect (copy the controller's ``id.key`` there,
+and every other host's key if actors on different hosts call each other).
+
+An authenticated controller is trusted: it names the actor classes the host
+imports and starts. Actors started here bind ``tcp://<bind ip>:*`` with the
+host's keys and stop when the host process exits; the host stops them
+when the controller stops its mesh or when the host receives SIGTERM/SIGINT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import trio
+
+from ._actor import Actor, endpoint
+from ._curve import Curve
+from ._errors import ActorDied, ActorError
+from ._proc import LocalProcess, child_env, describe_exit, spawn_local
+
+__all__ = ["HostActor", "RemoteProcess", "main"]
+
+
+class HostActor(Actor):
+    """Spawns, watches and stops actor processes on this machine for remote owners.
+
+    Configured by the host entry point through ``FLOTILLA_HOST_BIND_IP`` and
+    ``FLOTILLA_HOST_ADVERTISE``. Cancellation: a cancelled ``spawn`` stops the
+    half-started process; ``on_stop`` stops every child.
+    """
+
+    def __init__(self) -> None:
+        self.bind_ip = os.environ.get("FLOTILLA_HOST_BIND_IP", "127.0.0.1")
+        self.advertise = os.environ.get("FLOTILLA_HOST_ADVERTISE") or None
+        self.curve = Curve.from_env()
+        self.children: dict[int, LocalProcess] = {}
+
+    @endpoint
+    async def spawn(self, cls_path: str, name: str, rank: int, env: dict[str, str]) -> list[Any]:
+        """Start an actor process; returns ``[address, pid]`` once it listens."""
+        started: list[LocalProcess] = []
+        try:
+            proc = await spawn_local(cls_path, name=name, rank=rank,
+                                     bind=f"tcp://{self.bind_ip}:*",
+                                     env=child_env(env, self.curve), advertise=self.advertise,
+                                     register=started.append)
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                for p in started:
+                    await p.stop(1.0)
+            raise
+        pid = proc.process.pid
+        self.children[pid] = proc
+        return [proc.address, pid]
+
+    @endpoint
+    async def wait_exit(self, pid: int) -> str:
+        """Return how the child ``pid`` ended, once it has."""
+        proc = self._child(pid)
+        return describe_exit(await proc.process.wait())
+
+    @endpoint
+    async def stop(self, pid: int, grace: float) -> None:
+        """SIGTERM, then SIGKILL after ``grace`` seconds; reaps the child."""
+        proc = self.children.pop(pid, None)
+        if proc is not None:
+            with trio.CancelScope(shield=True):
+                await proc.stop(grace)
+
+    @endpoint
+    def signal(self, pid: int, signum: int) -> None:
+        self._child(pid).process.send_signal(signum)
+
+    def _child(self, pid: int) -> LocalProcess:
+        proc = self.children.get(pid)
+        if proc is None:
+            raise KeyError(f"no actor process {pid} on this host")
+        return proc
+
+    async def on_stop(self) -> None:
+        procs = list(self.children.values())
+        self.children.clear()
+        for p in procs:
+            p.signal_stop()
+        async with trio.open_nursery() as nursery:
+            for p in procs:
+                nursery.start_soon(p.stop, 3.0)
+
+
+class RemoteProcess:
+    """An actor process on a host, as the mesh owner sees it."""
+
+    def __init__(self, host: Any, pid: int, address: str) -> None:
+        self.host = host
+        self.pid = pid
+        self.address = address
+
+    @classmethod
+    async def spawn(cls, host: Any, cls_path: str, *, name: str, rank: int, env: dict[str, str],
+                    register: Callable[[Any], None]) -> RemoteProcess:
+        address, pid = await host.spawn.call_one(cls_path, name, rank, env)
+        proc = cls(host, pid, address)
+        register(proc)
+        return proc
+
+    async def wait_exit(self) -> str:
+        try:
+            return await self.host.wait_exit.call_one(self.pid)
+        except ActorDied as exc:
+            raise ActorDied(exc.name, exc.rank, f"lost its host: {exc.reason}") from None
+
+    def signal_stop(self) -> None:
+        self.host.signal.broadcast(self.pid, int(signal.SIGTERM))
+
+    async def stop(self, grace: float) -> None:
+        with trio.move_on_after(grace + 5):
+            try:
+                await self.host.stop.call_one(self.pid, grace)
+            except (ActorDied, ActorError):
+                pass  # the host is gone or already reaped the process
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m orchestrator.runtime.host",
+                                description="Host Flotilla actors for remote controllers.")
+    p.add_argument("--bind", required=True, help="tcp://IP:PORT to listen on (PORT 0: any)")
+    p.add_argument("--keys", required=True, help="key directory (id.key_secret, allowed/*.key)")
+    p.add_argument("--advertise", default=None,
+                   help="host name or IP that controllers use to reach this machine")
+    args = p.parse_args(argv)
+    if not args.bind.startswith("tcp://"):
+        p.error("--bind must be a tcp:// address")
+    curve = Curve.from_dir(args.keys)
+    ip, _, port = args.bind[len("tcp://"):].rpartition(":")
+    advertise = args.advertise or (ip if ip not in ("0.0.0.0", "*") else socket.getfqdn())
+    os.environ.update(curve.to_env())
+    os.environ["FLOTILLA_HOST_BIND_IP"] = ip
+    os.environ["FLOTILLA_HOST_ADVERTISE"] = advertise
+    print(f"flotilla host public key: {curve.public.decode()}", flush=True)
+    from ._child import main as child_main
+
+    child_main(["--cls", "orchestrator.runtime.host:HostActor", "--name", "host",
+                "--bind", f"tcp://{ip}:{'*' if port in ('0', '*') else port}",
+                "--advertise", advertise, "--autostart"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""Call kinds, concurrency, errors, typing and cancellation on real actor processes."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import trio
+
+from orchestrator.runtime import ActorError, open_mesh
+
+from ._actors import Counter, Echo, Gate, Item, Relay
+
+# Would run `touch <path>` if anything unpickled it (protocol 0, built by hand: no pickle import).
+_PWN_MARK = Path("/tmp/flotilla-pwned-marker")
+PICKLE_BOMB = b"cos\nsystem\n(S'touch " + str(_PWN_MARK).encode() + b"'\ntR."
+
+
+async def test_call_kinds_on_two_ranks() -> None:
+    with trio.fail_after(30):
+        async with open_mesh(Counter, 10, procs=2, name="counter") as mesh:
+            assert await mesh[0].incr.call_one(5) == 15
+            assert await mesh.incr.call(1) == [16, 11]  # rank order
+            assert await mesh.rank.call() == [0, 1]
+            # choose: both idle, tie goes to the lowest rank
+            assert await mesh.incr.choose(100) == 116
+            mesh.incr.broadcast(1)
+            assert sorted([v async for v in mesh.value.stream()]) == [12, 117]
+            with pytest.raises(ValueError, match="call_one on 2 actors"):
+                await mesh.incr.call_one(1)
+            with pytest.raises(AttributeError, match="no endpoint 'nope'"):
+                mesh.nope  # noqa: B018
+
+
+async def test_thousand_concurrent_calls_return_right_results() -> None:
+    with trio.fail_after(60):
+        async with open_mesh(Counter, 0, procs=2) as mesh:
+            results: dict[int, int] = {}
+
+            async def one(i: int) -> None:
+                if i % 3 == 0:
+                    results[i] = await mesh.echo.choose(i)
+                else:
+                    results[i] = await mesh[i % 2].echo.call_one(i)
+
+            async with trio.open_nursery() as nursery:
+                for i in range(1000):
+                    nursery.start_soon(one, i)
+            assert results == {i: i for i in range(1000)}
+
+
+async def test_choose_prefers_least_loaded_rank() -> None:
+    with trio.fail_after(30):
+        async with open_mesh(Gate, procs=2) as mesh:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(mesh[0].wait.call_one)
+                await mesh[0].wait_parked.call_one(1)
+                # rank 0 has one call in flight from here, rank 1 none
+                assert await mesh.pid.choose() == await mesh[1].pid.call_one()
+                await mesh[0].open.call_one()
+
+
+async def test_endpoint_error_reaches_caller_and_actor_keeps_serving() -> None:
+    with trio.fail_after(30):
+        async with open_mesh(Counter, 0) as mesh:
+            with pytest.raises(ActorError) as info:
+                await mesh[0].fail.call_one("boom 42")
+            err = info.value
+            assert err.remote_type == "ValueError"
+            assert err.message == "boom 42"
+            assert "raise ValueError(message)" in err.traceback_text
+            assert "_actors.py" in err.traceback_text
+            assert await mesh[0].incr.call_one(2) == 2
+
+
+async def test_bad_arguments_raise_type_error_at_caller() -> None:
+    with trio.fail_after(30):
+        async with open_mesh(Echo) as mesh:
+            with pytest.raises(TypeError, match="cannot send a value of type"):
+                await mesh[0].echo.call_one(object())
+            with pytest.raises(TypeError, match="cannot send"):
+                await mesh[0].echo.call_one({"nested": [1, {2, 3}]})
+            with pytest.raises(TypeError, match="unexpected keyword argument 'bogus'"):
+                await mesh[0].scale.call_one([1.0], bogus=1)
+            with pytest.raises(TypeError, match="missing a required argument"):
+                await mesh[0].scale.call_one()
+            # validated on arrival: a string is not a list of floats
+            with pytest.raises(TypeError, match="invalid arguments"):
+                await mesh[0].scale.call_one("abc")
+            assert await mesh[0].scale.call_one([1.0, 2.5], factor=3) == [3.0, 7.5]
+
+
+async def test_values_round_trip_and_nothing_is_unpickled() -> None:
+    with trio.fail_after(30):
+        _PWN_MARK.unlink(missing_ok=True)
+        async with open_mesh(Echo) as mesh:
+            value = {"a": [1, 2.5, None, True], "t": (1, "x"), 3: b"raw", "b": bytearray(b"xy"),
+                     "__t": "not a tag"}
+            back = await mesh[0].echo.call_one(value)
+            assert back == {"a": [1, 2.5, None, True], "t": (1, "x"), 3: b"raw", "b": b"xy",
+                            "__t": "not a tag"}
+            assert await mesh[0].echo.call_one(PICKLE_BOMB) == PICKLE_BOMB
+            item = Item(name="w", weights=[1, 2], tags=("a", "b"))
+            assert await mesh[0].item.call_one(item) == item
+            # a dict that fits the model is validated into one on arrival and on return
+            assert await mesh[0].item.call_one({"name": "d", "weights": None}) == Item(
+                name="d", weights=None)
+        assert not _PWN_MARK.exists()
+
+
+async def test_cancelled_caller_cancels_remote_call() -> None:
+    with trio.fail_after(30):
+        async with open_mesh(Gate) as mesh:
+            with trio.CancelScope() as scope:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(mesh[0].wait.call_one)
+                    await mesh[0].wait_parked.call_one(1)
+                    scope.cancel()
+            await mesh[0].wait_cancelled.call_one(1)
+            assert await mesh[0].counts.call_one() == {"parked": 1, "cancelled": 1}
+
+
+async def test_calls_from_one_caller_start_in_order() -> None:
+    with trio.fail_after(30):
+        async with open_mesh(Gate) as mesh:
+            for i in range(200):
+                mesh[0].record.broadcast(i)
+            await mesh[0].record.call_one(200)
+            assert await mesh[0].recorded.call_one() == list(range(201))
+
+
+async def test_actor_calls_actor_through_handles() -> None:
+    with trio.fail_after(30):
+        async with open_mesh(Counter, 0, procs=2, name="c") as counters, \
+                open_mesh(Relay, name="relay") as relay:
+            assert await relay[0].via_mesh.call_one(counters, 2) == [2, 2]
+            assert await relay[0].via_actor.call_one(counters[1], 5) == 7
+            assert await counters.value.call() == [2, 7]
+            assert os.getpid() not in await counters.pid.call()
