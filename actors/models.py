@@ -103,7 +103,6 @@ def build_model(config: dict[str, Any] | str | Path, seed: int = 0) -> Qwen3ForC
     from transformers import Qwen3ForCausalLM
 
     hf_config = load_config(config)
-    hf_config._attn_implementation = "sdpa"
     # The global RNG is borrowed for the init and restored, so building a model
     # does not perturb the caller's random stream.
     with torch.random.fork_rng(devices=[]):
