@@ -1,0 +1,74 @@
+"""`flotilla`: the command line.
+
+    flotilla run CONFIG [--set key=value ...] [--steps N] [--mode async|sync] [--resume RUN_DIR]
+    flotilla report RUN_DIR
+    flotilla hardware [CONFIG]
+    flotilla host ...            (an actor host on another machine; see README)
+
+Parsing happens before any heavy import, so `flotilla --help` is instant; torch and
+transformers load only once a command needs them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+__all__ = ["main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="flotilla", description="Asynchronous RL for LLM agents.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    r = sub.add_parser("run", help="train from a TOML config (or resume a run)")
+    r.add_argument("config", nargs="?", help="run config (TOML); optional with --resume")
+    r.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field, e.g. --set rollout.group_size=4 (repeatable)")
+    r.add_argument("--steps", type=int, help="optimizer steps (overrides the config)")
+    r.add_argument("--mode", choices=["async", "sync"], help="async (default) or the sync baseline")
+    r.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
+    r.add_argument("--quiet", action="store_true", help="no progress lines")
+
+    rep = sub.add_parser("report", help="print a run's cost report and rewrite its JSON/Markdown")
+    rep.add_argument("run_dir")
+
+    hw = sub.add_parser("hardware", help="the GPU catalog, and a config's pools with estimated cost")
+    hw.add_argument("config", nargs="?")
+
+    host = sub.add_parser("host", help="serve actors for a controller on another machine",
+                          add_help=False)
+    host.add_argument("args", nargs=argparse.REMAINDER)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "run":
+        from orchestrator.config import ConfigError
+        from orchestrator.run import run_from_cli
+
+        try:
+            return run_from_cli(args.config, overrides=args.overrides, steps=args.steps,
+                                mode=args.mode, resume=args.resume, quiet=args.quiet)
+        except ConfigError as e:
+            print(f"flotilla: {e}", file=sys.stderr)
+            return 2
+    if args.command == "report":
+        from orchestrator.reports import print_report
+
+        return print_report(args.run_dir)
+    if args.command == "hardware":
+        from hardware import describe
+
+        print(describe(args.config))
+        return 0
+    if args.command == "host":
+        from orchestrator.runtime.host import main as host_main
+
+        return host_main(args.args)
+    raise AssertionError(args.command)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

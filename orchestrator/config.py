@@ -1,0 +1,170 @@
+"""The run configuration: one TOML file composes every component's own config model.
+
+Each component keeps its config beside its code (``RecipeConfig`` in policies,
+``PoolConfig`` in hardware, ``TrainerConfig`` in actors.trainer); this module
+only composes them, adds the controller's own sections, loads TOML, applies
+``--set key=value`` overrides and turns validation errors into messages that
+name the file and the field.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from actors.trainer import TrainerConfig
+from hardware import PoolList
+from policies import RecipeConfig
+
+__all__ = [
+    "ConfigError",
+    "ModelSection",
+    "RolloutSection",
+    "RunConfig",
+    "TaskSection",
+    "apply_overrides",
+    "load_config",
+]
+
+
+class ConfigError(ValueError):
+    """A run config that cannot be used; the message names the file and the field."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelSection(_Section):
+    path: str | None = None
+    """A local checkpoint directory (config.json + safetensors). None: the tiny built-in
+    Qwen3-style model with random init, sized to the task tokenizer."""
+    overrides: dict[str, Any] = Field(default_factory=dict)
+    """Fields of the built-in model config to change (hidden_size, num_hidden_layers, ...)."""
+    seed: int = 0
+    """Seed of the random init when no path is given."""
+
+
+class TaskSection(_Section):
+    name: str = "guess_number"
+    """A registered task: `guess_number`, `arithmetic`, or one a user registered."""
+    params: dict[str, Any] = Field(default_factory=dict)
+    """Task parameters (for guess_number: n, max_turns)."""
+    env_actors: int = Field(default=1, ge=1)
+    """Environment actor processes; each runs many episodes concurrently."""
+    episode_timeout_s: float = Field(default=60.0, gt=0)
+    """An episode that takes longer ends as a failed trajectory."""
+    max_new_tokens: int = Field(default=1, ge=1)
+    """Tokens the policy may generate per turn."""
+
+
+class RolloutSection(_Section):
+    prompts_per_step: int = Field(default=16, ge=1)
+    """Prompts (GRPO groups) in one training batch."""
+    group_size: int = Field(default=8, ge=2)
+    """Rollouts per prompt; advantages are centred within the group."""
+    max_buffered_groups: int = Field(default=32, ge=1)
+    """Completed or in-flight groups the producer may hold beyond the next batch; bounds memory
+    and, with the pools' staleness budgets, how far sampling runs ahead of training."""
+
+
+class RunConfig(_Section):
+    name: str = "run"
+    """The run's name: outputs go to `<run_root>/<name>/`."""
+    run_root: str = "runs"
+    """Folder holding run directories."""
+    seed: int = 0
+    """Seeds task generation and sampling."""
+    steps: int = Field(default=50, ge=1)
+    """Optimizer steps to run."""
+    mode: Literal["async", "sync"] = "async"
+    """`async`: sampling and training overlap within the pools' staleness budgets. `sync`:
+    generate, then train, then sync weights, on-policy: the baseline."""
+    model: ModelSection = Field(default_factory=ModelSection)
+    """The policy model."""
+    task: TaskSection = Field(default_factory=TaskSection)
+    """The environment and its task source."""
+    rollout: RolloutSection = Field(default_factory=RolloutSection)
+    """Batch shape and buffering."""
+    recipe: RecipeConfig = Field(default_factory=RecipeConfig)
+    """The RL objective and sampling parameters (policies.RecipeConfig)."""
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    """Optimizer and micro-batching (actors.trainer.TrainerConfig); its recipe is replaced
+    by the top-level [recipe]."""
+    pools: PoolList = Field(min_length=1)
+    """Sampler pools ([[pools]] tables, hardware.PoolConfig), names unique."""
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run_root) / self.name
+
+    def resolved_json(self) -> str:
+        return json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=True)
+
+
+def _parse_value(text: str) -> Any:
+    """A --set value is a TOML literal (1, 0.5, true, "x", [1, 2]); bare words are strings."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `key.sub=value` overrides to a raw config dict (pools by index: pools.0.price_per_gpu_hour)."""
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set {item!r}: expected key=value")
+        node: Any = raw
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            if isinstance(node, list):
+                try:
+                    node = node[int(part)]
+                except (ValueError, IndexError):
+                    raise ConfigError(f"--set {item!r}: no list element {part!r}") from None
+            else:
+                node = node.setdefault(part, {})
+        last = parts[-1]
+        if isinstance(node, list):
+            raise ConfigError(f"--set {item!r}: cannot replace a whole list element")
+        node[last] = _parse_value(value.strip())
+    return raw
+
+
+def _format_error(source: str, err: ValidationError) -> str:
+    lines = [f"{source}: invalid config"]
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "<root>"
+        lines.append(f"  {loc}: {e['msg']}")
+    return "\n".join(lines)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                raw: dict[str, Any] | None = None) -> RunConfig:
+    """Read a TOML run config (or a raw dict), apply overrides, validate.
+
+    Raises ConfigError naming the file and each offending field.
+    """
+    source = str(path) if path is not None else "<config>"
+    if raw is None:
+        if path is None:
+            raise ConfigError("no config given")
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise ConfigError(f"{source}: cannot read: {e.strerror}") from None
+        try:
+            raw = tomllib.loads(text) if str(path).endswith(".toml") else json.loads(text)
+        except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
+            raise ConfigError(f"{source}: not valid {'TOML' if str(path).endswith('.toml') else 'JSON'}: {e}") from None
+    raw = apply_overrides(raw, overrides or [])
+    try:
+        return RunConfig.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(_format_error(source, e)) from None

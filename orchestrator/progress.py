@@ -1,0 +1,39 @@
+"""The live progress line of `flotilla run`: one line per training step on stderr."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any, TextIO
+
+__all__ = ["Progress"]
+
+
+def _rate(x: float) -> str:
+    return f"{x / 1000:.1f}k" if x >= 1000 else f"{x:.0f}"
+
+
+class Progress:
+    """Prints `step 12/60 | reward 0.53 | stale 0.4 (max 2) | tok/s b200 1.2k h100 820 | $0.0012 | 0:42`."""
+
+    def __init__(self, total_steps: int, stream: TextIO | None = None, quiet: bool = False) -> None:
+        self.total = total_steps
+        self.stream = stream or sys.stderr
+        self.quiet = quiet
+        self.t0 = time.monotonic()
+
+    def step(self, record: dict[str, Any]) -> None:
+        if self.quiet:
+            return
+        elapsed = int(time.monotonic() - self.t0)
+        pools = " ".join(f"{name} {_rate(p.get('tokens_per_s', 0.0))}"
+                         for name, p in sorted(record.get("pools", {}).items()))
+        line = (f"step {record['step']}/{self.total} | reward {record['reward_mean']:.3f} | "
+                f"stale {record['staleness_mean']:.2f} (max {record['staleness_max']}) | "
+                f"dropped {record['dropped_total']} | tok/s {pools} | "
+                f"${record['cost_usd']:.4f} | {elapsed // 60}:{elapsed % 60:02d}")
+        print(line, file=self.stream, flush=True)
+
+    def message(self, text: str) -> None:
+        if not self.quiet:
+            print(text, file=self.stream, flush=True)

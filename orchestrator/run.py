@@ -1,0 +1,204 @@
+"""Start, resume and finish a run: spawn the actors, drive the controller, checkpoint, report.
+
+`run(config)` is the Python entry point (`from orchestrator import run`);
+`flotilla run` calls `run_from_cli`. A run directory holds:
+
+    config.json            the resolved config
+    traces.jsonl           spans of every process (OpenTelemetry, JSONL exporter)
+    metrics.jsonl          one line per training step
+    checkpoint/            trainer weights + optimizer (safetensors) and controller_state.json
+    cost_report.json/.md   per-pool cost, tokens, staleness, mismatch; totals and counterfactual
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from contextlib import AsyncExitStack
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from orchestrator.config import ConfigError, RunConfig, load_config
+from orchestrator.controller import STATE_FILE, RunResult, _Counters, _Loop, _Pool, _write_json_atomic
+from orchestrator.progress import Progress
+from orchestrator.runtime import open_mesh, span
+from orchestrator.telemetry import MetricsLog, setup_run_telemetry
+
+__all__ = ["run", "run_async", "run_from_cli"]
+
+
+def _actor_env(cfg: RunConfig) -> dict[str, str]:
+    # One compute thread per actor process unless the user says otherwise: on a small
+    # machine, processes fighting over cores costs more than it gains.
+    threads = os.environ.get("FLOTILLA_ACTOR_THREADS", "1")
+    return {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false"}
+
+
+def _model_config(cfg: RunConfig) -> dict[str, Any] | str:
+    from actors.models import default_model_config
+    from actors.tokenizer import VOCAB_SIZE
+
+    if cfg.model.path:
+        return cfg.model.path
+    conf = default_model_config(vocab_size=VOCAB_SIZE)
+    conf.update(cfg.model.overrides)
+    return conf
+
+
+def _model_spec(model_cfg: dict[str, Any] | str) -> Any:
+    """Parameter count for the throughput model (dense: every parameter is active)."""
+    from actors.models import build_model
+    from hardware import ModelSpec
+
+    n = sum(p.numel() for p in build_model(model_cfg, seed=0).parameters())
+    return ModelSpec(total_params=n, active_params=n)
+
+
+def _truncate_metrics(path: Path, last_step: int) -> None:
+    """Steps logged after the last checkpoint were lost with the interrupted run; drop them."""
+    rows = MetricsLog.read(path)
+    keep = [r for r in rows if r["step"] <= last_step]
+    if len(keep) != len(rows):
+        path.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in keep))
+
+
+async def run_async(cfg: RunConfig, *, resume: bool = False, progress: Progress | None = None) -> RunResult:
+    """Run (or resume) training to `cfg.steps`; see the module docstring.
+
+    Cancellation stops every actor process; an interrupt (SIGINT) finishes the step in
+    progress, checkpoints and returns with `interrupted=True`.
+    """
+    from actors.env import EnvActor, EnvConfig
+    from actors.sampler import SamplerActor
+    from actors.trainer import TrainerActor
+    from hardware import CostLedger, Scheduler, ThroughputModel
+
+    t0 = time.monotonic()
+    run_dir = cfg.run_dir
+    ckpt_dir = run_dir / "checkpoint"
+    progress = progress or Progress(cfg.steps)
+    state: dict[str, Any] = {}
+    if resume:
+        state_path = ckpt_dir / STATE_FILE
+        if not state_path.exists():
+            raise ConfigError(f"{run_dir}: no checkpoint to resume from ({state_path} missing)")
+        state = json.loads(state_path.read_text())
+        _truncate_metrics(run_dir / "metrics.jsonl", state["step"])
+    else:
+        if (run_dir / "metrics.jsonl").exists():
+            raise ConfigError(f"{run_dir}: a run with this name exists; use --resume {run_dir} "
+                              f"or another name (--set name=...)")
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.json").write_text(cfg.resolved_json())
+    setup_run_telemetry(run_dir)
+
+    model_cfg = _model_config(cfg)
+    precisions = sorted({p.precision for p in cfg.pools})
+    trainer_cfg = cfg.trainer.model_copy(update={
+        "recipe": cfg.recipe, "seed": cfg.model.seed, "model": model_cfg, "precisions": precisions})
+    env = _actor_env(cfg)
+    scheduler = Scheduler(cfg.pools, ThroughputModel(cfg.pools, _model_spec(model_cfg)))
+    # Emulated pools are billed their measured busy seconds at the labelled GPU's price
+    # (no throughput model given to the ledger), so the report reflects the run that happened.
+    ledger = CostLedger(cfg.pools)
+    if state:
+        ledger.load_state(state["ledger"])
+        scheduler.load_state(state.get("scheduler", {}))
+    counters = _Counters(step=state.get("step", 0), prompts=state.get("prompts", 0))
+
+    progress.message(f"flotilla: run {cfg.name} → {run_dir} ({cfg.mode}, {len(cfg.pools)} pools, "
+                     f"{'resuming at step ' + str(counters.step) if resume else 'starting'})")
+    metrics = MetricsLog(run_dir / "metrics.jsonl")
+    async with AsyncExitStack() as stack:
+        with span("startup", pools=len(cfg.pools)):
+            trainer = await stack.enter_async_context(open_mesh(
+                TrainerActor, trainer_cfg, str(ckpt_dir) if resume else None,
+                procs=1, name="trainer", env=env))
+            pools: dict[str, _Pool] = {}
+            for pc in cfg.pools:
+                procs = 1 if pc.device == "cpu" else pc.count
+                # No initial weights: each sampler waits for the trainer's keyframe (version -1
+                # until then), so a resumed run samples from the resumed weights.
+                mesh = await stack.enter_async_context(open_mesh(
+                    SamplerActor, pc.name, pc.precision, model_cfg, pc.device,
+                    init_seed=None, max_batch=pc.capacity, staleness_budget=pc.staleness_budget,
+                    seed=cfg.seed, procs=procs, name=f"sampler-{pc.name}", env=env))
+                pools[pc.name] = _Pool(pc, mesh, versions=[-1] * procs, in_flight=[0] * procs)
+            envs = await stack.enter_async_context(open_mesh(
+                EnvActor, EnvConfig(step_timeout_s=cfg.task.episode_timeout_s),
+                procs=cfg.task.env_actors, name="env", env=env))
+        version = await trainer[0].version.call_one()
+        loop = _Loop(cfg, trainer[0], pools, envs, scheduler, ledger, progress, metrics, counters,
+                     version, state.get("buffer"))
+        try:
+            await loop.run()
+            if not loop.abandoned:
+                with trio.CancelScope(shield=True):
+                    await _checkpoint(trainer[0], ckpt_dir, loop, ledger, scheduler)
+        finally:
+            metrics.close()
+    _write_reports(run_dir, ledger)
+    result = RunResult(run_dir, counters.step, loop.version, loop.interrupted, loop.buffer.counts(),
+                       time.monotonic() - t0)
+    progress.message(f"flotilla: {'interrupted' if result.interrupted else 'done'} at step "
+                     f"{result.steps_done}, {result.wall_s:.0f}s; reports in {run_dir}")
+    return result
+
+
+async def _checkpoint(trainer: Any, ckpt_dir: Path, loop: _Loop, ledger: Any, scheduler: Any) -> None:
+    """Trainer state first, then the controller's: a resume always finds a consistent pair."""
+    tmp = ckpt_dir.with_name(ckpt_dir.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    await trainer.save_checkpoint.call_one(str(tmp))
+    state = {"step": loop.c.step, "version": loop.version, "prompts": loop.c.prompts,
+             "buffer": _buffer_state_on_disk(loop), "ledger": ledger.state(),
+             "scheduler": scheduler.state()}
+    _write_json_atomic(tmp / STATE_FILE, state)
+    if ckpt_dir.exists():
+        shutil.rmtree(ckpt_dir)
+    os.replace(tmp, ckpt_dir)
+
+
+def _buffer_state_on_disk(loop: _Loop) -> dict[str, int]:
+    # Groups still buffered are not saved: their prompts are simply not trained. They are
+    # counted as abandoned so that in = trained + buffered + abandoned holds across a resume.
+    state = loop.buffer.state()
+    state["groups_abandoned"] += loop.buffer.groups_buffered
+    return state
+
+
+def _write_reports(run_dir: Path, ledger: Any) -> None:
+    report = ledger.report()
+    (run_dir / "cost_report.json").write_text(report.to_json())
+    (run_dir / "cost_report.md").write_text(report.to_markdown())
+
+
+def run(config: RunConfig | str | Path, *, overrides: list[str] | None = None,
+        resume: bool = False, quiet: bool = False) -> RunResult:
+    """Blocking entry point: `from orchestrator import run; run("examples/guess_number.toml")`."""
+    cfg = config if isinstance(config, RunConfig) else load_config(config, overrides)
+    return trio.run(lambda: run_async(cfg, resume=resume, progress=Progress(cfg.steps, quiet=quiet)))
+
+
+def run_from_cli(config: str | None, *, overrides: list[str], steps: int | None, mode: str | None,
+                 resume: str | None, quiet: bool) -> int:
+    extra = list(overrides)
+    if steps is not None:
+        extra.append(f"steps={steps}")
+    if mode is not None:
+        extra.append(f'mode="{mode}"')
+    if resume:
+        cfg = load_config(Path(resume) / "config.json", extra)
+        if Path(resume).resolve() != cfg.run_dir.resolve():
+            cfg = cfg.model_copy(update={"run_root": str(Path(resume).parent), "name": Path(resume).name})
+    else:
+        if config is None:
+            raise ConfigError("flotilla run needs a CONFIG (or --resume RUN_DIR)")
+        cfg = load_config(config, extra)
+    run(cfg, resume=bool(resume), quiet=quiet)
+    return 0
