@@ -182,6 +182,9 @@ class Qwen3Engine:
                 if any(n in touched for n in full):
                     tensors = [get(n) for n in full]
                     layer[key] = tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0).contiguous()
+                    if key in ("q_norm", "k_norm") and "q_norm" in layer and "k_norm" in layer:
+                        layer["qk_norm"] = torch.cat((
+                            layer["q_norm"].expand(self.n_heads, -1), layer["k_norm"].expand(self.n_kv, -1)))
         self._check_shapes()
         self._loaded = True
 
@@ -204,8 +207,11 @@ class Qwen3Engine:
     # ------------------------------------------------------------------ forward
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
-            # Same math as HF's RMSNorm in float32, in one fused kernel.
-            return F.rms_norm(x, (x.shape[-1],), w, self.eps)
+            # Same math as HF's RMSNorm in float32, in one fused kernel; a [heads, d]
+            # weight (q_norm and k_norm stacked) is applied after it.
+            if w.dim() == 1:
+                return F.rms_norm(x, (x.shape[-1],), w, self.eps)
+            return F.rms_norm(x, (x.shape[-1],), None, self.eps) * w
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return w * xf.to(x.dtype)
@@ -218,12 +224,12 @@ class Qwen3Engine:
     def _qkv(self, layer: dict[str, torch.Tensor], h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """h [B, T, H] -> q [B, heads, T, d], k/v [B, kv_heads, T, d] (normed, rotated)."""
         b, t, _ = h.shape
-        qkv = F.linear(h, layer["qkv"])
-        q, k, v = qkv.split((self._q_dim, self._kv_dim, self._kv_dim), dim=-1)
-        q = self._rms(q.view(b, t, self.n_heads, self.head_dim), layer["q_norm"]).transpose(1, 2)
-        k = self._rms(k.view(b, t, self.n_kv, self.head_dim), layer["k_norm"]).transpose(1, 2)
-        v = v.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-        return self._rope(q, cos, sin), self._rope(k, cos, sin), v
+        # q and k heads are normed and rotated together (one op each instead of two).
+        qkv = F.linear(h, layer["qkv"]).view(b, t, self.n_heads + 2 * self.n_kv, self.head_dim)
+        n_qk = self.n_heads + self.n_kv
+        qk = self._rms(qkv[:, :, :n_qk], layer["qk_norm"]).transpose(1, 2)
+        q, k = self._rope(qk, cos, sin).split((self.n_heads, self.n_kv), dim=1)
+        return q, k, qkv[:, :, n_qk:].transpose(1, 2)
 
     def _mlp_block(self, layer: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(self._rms(x, layer["ln2"]), layer["gate_up"]).chunk(2, dim=-1)
