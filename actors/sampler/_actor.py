@@ -194,8 +194,9 @@ class SamplerActor(Actor):
                     changed = None
                     if snapshot is before and new_hashes.keys() == self._hashes.keys():
                         changed = [n for n, h in new_hashes.items() if self._hashes[n] != h]
-                    self._hashes = new_hashes
+                    self._hashes = {}  # until the backend holds these weights: next load is a full one
                     await self._backend.update_weights(snapshot, version, changed)
+                    self._hashes = new_hashes
                     self._updates += 1
                 s.set_attribute("to_version", self._backend.version)
         return self._backend.version
