@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import time
+from dataclasses import dataclass
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -89,13 +90,13 @@ class EpisodeBuilder:
             turns=turns, seconds=seconds)
 
 
+@dataclass(frozen=True)
 class EpisodeLimits:
-    """Timeouts and length cap of an episode (plain values, set by the EnvActor)."""
+    """Timeouts and length cap of an episode (from the EnvActor's config)."""
 
-    def __init__(self, step_timeout_s: float, generate_timeout_s: float, max_seq_len: int) -> None:
-        self.step_timeout_s = step_timeout_s
-        self.generate_timeout_s = generate_timeout_s
-        self.max_seq_len = max_seq_len
+    step_timeout_s: float
+    generate_timeout_s: float
+    max_seq_len: int
 
 
 async def _call_env(env: Environment, fn: Callable[..., Any], *args: Any, timeout: float,
@@ -148,7 +149,8 @@ async def play_episode(
     request. Each assistant turn: one generate call (limited to the environment's
     ``max_new_tokens`` or else ``sampling.max_new_tokens``), then one ``env.step``.
     The episode ends when the environment says done, after ``env.max_turns`` turns,
-    or when the next turn would not fit in ``limits.max_seq_len`` tokens.
+    or when the next turn would not fit in ``limits.max_seq_len`` tokens (a prompt
+    that leaves no room for one turn is a failure).
 
     Errors: an exception from the environment or the sampler, or a timeout, ends
     the episode as ``failed=True`` with the error text and reward 0 (the tokens so
@@ -165,7 +167,14 @@ async def play_episode(
                                       what="reset")
             builder.add_context(chat.prompt(obs))
             max_new = env.max_new_tokens or sampling.max_new_tokens
-            while turns < env.max_turns and len(builder) + max_new <= limits.max_seq_len:
+            if len(builder) + max_new > limits.max_seq_len:
+                raise ValueError(f"prompt of {len(builder)} tokens + max_new_tokens={max_new} "
+                                 f"exceeds max_seq_len={limits.max_seq_len}")
+            pending: list[int] = []   # the next turn's context, appended only if it is played
+            while turns < env.max_turns:
+                if len(builder) + len(pending) + max_new > limits.max_seq_len:
+                    break   # out of context: the episode ends unfinished (not a failure)
+                builder.add_context(pending)
                 request = make_request(
                     request_id=f"{request_prefix}/{turns}", prompt_ids=list(builder.ids),
                     max_new_tokens=max_new, stop_token_ids=chat.stop_ids,
@@ -192,8 +201,8 @@ async def play_episode(
                 reward += float(outcome.reward)
                 if outcome.done:
                     break
-                builder.add_context(chat.close_assistant(result.token_ids)
-                                    + chat.user_turn(outcome.observation))
+                pending = (chat.close_assistant(result.token_ids)
+                           + chat.user_turn(outcome.observation))
             traj = builder.build(task=task, pool=pool, reward=reward, turns=turns,
                                  seconds=time.perf_counter() - t0)
         except Exception as exc:  # environment/sampler errors end the episode, not the actor

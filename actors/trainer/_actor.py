@@ -83,7 +83,9 @@ class TrainerActor(Actor):
         update is all-or-nothing); a cancelled caller only loses the result.
         """
         async with self._lock:
-            with span("train_step", batch=len(batch)) as sp:
+            oldest = min((int(t.versions.min()) for t in batch if t.num_generated), default=None)
+            with span("train_step", batch=len(batch),
+                      staleness_max=-1 if oldest is None else self.trainer.version - oldest) as sp:
                 res = await trio.to_thread.run_sync(self.trainer.train_step, batch)
                 if res.applied:
                     res.publish_seconds, res.publish_bytes = self._publish()

@@ -124,6 +124,13 @@ class Trainer:
         if not keep:
             raise ValueError(f"train_step: none of the {len(batch)} trajectories has generated "
                              f"tokens ({sum(t.failed for t in batch)} failed)")
+        vocab = self.model.config.vocab_size
+        for t in keep:
+            top = max(int(t.tokens.max()),
+                      int(t.support_ids.max()) if t.support_ids.numel() else 0)
+            if top >= vocab or int(t.tokens.min()) < 0:
+                raise ValueError(f"train_step: trajectory {t.prompt_id} has token id {top} "
+                                 f"outside the model's vocabulary (size {vocab})")
         groups = {g: i for i, g in enumerate(sorted({t.group_id for t in keep}))}
         rewards = torch.tensor([t.reward for t in keep], dtype=torch.float64)
         adv = grpo_advantages(rewards, torch.tensor([groups[t.group_id] for t in keep]),

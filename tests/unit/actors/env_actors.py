@@ -26,19 +26,21 @@ __all__ = ["ScriptedSampler"]
 
 
 class ScriptedSampler(Actor):
-    """``policy``: "binary" (guess_number binary search), "sum" (arithmetic answer,
-    then ``<|end|>`` when more than one token is allowed), "words" (always "the")."""
+    """``policy``: "auto" (binary search on guess_number prompts, the right sum on
+    arithmetic prompts, else "words"), "words" (always "the"). The sum is followed
+    by ``<|end|>`` when more than one token is allowed."""
 
-    def __init__(self, policy: str, version: int = 3, pool: str = "scripted") -> None:
+    def __init__(self, policy: str = "auto", version: int = 3, pool: str = "scripted") -> None:
         self.policy, self.version, self.pool = policy, version, pool
         self.chat = default_chat_tokens()
         self.requests: list[GenerateRequest] = []
 
     def _reply(self, req: GenerateRequest) -> list[int]:
         chat = self.chat
-        if self.policy == "binary":
+        prompt = chat.decode(req.prompt_ids[:16])
+        if self.policy == "auto" and prompt.startswith("guess the number from"):
             return [chat.int_id(guess_number_optimal(req.prompt_ids, chat))]
-        if self.policy == "sum":
+        if self.policy == "auto" and prompt.startswith("what is") and "+" in prompt:
             words = chat.decode(req.prompt_ids).split()
             total = int(words[2]) + int(words[4])   # "what is a + b ?"
             return [chat.int_id(total), chat.end_id][: req.max_new_tokens]
@@ -62,6 +64,10 @@ class ScriptedSampler(Actor):
             versions=[self.version] * len(tokens),
             finish_reason="stop" if tokens and tokens[-1] in req.stop_token_ids else "length",
             pool=self.pool, prompt_tokens=len(req.prompt_ids), seconds=0.0)
+
+    @endpoint
+    def set_policy(self, policy: str) -> None:
+        self.policy = policy
 
     @endpoint
     def seen(self) -> list[GenerateRequest]:

@@ -133,3 +133,12 @@ def test_checkpoint_in_process_is_bit_exact(batch: list[Trajectory], tmp_path: P
     assert meta["version"] == 1 and meta["config"]["weight_decay"] == 0.01
     with pytest.raises(FileNotFoundError, match="trainer.json"):
         Trainer(cfg, resume_from=str(tmp_path / "nope"))
+
+
+def test_token_outside_vocabulary_names_the_trajectory(batch: list[Trajectory]) -> None:
+    t = batch[0]
+    tokens = t.tokens.clone()
+    tokens[0] = 10_000
+    bad = t.model_copy(update={"tokens": tokens, "prompt_id": "too-big"})
+    with pytest.raises(ValueError, match="too-big.*10000"):
+        Trainer(TrainerConfig()).train_step([bad])

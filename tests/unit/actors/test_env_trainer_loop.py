@@ -1,0 +1,58 @@
+"""One turn of the RL loop with every real actor: sampler → env → trainer → weights → sampler."""
+from __future__ import annotations
+
+import trio
+
+from actors.env import EnvActor, make_task_specs
+from actors.models import default_model_config
+from actors.sampler import SamplerActor
+from actors.tokenizer import VOCAB_SIZE
+from actors.trainer import TrainerActor, TrainerConfig
+from actors.types import SamplingParams, Trajectory
+from orchestrator.runtime import open_mesh
+
+ENV = {"OMP_NUM_THREADS": "1"}
+
+
+def _valid(t: Trajectory, version: int) -> None:
+    assert not t.failed, t.error
+    assert t.pool == "cpu-bf16" and t.versions.tolist() == [version] * t.num_generated
+    gen = t.tokens[t.loss_mask].tolist()
+    for i, y in enumerate(gen):
+        assert y in t.support_ids[t.support_offsets[i]:t.support_offsets[i + 1]].tolist()
+    assert t.turns == t.num_generated   # one token per guess
+
+
+async def test_sampler_env_trainer_round_trip() -> None:
+    model = default_model_config(VOCAB_SIZE)
+    sampling = SamplingParams(temperature=1.0, top_k=64, top_p=0.97)
+    with trio.fail_after(60):
+        async with open_mesh(TrainerActor, TrainerConfig(model=model), procs=1,
+                             name="trainer", env=ENV) as trainer:
+            keyframe = await trainer[0].keyframe.call_one("bf16")
+            async with open_mesh(SamplerActor, "cpu-bf16", "bf16", model, procs=1, name="sampler",
+                                 env=ENV, initial_weights=keyframe) as sampler, \
+                    open_mesh(EnvActor, procs=1, name="env", env=ENV) as env:
+                specs = make_task_specs("guess_number", 2, 4, seed=7)
+                trajs: list[Trajectory] = []
+
+                async def play(spec: object) -> None:
+                    trajs.append(await env[0].run_episode.call_one(sampler[0], spec, sampling, 0))
+
+                async with trio.open_nursery() as nursery:
+                    for spec in specs:
+                        nursery.start_soon(play, spec)
+                for t in trajs:
+                    _valid(t, 0)
+                result = await trainer[0].train_step.call_one(trajs)
+                assert result.applied and result.version == 1 and result.tokens == sum(
+                    t.num_generated for t in trajs)
+                # the sampler's log q came from bf16 weights, the trainer's p from fp32
+                assert 0 <= result.overall.mismatch_kl < 0.05
+
+                have = await sampler[0].have_version.call_one()
+                update = await trainer[0].updates_for.call_one("sampler0", have, "bf16")
+                assert await sampler[0].apply_weights.call_one(update) == 1
+                await trainer[0].ack.call_one("sampler0", 1)
+                again = await env[0].run_episode.call_one(sampler[0], specs[0], sampling, 1)
+                _valid(again, 1)
