@@ -11,10 +11,11 @@ Two paths with identical results:
 
 * `replay_logprobs(logits[T, V], ...)` gathers from full-vocabulary logits.
 * `replay_logprobs_from_hidden(hidden[T, H], W[V, H], ...)` never forms [T, V]: with
-  U = unique(ids of the micro-batch) it computes z_U = hidden @ W[U]ᵀ (+ b[U]) block by
-  block of rows, keeps only each row's support columns, and in backward rebuilds the
-  block's sparse gradient to form ∂hidden = G @ W[U] and ∂W[U] = Gᵀ @ hidden. Peak extra
-  memory is one [rows_per_block, |U|] block, whatever |U| is.
+  U = unique(ids of the micro-batch) it computes z_U = hidden @ W[U]ᵀ (+ b[U]) tile by
+  tile (row blocks × chunks of U), keeps only each row's support columns, and in
+  backward rebuilds each tile's sparse gradient G to form ∂hidden += G @ W[U_c] and
+  ∂W[U_c] += Gᵀ @ hidden. Besides the [V, H] gradient of W (which any path produces),
+  peak extra memory is a few tiles, whatever |U| is; no [|U|, H] copy of W is held.
 
 All softmax math is float32 (bf16/fp16 inputs are upcast; float64 stays float64).
 Temperature 0 (greedy) records single-id supports, whose log p^S is 0 at any
@@ -38,8 +39,11 @@ __all__ = [
     "segment_logsumexp",
 ]
 
-# Elements of one [rows, |U|] float32 block in the union path (64 MiB).
-_BLOCK_ELEMENTS = 1 << 24
+# One tile of the union path: [rows, cols] with rows·cols <= _TILE_ELEMENTS (16 MiB in
+# float32) and cols <= _COL_CHUNK ids of U; big enough for efficient matmuls, small next
+# to the [V, H] gradient of the LM head.
+_TILE_ELEMENTS = 1 << 22
+_COL_CHUNK = 8192
 
 
 @dataclass(frozen=True)
@@ -114,72 +118,125 @@ def replay_logprobs(
     return _finish(z, support, tokens, row)
 
 
+@dataclass(frozen=True)
+class _Tile:
+    """Rows [t0, t1) × union columns [c0, c1); entries order[e0:e1] fall in it."""
+
+    t0: int
+    t1: int
+    c0: int
+    c1: int
+    e0: int
+    e1: int
+
+
+def _plan(
+    row: Tensor, col: Tensor, n_rows: int, n_union: int, tile_elements: int, col_chunk: int
+) -> tuple[Tensor, Tensor, list[_Tile]]:
+    """Entry permutation grouped by (column chunk, row), each entry's flat index inside
+    its tile, and the non-empty tiles, chunk-major (so each chunk of W is gathered once)."""
+    cols = max(1, min(n_union, col_chunk))
+    rows = max(1, tile_elements // cols)
+    chunk = torch.div(col, cols, rounding_mode="floor")
+    skey, order = torch.sort(chunk * n_rows + row, stable=True)
+    r, c = row[order], col[order]
+    t0 = torch.div(r, rows, rounding_mode="floor") * rows
+    c0 = torch.div(c, cols, rounding_mode="floor") * cols
+    width = torch.clamp(n_union - c0, max=cols)
+    local = (r - t0) * width + (c - c0)
+    starts = [(c0_, t0_) for c0_ in range(0, n_union, cols) for t0_ in range(0, n_rows, rows)]
+    probes = torch.tensor(
+        [(c0_ // cols) * n_rows + t0_ for c0_, t0_ in starts] + [((n_union - 1) // cols + 1) * n_rows],
+        dtype=skey.dtype,
+        device=skey.device,
+    )
+    bounds = torch.searchsorted(skey, probes).tolist()
+    tiles = [
+        _Tile(t0_, min(t0_ + rows, n_rows), c0_, min(c0_ + cols, n_union), bounds[i], bounds[i + 1])
+        for i, (c0_, t0_) in enumerate(starts)
+        if bounds[i + 1] > bounds[i]
+    ]
+    return order, local, tiles
+
+
 class _SupportLogits(torch.autograd.Function):
-    """z_s[e] = hidden[row[e]] · W_U[col[e]] (+ b_U[col[e]]) for every support entry e,
-    computed by row blocks of the dense [rows, |U|] product; nothing of size [T, |U|] is
-    kept for backward."""
+    """z_s[e] = hidden[row[e]] · W[U[col[e]]] (+ b[U[col[e]]]) for every support entry e,
+    computed tile by tile of the dense [T, |U|] product; backward recomputes the W chunks
+    and never keeps anything of size [T, |U|] or [|U|, H]."""
 
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: torch.autograd.function.FunctionCtx,
         hidden: Tensor,
-        w_u: Tensor,
-        b_u: Tensor | None,
-        row: Tensor,
-        col: Tensor,
-        blocks: list[tuple[int, int, int, int]],
+        weight: Tensor,
+        bias: Tensor | None,
+        union: Tensor,
+        order: Tensor,
+        local: Tensor,
+        tiles: list[_Tile],
     ) -> Tensor:
-        dt = _compute_dtype(hidden, w_u)
-        w = w_u.to(dt)
-        b = b_u.to(dt) if b_u is not None else None
-        out = torch.empty(row.numel(), dtype=dt, device=hidden.device)
-        for t0, t1, e0, e1 in blocks:
-            zb = hidden[t0:t1].to(dt) @ w.T
-            if b is not None:
-                zb += b
-            out[e0:e1] = zb[row[e0:e1] - t0, col[e0:e1]]
-        ctx.save_for_backward(hidden, w_u, row, col)
-        ctx.blocks = blocks
-        ctx.has_bias = b_u is not None
+        dt = _compute_dtype(hidden, weight)
+        out_sorted = torch.empty(order.numel(), dtype=dt, device=hidden.device)
+        chunk = (-1, -1)
+        for tl in tiles:
+            if (tl.c0, tl.c1) != chunk:
+                chunk = (tl.c0, tl.c1)
+                ids = union[tl.c0 : tl.c1]
+                w_c = weight.index_select(0, ids).to(dt)
+                b_c = bias.index_select(0, ids).to(dt) if bias is not None else None
+            zb = hidden[tl.t0 : tl.t1].to(dt) @ w_c.T
+            if b_c is not None:
+                zb += b_c
+            out_sorted[tl.e0 : tl.e1] = zb.view(-1).index_select(0, local[tl.e0 : tl.e1])
+        out = torch.empty_like(out_sorted)
+        out[order] = out_sorted
+        ctx.save_for_backward(hidden, weight, union, order, local)
+        ctx.tiles = tiles
+        ctx.has_bias = bias is not None
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor):  # type: ignore[override]
-        hidden, w_u, row, col = ctx.saved_tensors
+        hidden, weight, union, order, local = ctx.saved_tensors
         dt = grad.dtype
-        w = w_u.to(dt)
-        n_u = w_u.shape[0]
+        grad_sorted = grad[order]
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        need_b = need_b and ctx.has_bias
         g_h = torch.zeros(hidden.shape, dtype=dt, device=hidden.device) if need_h else None
-        g_w = torch.zeros(w_u.shape, dtype=dt, device=w_u.device) if need_w else None
-        g_b = torch.zeros(n_u, dtype=dt, device=w_u.device) if (need_b and ctx.has_bias) else None
-        for t0, t1, e0, e1 in ctx.blocks:
-            gb = torch.zeros(t1 - t0, n_u, dtype=dt, device=grad.device)
-            gb.index_put_((row[e0:e1] - t0, col[e0:e1]), grad[e0:e1], accumulate=True)
-            if g_h is not None:
-                g_h[t0:t1] = gb @ w
+        g_w = torch.zeros(weight.shape, dtype=dt, device=weight.device) if need_w else None
+        g_b = torch.zeros(weight.shape[0], dtype=dt, device=weight.device) if need_b else None
+        tiles: list[_Tile] = ctx.tiles
+        i = 0
+        while i < len(tiles):
+            c0, c1 = tiles[i].c0, tiles[i].c1
+            ids = union[c0:c1]
+            w_c = weight.index_select(0, ids).to(dt)
+            acc_w = torch.zeros(c1 - c0, weight.shape[1], dtype=dt, device=weight.device) if need_w else None
+            acc_b = torch.zeros(c1 - c0, dtype=dt, device=weight.device) if need_b else None
+            while i < len(tiles) and (tiles[i].c0, tiles[i].c1) == (c0, c1):
+                tl = tiles[i]
+                gb = torch.zeros(tl.t1 - tl.t0, c1 - c0, dtype=dt, device=grad.device)
+                # (row, id) pairs are unique (SupportRecord.check), so a plain copy suffices.
+                gb.view(-1).index_copy_(0, local[tl.e0 : tl.e1], grad_sorted[tl.e0 : tl.e1])
+                if g_h is not None:
+                    g_h[tl.t0 : tl.t1].addmm_(gb, w_c)
+                if acc_w is not None:
+                    acc_w.addmm_(gb.T, hidden[tl.t0 : tl.t1].to(dt))
+                if acc_b is not None:
+                    acc_b += gb.sum(0)
+                i += 1
+            # U is unique, so each chunk owns its rows of the gradient outright.
             if g_w is not None:
-                g_w.addmm_(gb.T, hidden[t0:t1].to(dt))
+                g_w.index_copy_(0, ids, acc_w)
             if g_b is not None:
-                g_b += gb.sum(0)
+                g_b.index_copy_(0, ids, acc_b)
         return (
             g_h.to(hidden.dtype) if g_h is not None else None,
-            g_w.to(w_u.dtype) if g_w is not None else None,
-            g_b.to(w_u.dtype) if g_b is not None else None,
-            None,
-            None,
-            None,
-        )
-
-
-def _blocks(offsets: list[int], n_union: int, block_elements: int) -> list[tuple[int, int, int, int]]:
-    n_rows = len(offsets) - 1
-    step = max(1, block_elements // max(1, n_union))
-    return [
-        (t0, min(t0 + step, n_rows), offsets[t0], offsets[min(t0 + step, n_rows)])
-        for t0 in range(0, n_rows, step)
-    ]
+            g_w.to(weight.dtype) if g_w is not None else None,
+            g_b.to(weight.dtype) if g_b is not None else None,
+            None, None, None, None,
+        )  # fmt: skip
 
 
 def replay_logprobs_from_hidden(
@@ -190,11 +247,15 @@ def replay_logprobs_from_hidden(
     temperature: float,
     lm_head_bias: Tensor | None = None,
     *,
-    block_elements: int = _BLOCK_ELEMENTS,
+    tile_elements: int = _TILE_ELEMENTS,
+    col_chunk: int = _COL_CHUNK,
 ) -> ReplayResult:
     """Union path: log p^S from final hidden states [T, H] and the LM head W [V, H]
     (+ optional bias [V]) without materialising [T, V]; equal to
     `replay_logprobs(hidden @ W.T + b, ...)`, gradients included (to hidden, W and b).
+
+    tile_elements / col_chunk bound one tile of the [T, |U|] product (memory vs matmul
+    efficiency); results do not depend on them beyond float rounding.
 
     Raises ValueError on shape mismatch, a malformed record, or a token outside its row.
     """
@@ -218,10 +279,9 @@ def replay_logprobs_from_hidden(
     scale = _scale(support, temperature)
     row = support.row_index()
     union, col = torch.unique(support.ids.long(), return_inverse=True)
-    w_u = lm_head_weight.index_select(0, union)
-    b_u = lm_head_bias.index_select(0, union) if lm_head_bias is not None else None
-    blocks = _blocks(support.offsets.tolist(), union.numel(), block_elements)
-    z = _SupportLogits.apply(hidden, w_u, b_u, row, col, blocks) * scale
+    order, local, tiles = _plan(row, col, support.n_rows, union.numel(), tile_elements, col_chunk)
+    z = _SupportLogits.apply(hidden, lm_head_weight, lm_head_bias, union, order, local, tiles)
+    z = z * scale
     return _finish(z, support, tokens, row)
 
 

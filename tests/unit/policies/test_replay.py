@@ -12,7 +12,6 @@ from policies import (
     sample_with_support,
     segment_logsumexp,
 )
-from policies.replay import _SupportLogits
 
 
 def _problem(t=48, h=24, v=400, seed=0, dtype=torch.float32, bias=True):
@@ -36,12 +35,12 @@ def _grads(result, leaves, gen_seed=1):
     return torch.autograd.grad(obj, [x for x in leaves if x is not None])
 
 
-@pytest.mark.parametrize("block_elements", [1 << 24, 500, 1])
-def test_union_path_equals_full_path_float32(block_elements: int) -> None:
+@pytest.mark.parametrize(("tile_elements", "col_chunk"), [(1 << 22, 8192), (500, 8192), (300, 37), (1, 1)])
+def test_union_path_equals_full_path_float32(tile_elements: int, col_chunk: int) -> None:
     hidden, weight, bias, tokens, support = _problem()
     full = replay_logprobs(hidden @ weight.T + bias, support, tokens, 0.8)
     union = replay_logprobs_from_hidden(
-        hidden, weight, support, tokens, 0.8, bias, block_elements=block_elements
+        hidden, weight, support, tokens, 0.8, bias, tile_elements=tile_elements, col_chunk=col_chunk
     )
     torch.testing.assert_close(union.logp_support, full.logp_support, atol=1e-5, rtol=0)
     torch.testing.assert_close(union.logp_token, full.logp_token, atol=1e-5, rtol=0)
@@ -80,20 +79,23 @@ def test_bfloat16_inputs_match_float32_math() -> None:
     assert r.logp_support.dtype == torch.float32 and torch.isfinite(r.logp_support).all()
 
 
-def test_support_logits_gradcheck_float64() -> None:
+@pytest.mark.parametrize(("tile_elements", "col_chunk"), [(1 << 22, 8192), (6, 3), (1, 1)])
+def test_union_path_gradcheck_float64(tile_elements: int, col_chunk: int) -> None:
     gen = torch.Generator().manual_seed(2)
-    hidden = torch.randn(5, 3, dtype=torch.float64, generator=gen, requires_grad=True)
-    w_u = torch.randn(4, 3, dtype=torch.float64, generator=gen, requires_grad=True)
-    b_u = torch.randn(4, dtype=torch.float64, generator=gen, requires_grad=True)
-    row = torch.tensor([0, 0, 1, 2, 2, 2, 3, 4, 4])
-    col = torch.tensor([1, 3, 0, 0, 1, 2, 3, 2, 0])
-    offsets = [0, 2, 3, 6, 7, 9]
-    for step in (1, 2, 5):
-        blocks = [(t0, min(t0 + step, 5), offsets[t0], offsets[min(t0 + step, 5)]) for t0 in range(0, 5, step)]
-        assert torch.autograd.gradcheck(
-            lambda h, w, b, blocks=blocks: _SupportLogits.apply(h, w, b, row, col, blocks),
-            (hidden, w_u, b_u),
-        )
+    hidden = torch.randn(6, 3, dtype=torch.float64, generator=gen, requires_grad=True)
+    weight = torch.randn(11, 3, dtype=torch.float64, generator=gen, requires_grad=True)
+    bias = torch.randn(11, dtype=torch.float64, generator=gen, requires_grad=True)
+    tokens, support = sample_with_support(
+        (hidden @ weight.T).detach(), temperature=1.0, top_k=5, top_p=0.9, generator=gen
+    )
+    assert support.counts().max() > 1
+
+    def f(h, w, b):
+        return replay_logprobs_from_hidden(
+            h, w, support, tokens, 0.7, b, tile_elements=tile_elements, col_chunk=col_chunk
+        ).logp_support
+
+    assert torch.autograd.gradcheck(f, (hidden, weight, bias))
 
 
 def test_token_outside_support_names_position() -> None:
