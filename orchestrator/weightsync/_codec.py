@@ -40,7 +40,7 @@ __all__ = ["Snapshot", "apply", "decode_keyframe", "encode_delta", "encode_keyfr
 Snapshot = dict[str, torch.Tensor]
 T = TypeVar("T")
 
-DEFAULT_CHUNK_BYTES = 1 << 20
+DEFAULT_CHUNK_BYTES = 4 << 20
 _MIN_CHUNK = 4096
 
 

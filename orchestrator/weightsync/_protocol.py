@@ -16,10 +16,11 @@ from one thread at a time, e.g. via `trio.to_thread.run_sync`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+from typing_extensions import Buffer
 
 from ._codec import DEFAULT_CHUNK_BYTES, Snapshot, apply, decode_keyframe, encode_delta, encode_keyframe
 from ._errors import StructureMismatchError, UnknownReceiverError, VersionError
@@ -270,7 +271,22 @@ class WeightReceiver:
 
     def apply(self, message: WeightMessage) -> int:
         """Apply one message; returns the version now held (then acknowledge it)."""
+        return self._guarded(lambda: message)
+
+    def apply_frames(self, frames: Sequence[Buffer]) -> int:
+        """Parse ZeroMQ frames (`WeightMessage.to_frames`) and apply them. A
+        message that does not parse is refused like any other: MalformedMessageError,
+        weights kept, `needs_keyframe` set."""
+        return self._guarded(lambda: WeightMessage.from_frames(frames))
+
+    def apply_bytes(self, data: Buffer) -> int:
+        """Parse a safetensors container (`WeightMessage.to_bytes`) and apply it,
+        with the same refusal rules as `apply_frames`."""
+        return self._guarded(lambda: WeightMessage.from_bytes(data))
+
+    def _guarded(self, get: Callable[[], WeightMessage]) -> int:
         try:
+            message = get()
             self._apply(message)
         except BaseException:
             # DeltaErrors leave the weights intact; anything else (MemoryError,
