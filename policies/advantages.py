@@ -12,6 +12,8 @@ simply make a group smaller); a group of equal rewards gets A = 0 exactly, never
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -20,19 +22,27 @@ __all__ = ["grpo_advantages"]
 
 @torch.no_grad()
 def grpo_advantages(
-    rewards: Tensor, group_ids: Tensor, *, normalize_std: bool = False, eps: float = 1e-6
+    rewards: Tensor,
+    group_ids: Tensor | Sequence[int] | Sequence[str],
+    *,
+    normalize_std: bool = False,
+    eps: float = 1e-6,
 ) -> Tensor:
     """Group-mean-centred advantages, float32 [N] (see the module docstring).
 
     Args:
         rewards: float [N] scalar reward per rollout.
-        group_ids: int [N] group (prompt) of each rollout; any integer labels.
+        group_ids: group (prompt) of each rollout: an int tensor [N] or a sequence of
+            ints or strings (e.g. `Trajectory.group_id`); any labels.
         normalize_std: divide by the group std + eps.
         eps: > 0, guards the division.
 
     Raises:
         ValueError: shape mismatch, non-finite rewards, or eps <= 0.
     """
+    if not isinstance(group_ids, Tensor):
+        labels = {g: i for i, g in enumerate(dict.fromkeys(group_ids))}
+        group_ids = torch.tensor([labels[g] for g in group_ids], dtype=torch.long, device=rewards.device)
     if rewards.dim() != 1 or group_ids.shape != rewards.shape:
         raise ValueError(
             f"rewards and group_ids must both have shape [N], got {tuple(rewards.shape)} "

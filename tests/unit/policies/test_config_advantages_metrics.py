@@ -70,6 +70,8 @@ def test_grpo_advantages_group_mean_variable_sizes() -> None:
     torch.testing.assert_close(adv, expect)
     for g in groups.unique():
         assert abs(float(adv[groups == g].sum())) < 1e-6
+    names = [f"prompt-{int(g)}" for g in groups]
+    torch.testing.assert_close(grpo_advantages(rewards, names), expect)
 
 
 def test_grpo_advantages_std_normalisation_and_equal_rewards() -> None:
