@@ -193,11 +193,11 @@ async def play_episode(
                 builder.add_generated(result.token_ids, result.support_ids,
                                       result.support_offsets, result.support_logq,
                                       result.versions)
-                turns += 1
-                with span("env.step", task=task.task, pool=pool, turn=turns):
+                turn, turns = turns, turns + 1
+                with span("env.step", task=task.task, pool=pool, turn=turn, kind="step"):
                     outcome = _as_outcome(await _call_env(
                         env, env.step, chat.decode(result.token_ids), list(result.token_ids),
-                        timeout=limits.step_timeout_s, what=f"step (turn {turns})"))
+                        timeout=limits.step_timeout_s, what=f"step (turn {turn})"))
                 reward += float(outcome.reward)
                 if outcome.done:
                     break

@@ -27,6 +27,7 @@ import torch
 
 from actors.models import build_model, default_model_config
 from actors.tokenizer import VOCAB_SIZE
+from actors.trainer import _checkpoint
 from actors.trainer._config import StepResult, TrainerConfig
 from actors.trainer._packing import MicroBatch, pack
 from actors.types import Trajectory
@@ -53,8 +54,6 @@ class Trainer:
     """
 
     def __init__(self, config: TrainerConfig, resume_from: str | None = None) -> None:
-        from actors.trainer import _checkpoint
-
         self.config = config
         self.device = torch.device(config.device)
         if resume_from is not None:
@@ -196,8 +195,6 @@ class Trainer:
 
     def save_checkpoint(self, directory: str) -> str:
         """Write weights, optimizer state, version, RNG state and config to ``directory``."""
-        from actors.trainer import _checkpoint
-
         return _checkpoint.save(self, directory)
 
 
