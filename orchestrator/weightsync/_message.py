@@ -18,9 +18,8 @@ import struct
 from collections.abc import Sequence
 from typing import Literal
 
-from typing_extensions import Buffer
-
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from typing_extensions import Buffer
 
 from ._errors import MalformedMessageError
 
@@ -125,10 +124,23 @@ class WeightMessage:
         self._json: bytes | None = None
         _check_frames(meta, self.frames)
 
-    version = property(lambda self: self.meta.version, doc="Version this message brings a receiver to.")
-    base_version = property(lambda self: self.meta.base_version, doc="Required base version; None for a keyframe.")
-    precision = property(lambda self: self.meta.precision, doc="Wire precision.")
-    is_keyframe = property(lambda self: self.meta.is_keyframe, doc="True for a full snapshot.")
+    @property
+    def version(self) -> int:
+        """Version this message brings a receiver to."""
+        return self.meta.version
+
+    @property
+    def base_version(self) -> int | None:
+        """Version a delta must be applied to; None for a keyframe."""
+        return self.meta.base_version
+
+    @property
+    def precision(self) -> Precision:
+        return self.meta.precision
+
+    @property
+    def is_keyframe(self) -> bool:
+        return self.meta.is_keyframe
 
     @property
     def meta_json(self) -> bytes:
