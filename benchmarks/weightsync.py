@@ -53,11 +53,25 @@ def build_model(quick: bool) -> torch.nn.Module:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     dims = (
-        dict(vocab_size=8192, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4)
+        dict(
+            vocab_size=8192,
+            hidden_size=256,
+            intermediate_size=768,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+        )
         if quick
-        else dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12)
+        else dict(
+            vocab_size=32000,
+            hidden_size=768,
+            intermediate_size=2048,
+            num_hidden_layers=12,
+            num_attention_heads=12,
+        )
     )
-    cfg = Qwen3Config(**dims, num_key_value_heads=4, head_dim=64, tie_word_embeddings=False, max_position_embeddings=512)
+    cfg = Qwen3Config(
+        **dims, num_key_value_heads=4, head_dim=64, tie_word_embeddings=False, max_position_embeddings=512
+    )
     torch.manual_seed(0)
     return Qwen3ForCausalLM(cfg).float()
 
@@ -98,7 +112,9 @@ def naive_xor_zstd(prev: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) 
 
 
 def same_bytes(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[n].view(torch.uint8), b[n].view(torch.uint8)) for n in a)
+    return a.keys() == b.keys() and all(
+        torch.equal(a[n].view(torch.uint8), b[n].view(torch.uint8)) for n in a
+    )
 
 
 class Wire:
@@ -160,8 +176,10 @@ def main() -> None:
 
     wires = {p: Wire(p, master()) for p in ("bf16", "fp8")}
     keyframe_ratio = wires["bf16"].raw / wires["bf16"].keyframe.nbytes
-    print(f"model: {params / 1e6:.1f} M params, bf16 snapshot {wires['bf16'].raw / 1e6:.1f} MB, "
-          f"fp8 snapshot {wires['fp8'].raw / 1e6:.1f} MB, bf16 keyframe ratio {keyframe_ratio:.2f}x")  # fmt: skip
+    print(
+        f"model: {params / 1e6:.1f} M params, bf16 snapshot {wires['bf16'].raw / 1e6:.1f} MB, "
+        f"fp8 snapshot {wires['fp8'].raw / 1e6:.1f} MB, bf16 keyframe ratio {keyframe_ratio:.2f}x"
+    )
     head = (
         f"{'step':>4} {'lr':>6} {'chg%':>6} {'wire MB':>8} {'raw/wire':>8} {'/bound':>6} {'enc GB/s':>8} "
         f"{'app GB/s':>8} {'zstd raw':>8} {'xor+zstd':>8} | {'fp8 chg%':>8} {'fp8 wire':>8} {'fp8 r/w':>7} "
@@ -184,7 +202,8 @@ def main() -> None:
         print(
             f"{step:>4} {lr:>6.0e} {100 * b['changed_frac']:>6.3f} {b['wire'] / 1e6:>8.3f} "
             f"{b['raw'] / b['wire']:>8.1f} {8 * b['wire'] / b['bound_bits']:>6.3f} {b['enc_gbps']:>8.2f} "
-            f"{b['apply_gbps']:>8.2f} {b['raw'] / b['plain_zstd']:>8.2f} {b['raw'] / b['naive_xor_zstd']:>8.1f} | "
+            f"{b['apply_gbps']:>8.2f} {b['raw'] / b['plain_zstd']:>8.2f} "
+            f"{b['raw'] / b['naive_xor_zstd']:>8.1f} | "
             f"{100 * f['changed_frac']:>8.3f} {f['wire'] / 1e6:>8.3f} {f['raw'] / f['wire']:>7.1f} "
             f"{8 * f['wire'] / f['bound_bits']:>6.3f} {f['enc_gbps']:>5.2f} {f['apply_gbps']:>5.2f}",
             flush=True,

@@ -34,7 +34,15 @@ import zstandard
 
 from ._errors import CorruptPayloadError
 
-__all__ = ["HASHERS", "Workspace", "decode_xor_into", "default_hash_algo", "encode_chunk", "tree_hash", "word_dtype"]
+__all__ = [
+    "HASHERS",
+    "Workspace",
+    "decode_xor_into",
+    "default_hash_algo",
+    "encode_chunk",
+    "tree_hash",
+    "word_dtype",
+]
 
 _DENSE, _GAPS, _BITMAP = 0, 1, 2
 _BLOCK = 1 << 18  # words per bitmap-decode step, bounding its int64 positions
@@ -132,7 +140,9 @@ def _from_planes(planes: np.ndarray, dtype: np.dtype, n: int) -> np.ndarray:
     return out
 
 
-def _gap_changes(old: np.ndarray | None, new: np.ndarray, ws: Workspace) -> tuple[np.ndarray, np.ndarray] | None:
+def _gap_changes(
+    old: np.ndarray | None, new: np.ndarray, ws: Workspace
+) -> tuple[np.ndarray, np.ndarray] | None:
     """(positions, x values) of changed words when the gaps layout fits, else None.
 
     Scans 8-byte groups first: np.flatnonzero costs ~1 ns per element scanned,

@@ -31,7 +31,15 @@ from typing import TypeVar
 import numpy as np
 import torch
 
-from ._chunks import HASHERS, Workspace, decode_xor_into, default_hash_algo, encode_chunk, tree_hash, word_dtype
+from ._chunks import (
+    HASHERS,
+    Workspace,
+    decode_xor_into,
+    default_hash_algo,
+    encode_chunk,
+    tree_hash,
+    word_dtype,
+)
 from ._errors import DeltaError, HashMismatchError, MalformedMessageError, StructureMismatchError
 from ._message import MessageMeta, Precision, TensorMeta, WeightMessage
 
@@ -225,7 +233,9 @@ def encode_keyframe(
     )  # fmt: skip
 
 
-def _plan(message: WeightMessage, target: Mapping[str, torch.Tensor]) -> tuple[list[np.ndarray], list[_Chunk]]:
+def _plan(
+    message: WeightMessage, target: Mapping[str, torch.Tensor]
+) -> tuple[list[np.ndarray], list[_Chunk]]:
     """Validate message against target and cut it into chunk jobs. Raises before any write."""
     meta = message.meta
     if meta.hash_algo not in HASHERS:
@@ -251,7 +261,9 @@ def _plan(message: WeightMessage, target: Mapping[str, torch.Tensor]) -> tuple[l
         w = _words(t, tm.name)
         spans = _split(w.size, w.dtype.itemsize, meta.chunk_bytes)
         if len(spans) != len(tm.chunks):
-            raise MalformedMessageError(f"{len(tm.chunks)} chunks listed, {len(spans)} expected", tensor=tm.name)
+            raise MalformedMessageError(
+                f"{len(tm.chunks)} chunks listed, {len(spans)} expected", tensor=tm.name
+            )
         words.append(w)
         for j, (s, e) in enumerate(spans):
             chunks.append(_Chunk(i, j, frame, s, e))
@@ -296,7 +308,6 @@ def _apply(message: WeightMessage, target: Mapping[str, torch.Tensor], *, thread
     hasher = HASHERS[meta.hash_algo]
     frames = message.frames
     name = [t.name for t in meta.tensors]
-    cb = meta.chunk_bytes
 
     def xor_job(c: _Chunk, *, digest: bool) -> Callable[[Workspace], bytes]:
         def job(ws: Workspace) -> bytes:
@@ -346,8 +357,11 @@ def decode_keyframe(message: WeightMessage, *, threads: int = 2) -> Snapshot:
     CorruptPayloadError, HashMismatchError; nothing is returned then.
     """
     if not message.is_keyframe:
-        raise MalformedMessageError(f"decode_keyframe needs a keyframe, got a delta from {message.base_version}")
-    snapshot: Snapshot = {tm.name: torch.zeros(tm.shape, dtype=_dtype(tm.dtype, tm.name)) for tm in message.meta.tensors}
+        raise MalformedMessageError(
+            f"decode_keyframe needs a keyframe, got a delta from {message.base_version}"
+        )
+    snapshot: Snapshot = {
+        tm.name: torch.zeros(tm.shape, dtype=_dtype(tm.dtype, tm.name)) for tm in message.meta.tensors
+    }
     _apply(message, snapshot, threads=threads, fresh=True)
     return snapshot
-

@@ -181,7 +181,9 @@ class WeightPublisher:
         peer.acked = version
         self._collect()
 
-    def updates_for(self, receiver_id: str, have_version: int | None, precision: Precision) -> list[WeightMessage]:
+    def updates_for(
+        self, receiver_id: str, have_version: int | None, precision: Precision
+    ) -> list[WeightMessage]:
         """Messages that take a receiver holding `have_version` (None: nothing
         trustworthy, e.g. `WeightReceiver.have_version` after a failure) to the
         latest version: the delta chain or the newest keyframe plus the deltas
@@ -192,7 +194,9 @@ class WeightPublisher:
         if peer is None:
             self._peers[receiver_id] = _Peer(precision, None)
         elif peer.precision != precision:
-            raise StructureMismatchError(f"receiver {receiver_id!r} registered for {peer.precision}, asks for {precision}")
+            raise StructureMismatchError(
+                f"receiver {receiver_id!r} registered for {peer.precision}, asks for {precision}"
+            )
         if self._latest is None:
             return []
         self._check_published(have_version)
@@ -210,7 +214,9 @@ class WeightPublisher:
     def _track(self, precision: Precision) -> _Track:
         track = self._tracks.get(precision)
         if track is None:
-            raise StructureMismatchError(f"precision {precision!r} is not published (have {list(self.precisions)})")
+            raise StructureMismatchError(
+                f"precision {precision!r} is not published (have {list(self.precisions)})"
+            )
         return track
 
     def _check_published(self, version: int | None) -> None:
@@ -223,7 +229,12 @@ class WeightPublisher:
         for p, track in self._tracks.items():
             if track.keyframe is None:
                 continue
-            floor = min([track.keyframe.version, *(r.acked for r in self._peers.values() if r.precision == p and r.acked is not None)])
+            floor = min(
+                [
+                    track.keyframe.version,
+                    *(r.acked for r in self._peers.values() if r.precision == p and r.acked is not None),
+                ]
+            )
             for base in [b for b in track.deltas if b < floor]:
                 del track.deltas[base]
 
@@ -243,7 +254,12 @@ class WeightReceiver:
     """
 
     def __init__(
-        self, precision: Precision, snapshot: Snapshot | None = None, version: int | None = None, *, threads: int = 2
+        self,
+        precision: Precision,
+        snapshot: Snapshot | None = None,
+        version: int | None = None,
+        *,
+        threads: int = 2,
     ) -> None:
         if (snapshot is None) != (version is None):
             raise ValueError("give both snapshot and version, or neither")
@@ -315,10 +331,14 @@ class WeightReceiver:
                 apply(message, snap, threads=self._threads)
         else:
             if snap is None:
-                raise VersionError(f"delta {message.base_version}->{message.version} but no weights held: need a keyframe")
+                raise VersionError(
+                    f"delta {message.base_version}->{message.version} but no weights held: need a keyframe"
+                )
             if message.base_version != held:
                 kind = "gap" if message.base_version > held else "out-of-order delta"  # type: ignore[operator]
-                raise VersionError(f"{kind}: delta {message.base_version}->{message.version}, receiver at {held}")
+                raise VersionError(
+                    f"{kind}: delta {message.base_version}->{message.version}, receiver at {held}"
+                )
             apply(message, snap, threads=self._threads)
         self._version = message.version
 

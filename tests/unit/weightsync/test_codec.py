@@ -133,7 +133,9 @@ def test_malformed_containers_are_rejected() -> None:
     cases = {
         "no frames": lambda: WeightMessage.from_frames([]),
         "bad json": lambda: WeightMessage.from_frames([b"{not json", *frames[1:]]),
-        "bad meta": lambda: WeightMessage.from_frames([frames[0].replace(b'"version":1', b'"version":-1'), *frames[1:]]),
+        "bad meta": lambda: WeightMessage.from_frames(
+            [frames[0].replace(b'"version":1', b'"version":-1'), *frames[1:]]
+        ),
         "missing frame": lambda: WeightMessage.from_frames(frames[:-1]),
         "extra frame": lambda: WeightMessage.from_frames([*frames, b"x"]),
         "short frame": lambda: WeightMessage.from_frames([*frames[:2], bytes(frames[2])[:-1], *frames[3:]]),

@@ -77,7 +77,9 @@ def test_fp8_snapshot_follows_the_rule() -> None:
         else:
             assert snap[name].dtype == torch.float8_e4m3fn, name
             assert snap[f"{name}_scale_inv"].dtype == torch.float32
-    assert set(snap) == set(master) | {f"{n}_scale_inv" for n in master if snap[n].dtype == torch.float8_e4m3fn}
+    assert set(snap) == set(master) | {
+        f"{n}_scale_inv" for n in master if snap[n].dtype == torch.float8_e4m3fn
+    }
     everything = fp8_wire_snapshot(master, skip=())
     assert everything["lm_head.weight"].dtype == torch.float8_e4m3fn
 
@@ -93,9 +95,9 @@ def test_wire_snapshots_are_fresh_copies() -> None:
 
 
 def test_bad_inputs_are_named() -> None:
-    with pytest.raises(ValueError, match="'x'.*2-D"):
+    with pytest.raises(ValueError, match=r"'x'.*2-D"):
         quantize_fp8(torch.ones(3), name="x")
-    with pytest.raises(ValueError, match="'y'.*non-finite"):
+    with pytest.raises(ValueError, match=r"'y'.*non-finite"):
         quantize_fp8(torch.tensor([[1.0, float("nan")]]), name="y")
     q, s = quantize_fp8(torch.ones(130, 10))
     with pytest.raises(ValueError, match="scale_inv shape"):
