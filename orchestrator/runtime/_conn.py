@@ -180,8 +180,11 @@ class Connection:
             self.fail(ActorDied(self.name, self.rank, f"handshake with {self.address} failed"))
 
     def fail(self, exc: ActorDied, *, sticky: bool = False) -> None:
-        """Mark dead and fail every pending call with ``exc``."""
-        self.dead = exc
+        """Mark dead and fail every pending call with ``exc`` (the first reason is kept)."""
+        if self.dead is None:
+            self.dead = exc
+        else:
+            exc = self.dead
         self.sticky = self.sticky or sticky
         pending, self.pending = self.pending, {}
         for p in pending.values():

@@ -18,7 +18,7 @@ from typing import Any
 import zmq
 import zmq.auth
 
-__all__ = ["Curve", "default_identity", "start_authenticator"]
+__all__ = ["Curve", "default_identity", "set_default_identity", "start_authenticator"]
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,13 @@ def default_identity() -> Curve | None:
     if _identity is None:
         _identity = Curve.from_env()
     return _identity
+
+
+def set_default_identity(curve: Curve) -> None:
+    """Use ``curve`` for handles that arrive without one, unless an identity is already set."""
+    global _identity
+    if default_identity() is None:
+        _identity = curve
 
 
 class _Allowed:

@@ -21,7 +21,7 @@ from pydantic import BaseModel
 from ._actor import Actor, EndpointDef, _Spec, endpoints_of
 from ._calls import EndpointRef
 from ._conn import Connection, Pending, connection
-from ._curve import Curve, default_identity
+from ._curve import Curve, default_identity, set_default_identity
 from ._errors import ActorDied, ActorError
 from ._proc import ActorProcess, child_env, spawn_local, stop_all
 from ._wire import encode, register_handle_decoder
@@ -65,8 +65,10 @@ class Mesh(Generic[A]):
     """
 
     def __init__(self, name: str, cls_path: str, endpoints: list[str], addresses: list[str],
-                 keys: list[str | None], owner: _Owner | None = None) -> None:
+                 keys: list[str | None], owner: _Owner | None = None,
+                 identity: Curve | None = None) -> None:
         self.name = name
+        self._identity = identity  # client keypair for tcp; None: this process's default
         self._cls_path = cls_path
         self._ep_names = endpoints
         self._addresses = addresses
@@ -160,7 +162,7 @@ class Mesh(Generic[A]):
         key = self._keys[rank]
         return connection(self._addresses[rank], name=self.name, rank=rank,
                           server_key=key.encode() if key else None,
-                          identity=default_identity() if key else None)
+                          identity=(self._identity or default_identity()) if key else None)
 
     # -- supervision ----------------------------------------------------------------
     def respawn(self, rank: int) -> None:
@@ -217,7 +219,8 @@ def _loaded_actor(path: str) -> type[Actor] | None:
     module, _, qual = path.partition(":")
     obj: Any = sys.modules.get(module)  # never import on behalf of a message
     for part in qual.split("."):
-        obj = getattr(obj, part, None) if obj is not None and not part.startswith("_") else None
+        ok = obj is not None and not part.startswith("_") and hasattr(obj, "__dict__")
+        obj = vars(obj).get(part) if ok else None  # no module __getattr__ for a message
     return obj if isinstance(obj, type) and issubclass(obj, Actor) else None
 
 
@@ -286,7 +289,7 @@ class _Owner:
         async def one(rank: int) -> None:
             try:
                 await self.start(rank)
-            except (ActorDied, ActorError, OSError) as exc:
+            except Exception as exc:  # noqa: BLE001 - re-raised below, unwrapped
                 errors[rank] = exc
                 nursery.cancel_scope.cancel()
 
@@ -448,12 +451,15 @@ async def _mesh_lifetime(cls: type[A], cls_path: str, name: str, procs: int,
         for h in hosts or ():
             host_meshes.append(Mesh(f"host {h.address}", "orchestrator.runtime.host:HostActor",
                                     ["spawn", "wait_exit", "stop", "signal"], [h.address],
-                                    [h.public_key]))
+                                    [h.public_key], identity=curve))
         keys: list[str | None] = [
             host_meshes[r % len(host_meshes)]._keys[0] if host_meshes
             else curve.public.decode() if curve is not None and transport == "tcp" else None
             for r in range(procs)]
-        mesh: Mesh[A] = Mesh(name, cls_path, list(endpoints_of(cls)), [""] * procs, keys)
+        mesh: Mesh[A] = Mesh(name, cls_path, list(endpoints_of(cls)), [""] * procs, keys,
+                             identity=curve)
+        if curve is not None:
+            set_default_identity(curve)
         owner = _Owner(name=name, cls_path=cls_path, procs=procs, init=init,
                        nursery=nursery, env=dict(env or {}), transport=transport, curve=curve,
                        hosts=host_meshes, tcp_host=tcp_host, grace=grace, on_death=on_death,

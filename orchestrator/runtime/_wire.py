@@ -267,8 +267,8 @@ def _decode_tensor(x: dict[str, Any], fr: _Frames, where: str) -> Any:
         raw = torch.frombuffer(bytearray(buf), dtype=torch.uint8)
     else:
         raw = torch.frombuffer(buf, dtype=torch.uint8)  # zero-copy; keeps the frame alive
-        if raw.data_ptr() % 64:
-            raw = raw.clone()  # typed kernels want aligned storage
+        if raw.data_ptr() % dtype.itemsize:
+            raw = raw.clone()  # ZeroMQ buffers are 8-byte aligned: only complex128 copies
     return raw.view(dtype).reshape(shape)
 
 
@@ -292,7 +292,8 @@ def _loaded_class(path: str) -> type[BaseModel] | None:
     for part in qual.split("."):
         if obj is None or part.startswith("__"):
             return None
-        obj = getattr(obj, part, None)
+        # vars(), not getattr(): a module __getattr__ (lazy imports) must not run for a message
+        obj = vars(obj).get(part) if hasattr(obj, "__dict__") else None
     if isinstance(obj, type) and issubclass(obj, BaseModel):
         return obj
     return None

@@ -1,0 +1,158 @@
+"""Process lifetimes: death detection, respawn, cleanup on every exit path, idle CPU."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import psutil
+import pytest
+import trio
+
+from orchestrator.runtime import ActorDied, ActorError, open_mesh
+
+from ._actors import BadInit, Counter, Gate
+
+
+def _gone(pids: list[int]) -> bool:
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                return False
+        except psutil.NoSuchProcess:
+            continue
+    return True
+
+
+def _children() -> list[psutil.Process]:
+    return [c for c in psutil.Process().children(recursive=True)
+            if "orchestrator.runtime._child" in " ".join(c.cmdline())]
+
+
+async def test_sigkill_fails_pending_and_later_calls_until_respawn() -> None:
+    deaths: list[ActorDied] = []
+    with trio.fail_after(40):
+        async with open_mesh(Gate, procs=2, on_death=deaths.append) as mesh:
+            pid = await mesh[0].pid.call_one()
+            errors: list[BaseException] = []
+
+            async def pending() -> None:
+                try:
+                    await mesh[0].wait.call_one()
+                except ActorDied as exc:
+                    errors.append(exc)
+
+            async with trio.open_nursery() as nursery:
+                for _ in range(5):
+                    nursery.start_soon(pending)
+                await mesh[0].wait_parked.call_one(5)
+                os.kill(pid, signal.SIGKILL)
+                deadline = trio.current_time() + 5
+            assert trio.current_time() < deadline  # every pending call failed within 5 s
+            assert len(errors) == 5
+            assert all(e.rank == 0 and ("SIGKILL" in e.reason or "lost" in e.reason)
+                       for e in errors)
+            assert [d.rank for d in deaths] == [0]
+            assert mesh.dead_ranks == [0]
+            with trio.fail_after(1):
+                with pytest.raises(ActorDied, match=r"gate\[0\] died"):
+                    await mesh[0].pid.call_one()
+                with pytest.raises(ActorDied):
+                    await mesh.pid.call()
+            assert await mesh.pid.choose() == await mesh[1].pid.call_one()  # skips the dead
+            mesh.respawn(0)
+            new_pid = await mesh[0].pid.call_one()
+            assert new_pid != pid
+            assert await mesh[0].counts.call_one() == {"parked": 0, "cancelled": 0}
+            assert mesh.dead_ranks == []
+
+
+async def test_pending_calls_fail_within_five_seconds_of_kill() -> None:
+    with trio.fail_after(30):
+        async with open_mesh(Gate) as mesh:
+            pid = await mesh[0].pid.call_one()
+            async with trio.open_nursery() as nursery:
+                async def killer() -> None:
+                    await mesh[0].wait_parked.call_one(1)
+                    os.kill(pid, signal.SIGKILL)
+                nursery.start_soon(killer)
+                with trio.fail_after(5), pytest.raises(ActorDied):
+                    await mesh[0].wait.call_one()
+
+
+async def test_leaving_normally_stops_every_child() -> None:
+    with trio.fail_after(30):
+        async with open_mesh(Counter, 0, procs=3) as mesh:
+            pids = await mesh.pid.call()
+            assert len(set(pids)) == 3
+        assert _gone(pids)
+        assert _children() == []
+
+
+async def test_leaving_by_exception_stops_every_child() -> None:
+    pids: list[int] = []
+    with trio.fail_after(30):
+        with pytest.raises(RuntimeError, match="body failed"):
+            async with open_mesh(Counter, 0, procs=2) as mesh:
+                pids = await mesh.pid.call()
+                raise RuntimeError("body failed")
+        assert pids and _gone(pids)
+        assert _children() == []
+
+
+async def test_leaving_by_cancellation_stops_every_child() -> None:
+    pids: list[int] = []
+    with trio.fail_after(30):
+        with trio.CancelScope() as scope:
+            async with open_mesh(Counter, 0, procs=2) as mesh:
+                pids = await mesh.pid.call()
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(mesh[0].block.call_one)  # a call in flight
+                    scope.cancel()
+        assert scope.cancelled_caught
+        assert pids and _gone(pids)
+        assert _children() == []
+
+
+async def test_child_ignoring_sigterm_is_killed_after_grace() -> None:
+    with trio.fail_after(30):
+        async with open_mesh(Counter, 0, grace=0.5) as mesh:
+            pid = await mesh[0].pid.call_one()
+            # a process stuck in blocking code cannot run its SIGTERM handler
+            psutil.Process(pid).suspend()
+        assert _gone([pid])
+
+
+async def test_constructor_error_raises_actor_error_and_cleans_up() -> None:
+    with trio.fail_after(30):
+        with pytest.raises(ActorError, match="constructor failed"):
+            async with open_mesh(BadInit, procs=2):
+                pytest.fail("body must not run")
+        assert _children() == []
+
+
+async def test_bad_actor_class_and_arguments_fail_at_the_caller() -> None:
+    class Local(Counter):
+        pass
+
+    with trio.fail_after(5):
+        with pytest.raises(TypeError, match="top level"):
+            async with open_mesh(Local, 0):
+                pass
+        with pytest.raises(TypeError, match="missing a required argument"):
+            async with open_mesh(Counter):
+                pass
+        with pytest.raises(TypeError, match="cannot send"):
+            async with open_mesh(Counter, object()):
+                pass
+
+
+async def test_idle_mesh_burns_no_cpu() -> None:
+    with trio.fail_after(30):
+        async with open_mesh(Counter, 0, procs=2) as mesh:
+            procs = [psutil.Process(pid) for pid in await mesh.pid.call()]
+            before = sum(p.cpu_times().user + p.cpu_times().system for p in procs)
+            await trio.sleep(5)  # the measurement window itself, not a synchronisation
+            after = sum(p.cpu_times().user + p.cpu_times().system for p in procs)
+            assert after - before < 0.1
+            assert await mesh.value.call() == [0, 0]

@@ -1,0 +1,129 @@
+"""tcp + CurveZMQ: allowed clients work, others are refused; actor hosts spawn remotely."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+import trio
+import trio.testing
+
+from orchestrator.runtime import ActorDied, Curve, HostSpec, open_mesh
+from orchestrator.runtime._conn import Connection
+
+from ._actors import Counter, Relay
+
+
+async def test_curve_mesh_serves_allowed_and_refuses_unknown_keys() -> None:
+    curve = Curve.generate()
+    with trio.fail_after(30):
+        async with open_mesh(Counter, 0, procs=2, transport="tcp", curve=curve) as mesh:
+            assert all(a.startswith("tcp://127.0.0.1:") for a in mesh.addresses)
+            assert await mesh.incr.call(2) == [2, 2]
+            # actors of the mesh call each other with the mesh's own key
+            async with open_mesh(Relay, transport="tcp", curve=curve) as relay:
+                assert await relay[0].via_mesh.call_one(mesh, 1) == [3, 3]
+            rogue = Connection(mesh.addresses[0], name="rogue", rank=0, server_key=curve.public,
+                               identity=Curve.generate(), connect_timeout=None)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(rogue.run)
+                p = rogue.request({"k": "call", "e": "incr", "a": [100]}, [], reply=True)
+                assert p is not None
+                with trio.fail_after(5):
+                    await p.wait()
+                assert isinstance(p.error, ActorDied), p.header
+                assert "CurveZMQ authentication failed" in p.error.reason
+                with pytest.raises(ActorDied, match="refused"):
+                    rogue.request({"k": "call", "e": "incr", "a": [100]}, [], reply=True)
+                rogue.scope.cancel()
+            assert await mesh.value.call() == [3, 3]  # the rogue call never ran
+
+
+async def test_tcp_needs_curve() -> None:
+    with trio.fail_after(5), pytest.raises(ValueError, match="curve"):
+        async with open_mesh(Counter, 0, transport="tcp"):
+            pass
+
+
+async def _start_host(keys: Path) -> tuple[trio.Process, HostSpec]:
+    proc = await trio.lowlevel.open_process(
+        [sys.executable, "-m", "orchestrator.runtime.host", "--bind", "tcp://127.0.0.1:0",
+         "--keys", str(keys)], stdout=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path)})
+    assert proc.stdout is not None
+    out = b""
+    while out.count(b"\n") < 2:
+        chunk = await proc.stdout.receive_some()
+        assert chunk, f"host exited early: {out!r}"
+        out += chunk
+    key_line, addr_line = out.decode().splitlines()[:2]
+    public = key_line.rsplit(" ", 1)[1]
+    address = addr_line.rsplit(" ", 1)[1]
+    return proc, HostSpec(address=address, public_key=public)
+
+
+async def test_actor_host_spawns_watches_and_stops_actors(tmp_path: Path) -> None:
+    controller = Curve.generate()
+    keys = tmp_path / "host-keys"
+    (keys / "allowed").mkdir(parents=True)
+    (keys / "allowed" / "controller.key").write_text(
+        f'metadata\ncurve\n    public-key = "{controller.public.decode()}"\n')
+    with trio.fail_after(60):
+        host, spec = await _start_host(keys)
+        try:
+            assert spec.public_key == Curve.from_dir(keys).public.decode()
+            died = trio.Event()
+            reasons: list[str] = []
+
+            def on_death(exc: ActorDied) -> None:
+                reasons.append(exc.reason)
+                died.set()
+
+            async with open_mesh(Counter, 5, procs=2, hosts=[spec], curve=controller,
+                                 on_death=on_death) as mesh:
+                assert await mesh.incr.call(1) == [6, 6]
+                pids = await mesh.pid.call()
+                assert all(psutil.Process(p).ppid() == host.pid for p in pids)
+                pending_errors: list[BaseException] = []
+
+                async def pending() -> None:
+                    try:
+                        await mesh[1].block.call_one()
+                    except ActorDied as exc:
+                        pending_errors.append(exc)
+
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(pending)
+                    await trio.testing.wait_all_tasks_blocked()
+                    os.kill(pids[1], signal.SIGKILL)
+                    with trio.fail_after(5):
+                        await died.wait()
+                assert len(pending_errors) == 1
+                assert reasons == ["killed by SIGKILL"]
+                with pytest.raises(ActorDied, match="SIGKILL"):
+                    await mesh[1].incr.call_one(1)
+                mesh.respawn(1)
+                assert await mesh[1].incr.call_one(2) == 7
+                pids = await mesh.pid.call()
+            for pid in pids:
+                with pytest.raises(psutil.NoSuchProcess):
+                    psutil.Process(pid).status()
+            # a controller whose key the host does not know is refused
+            with pytest.raises(ActorDied, match="refused"):
+                async with open_mesh(Counter, 0, hosts=[spec], curve=Curve.generate()):
+                    pass
+        finally:
+            host.send_signal(signal.SIGTERM)
+            with trio.move_on_after(10):
+                await host.wait()
+            if host.returncode is None:
+                host.kill()
+                await host.wait()
+    assert host.returncode == 0
+    shutil.rmtree(keys)

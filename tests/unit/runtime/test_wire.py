@@ -1,0 +1,157 @@
+"""Wire format: tensors bit-exact (incl. 256 MB), malformed messages, no torch at import."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import torch
+import trio
+import zmq
+
+from orchestrator.runtime import WireError, open_mesh
+from orchestrator.runtime._wire import decode, dumps, encode
+
+from ._actors import Echo
+
+torch.set_num_threads(1)
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.int32, torch.int64, torch.bool]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _random(dtype: torch.dtype, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=g) > 0.5
+    if dtype in (torch.int32, torch.int64):
+        return torch.randint(-2**31, 2**31 - 1, shape, generator=g, dtype=dtype)
+    t = torch.randn(shape, generator=g) * 100
+    return t.clamp(-448, 448).to(dtype)
+
+
+def _roundtrip(value: Any) -> Any:
+    frames: list[Any] = []
+    tree = encode(value, frames)
+    header = dumps({"v": tree})
+    return decode(json.loads(header)["v"], [header, *[bytes(f) for f in frames]])
+
+
+def test_encode_decode_in_process() -> None:
+    g = torch.Generator().manual_seed(0)
+    for dtype in DTYPES:
+        t = _random(dtype, (3, 5), g)
+        back = _roundtrip({"t": t, "col": t[:, 1]})  # a non-contiguous view too
+        assert back["t"].dtype == dtype and back["t"].shape == (3, 5)
+        assert torch.equal(_bits(back["t"]), _bits(t))
+        assert torch.equal(_bits(back["col"]), _bits(t[:, 1]))
+    scalar = _roundtrip(torch.tensor(3.5))
+    assert scalar.shape == () and scalar.item() == 3.5
+    empty = _roundtrip(torch.zeros(0, 4, dtype=torch.int64))
+    assert empty.shape == (0, 4) and empty.dtype == torch.int64
+    back = _roundtrip(torch.arange(10))
+    back += 1  # received tensors are writable
+    assert back.tolist() == list(range(1, 11))
+
+
+def test_encode_rejects_unsupported_values_naming_the_position() -> None:
+    with pytest.raises(TypeError, match=r"value\['x'\]\[1\]: cannot send a value of type"):
+        encode({"x": [1, object()]}, [])
+    with pytest.raises(TypeError, match="only dense tensors"):
+        encode(torch.eye(3).to_sparse(), [])
+
+
+@pytest.mark.parametrize("tree, frames, match", [
+    ({"__t": "bytes", "f": 1, "n": 10**15}, [b"abc"], "declared"),
+    ({"__t": "bytes", "f": 5, "n": 3}, [b"abc"], "out of range"),
+    ({"__t": "tensor", "d": "float32", "s": [10**6, 10**6], "f": 1, "n": 4}, [b"abcd"], "needs"),
+    ({"__t": "tensor", "d": "object", "s": [1], "f": 1, "n": 8}, [b"12345678"], "dtype"),
+    ({"__t": "tensor", "d": "int64", "s": [-1], "f": 1, "n": 8}, [b"12345678"], "shape"),
+    ([{"__t": "bytes", "f": 1, "n": 3}, {"__t": "bytes", "f": 1, "n": 3}], [b"abc"], "twice"),
+    ([1, 2], [b"unreferenced"], "references 0"),
+    ({"__t": "model", "c": "os:system", "v": {}}, [], None),
+    ({"__t": "handle", "v": {"kind": "nope"}}, [], "handle"),
+    ({"__t": "eval", "v": "1+1"}, [], "unknown tag"),
+])
+def test_decode_rejects_inconsistent_messages(tree: Any, frames: list[bytes],
+                                              match: str | None) -> None:
+    if match is None:  # a class path naming a non-model is not resolved: fields arrive as a dict
+        assert decode(tree, [b"{}", *frames]) == {}
+        return
+    with pytest.raises(WireError, match=match):
+        decode(tree, [b"{}", *frames])
+
+
+async def test_tensors_round_trip_bit_exact_through_an_actor() -> None:
+    g = torch.Generator().manual_seed(1)
+    with trio.fail_after(60):
+        async with open_mesh(Echo) as mesh:
+            batch = {str(d): _random(d, (7, 33), g) for d in DTYPES}
+            batch["nan"] = torch.tensor([float("nan"), -0.0, float("inf")])
+            back = await mesh[0].echo.call_one(batch)
+            assert back.keys() == batch.keys()
+            for k, t in batch.items():
+                assert back[k].dtype == t.dtype and back[k].shape == t.shape, k
+                assert torch.equal(_bits(back[k]), _bits(t)), k
+            typed = await mesh[0].tensor.call_one(batch[str(torch.bfloat16)])
+            assert torch.equal(_bits(typed), _bits(batch[str(torch.bfloat16)]))
+            big = torch.arange(64 * 2**20, dtype=torch.int32)
+            big[::4096] = torch.randint(0, 2**31 - 1, (big[::4096].numel(),), generator=g,
+                                        dtype=torch.int32)
+            assert big.numel() * 4 == 256 * 2**20
+            back_big = await mesh[0].tensor.call_one(big.view(torch.float32))
+            assert torch.equal(back_big.view(torch.int32), big)
+
+
+async def _recv(sock: zmq.Socket[Any]) -> list[bytes]:
+    while not sock.get(zmq.EVENTS) & zmq.POLLIN:
+        await trio.lowlevel.wait_readable(sock.getsockopt(zmq.FD))
+    return sock.recv_multipart(zmq.NOBLOCK)
+
+
+async def test_malformed_messages_are_rejected_and_actor_keeps_serving() -> None:
+    bad_messages = [
+        ([b"not json at all"], None),
+        ([b"[1, 2, 3]"], None),
+        ([b""], None),
+        ([b'{"i": 1, "k": "call", "e": "echo", "a": [{"__t": "bytes", "f": 1, "n": 5}]}'], 1),
+        ([b'{"i": 2, "k": "call", "e": "echo", "a": [1]}', b"extra frame"], 2),
+        ([b'{"i": 3, "k": "call", "e": "echo", "a": [{"__t": "tensor", "d": "float32", '
+          b'"s": [1000000000, 1000000], "f": 1, "n": 4000000000000000}]}', b"tiny"], 3),
+        ([b'{"i": 4, "k": "call", "e": "no_such_endpoint", "a": []}'], 4),
+        ([b'{"i": 5, "k": "call", "e": "echo", "a": "not a list"}'], 5),
+        ([b'{"i": 6, "k": "launch_missiles"}'], 6),
+        ([b'{"i": "x", "k": "call", "e": "echo", "a": [1]}'], None),
+        ([b'{"i": 7, "k": "init", "a": [], "w": {}}'], 7),  # a second init is refused
+        ([b'{"i": 8, "k": "call", "e": "scale", "a": [[1.0]], "w": {"bogus": 1}}'], 8),
+    ]
+    with trio.fail_after(30):
+        async with open_mesh(Echo) as mesh:
+            sock = zmq.Context.instance().socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(mesh.addresses[0])
+            try:
+                for frames, rid in bad_messages:
+                    sock.send_multipart(frames)
+                    reply = await _recv(sock)
+                    header = json.loads(reply[0])
+                    assert header["k"] == "bad", frames
+                    assert header["i"] == rid, frames
+                    assert header["m"]
+                    assert await mesh[0].echo.call_one(42) == 42
+                sock.send_multipart([b'{"i": 9, "k": "cancel"}'])  # unknown cancel: ignored
+                assert await mesh[0].scale.call_one([1.5]) == [3.0]
+            finally:
+                sock.close()
+
+
+def test_importing_orchestrator_does_not_import_torch() -> None:
+    code = ("import orchestrator, orchestrator.runtime, sys; "
+            "assert 'torch' not in sys.modules, 'torch imported'; "
+            "assert 'opentelemetry' not in sys.modules, 'otel imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
