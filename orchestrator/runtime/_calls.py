@@ -182,8 +182,11 @@ class EndpointRef(Generic[P, R]):
 
 
 class _Stream(AsyncIterator[Any]):
-    """Replies of one ``stream`` call. Breaking out early abandons the outstanding calls
-    only if ``aclose()`` is called; otherwise their replies are dropped on arrival."""
+    """Replies of one ``stream`` call, in completion order.
+
+    Breaking out of the loop early leaves the other calls running unless
+    ``aclose()`` is called (which abandons them); their replies are dropped.
+    """
 
     def __init__(self, ref: EndpointRef[Any, Any], header: dict[str, Any],
                  frames: list[Any]) -> None:
@@ -191,30 +194,33 @@ class _Stream(AsyncIterator[Any]):
         self._header = header
         self._frames = frames
         self._sent = False
-        self._outstanding: dict[int, Pending] = {}
+        self._pending: list[Pending] = []
+        self._remaining = 0
         self._done: deque[Pending] = deque()
         self._wakeup = trio.Event()
 
     def _sink(self, p: Pending) -> None:
-        self._outstanding.pop(id(p), None)
+        # May run inside a later request's send (replies are drained there too).
+        self._remaining -= 1
         self._done.append(p)
         self._wakeup.set()
 
     async def _send(self) -> None:
         self._sent = True
+        self._remaining = len(self._ref._ranks)
         for rank in self._ref._ranks:
             conn = await self._ref._mesh._connection(rank)
             p = conn.request(dict(self._header), self._frames, reply=True, sink=self._sink,
                              rank=rank)
             assert p is not None
-            self._outstanding[id(p)] = p
+            self._pending.append(p)
 
     async def __anext__(self) -> Any:
         try:
             if not self._sent:
                 await self._send()
             while not self._done:
-                if not self._outstanding:
+                if self._remaining == 0:
                     raise StopAsyncIteration
                 self._wakeup = trio.Event()
                 await self._wakeup.wait()
@@ -226,7 +232,9 @@ class _Stream(AsyncIterator[Any]):
             raise
 
     async def aclose(self) -> None:
-        outstanding, self._outstanding = self._outstanding, {}
-        for p in outstanding.values():
-            p.abandon()
+        pending, self._pending = self._pending, []
+        for p in pending:
+            if not p.done:
+                p.abandon()
+        self._remaining = 0
         self._done.clear()

@@ -31,8 +31,14 @@ def _children() -> list[psutil.Process]:
 
 async def test_sigkill_fails_pending_and_later_calls_until_respawn() -> None:
     deaths: list[ActorDied] = []
+    died = trio.Event()
+
+    def on_death(exc: ActorDied) -> None:
+        deaths.append(exc)
+        died.set()
+
     with trio.fail_after(40):
-        async with open_mesh(Gate, procs=2, on_death=deaths.append) as mesh:
+        async with open_mesh(Gate, procs=2, on_death=on_death) as mesh:
             pid = await mesh[0].pid.call_one()
             errors: list[BaseException] = []
 
@@ -52,7 +58,9 @@ async def test_sigkill_fails_pending_and_later_calls_until_respawn() -> None:
             assert len(errors) == 5
             assert all(e.rank == 0 and ("SIGKILL" in e.reason or "lost" in e.reason)
                        for e in errors)
-            assert [d.rank for d in deaths] == [0]
+            with trio.fail_after(5):
+                await died.wait()  # the owner learns of the death (supervision hook)
+            assert [(d.rank, d.reason) for d in deaths] == [(0, "killed by SIGKILL")]
             assert mesh.dead_ranks == [0]
             with trio.fail_after(1):
                 with pytest.raises(ActorDied, match=r"gate\[0\] died"):
