@@ -1,0 +1,231 @@
+"""Actor runtime benchmark: Flotilla's runtime next to Monarch and Ray, same echo actor.
+
+What: round-trip time of a small ``call_one`` (p50, p99), throughput of 1,000
+concurrent small calls, and the echo of a 16 MB and a 256 MB tensor (GB/s
+counting both directions), on this runtime (ipc) and, when importable, on
+Monarch (``torchmonarch``) and Ray (``pip install -e '.[bench]'``).
+
+Why: every controller <-> actor interaction rides this path. Targets (issue 2):
+``rtt_p50_us`` <= 150 and at least 5x below Monarch's; ``echo16_gbps`` >= 2.
+
+How: ``python benchmarks/actors.py [--quick] [--no-peers]``. Each peer runs in
+its own subprocess (``--peer monarch|ray``) and is reported absent when it is
+not installed or fails. The last line of output is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from orchestrator.runtime import Actor, endpoint  # noqa: E402
+
+MB = 1 << 20
+
+
+class EchoActor(Actor):
+    """Returns what it is given (the same actor on every runtime)."""
+
+    @endpoint
+    async def echo(self, x: Any) -> Any:
+        return x
+
+
+def _pct(samples: list[float], q: float) -> float:
+    s = sorted(samples)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def _sizes(quick: bool) -> dict[str, int]:
+    return {"rtt": 500 if quick else 3000, "conc_rounds": 3 if quick else 7,
+            "echo16": 3 if quick else 7, "echo256": 1 if quick else 3}
+
+
+def _tensor(nbytes: int) -> Any:
+    import torch
+
+    return torch.ones(nbytes // 4, dtype=torch.float32)
+
+
+# -- Flotilla ------------------------------------------------------------------------
+async def _flotilla(quick: bool) -> dict[str, float]:
+    import trio
+
+    from benchmarks.actors import EchoActor as Echo  # importable by the actor process
+    from orchestrator.runtime import open_mesh
+
+    n = _sizes(quick)
+    out: dict[str, float] = {}
+    async with open_mesh(Echo, name="echo", env={"OMP_NUM_THREADS": "1"}) as mesh:
+        ep = mesh[0].echo
+        for _ in range(200):
+            await ep.call_one(1)
+        rtts = []
+        for i in range(n["rtt"]):
+            t = time.perf_counter()
+            await ep.call_one(i)
+            rtts.append(time.perf_counter() - t)
+        out["rtt_p50_us"] = _pct(rtts, 0.5) * 1e6
+        out["rtt_p99_us"] = _pct(rtts, 0.99) * 1e6
+
+        async def one(i: int) -> None:
+            assert await ep.call_one(i) == i
+
+        rates = []
+        for _ in range(n["conc_rounds"]):
+            t = time.perf_counter()
+            async with trio.open_nursery() as nursery:
+                for i in range(1000):
+                    nursery.start_soon(one, i)
+            rates.append(1000 / (time.perf_counter() - t))
+        out["calls_per_s"] = statistics.median(rates)
+        for key, size, reps in (("echo16_gbps", 16 * MB, n["echo16"]),
+                                ("echo256_gbps", 256 * MB, n["echo256"])):
+            x = _tensor(size)
+            await ep.call_one(x[: 1024])  # the actor imports torch on its first tensor
+            speeds = []
+            for _ in range(reps):
+                t = time.perf_counter()
+                back = await ep.call_one(x)
+                speeds.append(2 * size / (time.perf_counter() - t) / 1e9)
+                assert back.shape == x.shape
+                del back
+            out[key] = statistics.median(speeds)
+            del x
+    return out
+
+
+# -- Monarch -------------------------------------------------------------------------
+def _monarch(quick: bool) -> dict[str, float]:
+    from monarch.actor import Actor as MActor
+    from monarch.actor import endpoint as mendpoint
+    from monarch.actor import this_host
+
+    class MonarchEcho(MActor):
+        @mendpoint
+        async def echo(self, x: Any) -> Any:
+            return x
+
+    n = _sizes(quick)
+
+    async def run() -> dict[str, float]:
+        procs = this_host().spawn_procs(per_host={"procs": 1})
+        actor = procs.spawn("echo", MonarchEcho)
+        try:
+            for _ in range(50):
+                await actor.echo.call_one(1)
+            rtts = []
+            for i in range(n["rtt"] // 5):
+                t = time.perf_counter()
+                await actor.echo.call_one(i)
+                rtts.append(time.perf_counter() - t)
+            x = _tensor(16 * MB)
+            await actor.echo.call_one(x)
+            speeds = []
+            for _ in range(n["echo16"]):
+                t = time.perf_counter()
+                await actor.echo.call_one(x)
+                speeds.append(2 * 16 * MB / (time.perf_counter() - t) / 1e9)
+            return {"monarch_rtt_p50_us": _pct(rtts, 0.5) * 1e6,
+                    "monarch_rtt_p99_us": _pct(rtts, 0.99) * 1e6,
+                    "monarch_echo16_gbps": statistics.median(speeds)}
+        finally:
+            await procs.stop()
+
+    return asyncio.run(run())
+
+
+# -- Ray -----------------------------------------------------------------------------
+def _ray(quick: bool) -> dict[str, float]:
+    import ray
+
+    n = _sizes(quick)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:
+        @ray.remote
+        class RayEcho:
+            def echo(self, x: Any) -> Any:
+                return x
+
+        actor = RayEcho.remote()
+        for _ in range(50):
+            ray.get(actor.echo.remote(1))
+        rtts = []
+        for i in range(n["rtt"] // 5):
+            t = time.perf_counter()
+            ray.get(actor.echo.remote(i))
+            rtts.append(time.perf_counter() - t)
+        x = _tensor(16 * MB)
+        ray.get(actor.echo.remote(x))
+        speeds = []
+        for _ in range(n["echo16"]):
+            t = time.perf_counter()
+            ray.get(actor.echo.remote(x))
+            speeds.append(2 * 16 * MB / (time.perf_counter() - t) / 1e9)
+        return {"ray_rtt_p50_us": _pct(rtts, 0.5) * 1e6, "ray_rtt_p99_us": _pct(rtts, 0.99) * 1e6,
+                "ray_echo16_gbps": statistics.median(speeds)}
+    finally:
+        ray.shutdown()
+
+
+def _run_peer(peer: str, quick: bool) -> dict[str, float]:
+    """Run one peer in a subprocess so its runtime cannot disturb ours (or crash the run)."""
+    cmd = [sys.executable, __file__, "--peer", peer] + (["--quick"] if quick else [])
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=25 if quick else 180,
+                              env={**os.environ, "RAY_DISABLE_USAGE_STATS": "1"})
+    except subprocess.TimeoutExpired:
+        print(f"{peer}: timed out, reported absent", file=sys.stderr)
+        return {}
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        print(f"{peer}: absent ({proc.stderr.strip().splitlines()[-1:]})", file=sys.stderr)
+        return {}
+    return json.loads(lines[-1])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="fewer repetitions (< 60 s)")
+    p.add_argument("--no-peers", action="store_true", help="measure only this runtime")
+    p.add_argument("--peer", choices=["monarch", "ray"], help=argparse.SUPPRESS)
+    args = p.parse_args()
+    import torch
+
+    torch.set_num_threads(1)
+    if args.peer:
+        result = _monarch(args.quick) if args.peer == "monarch" else _ray(args.quick)
+        print(json.dumps(result))
+        return
+    import trio
+
+    result: dict[str, Any] = trio.run(_flotilla, args.quick)
+    print(f"flotilla: rtt p50 {result['rtt_p50_us']:.0f} us, p99 {result['rtt_p99_us']:.0f} us, "
+          f"{result['calls_per_s']:.0f} calls/s, echo 16 MB {result['echo16_gbps']:.2f} GB/s, "
+          f"256 MB {result['echo256_gbps']:.2f} GB/s", file=sys.stderr)
+    if not args.no_peers:
+        for peer in ("monarch", "ray"):
+            figures = _run_peer(peer, args.quick)
+            if figures:
+                print(f"{peer}: " + ", ".join(f"{k} {v:.2f}" for k, v in figures.items()),
+                      file=sys.stderr)
+            result.update(figures)
+    if "monarch_rtt_p50_us" in result:
+        result["rtt_speedup_vs_monarch"] = result["monarch_rtt_p50_us"] / result["rtt_p50_us"]
+    print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}))
+
+
+if __name__ == "__main__":
+    main()
