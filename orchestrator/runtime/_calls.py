@@ -117,7 +117,7 @@ class EndpointRef(Generic[P, R]):
                              "(mesh[i]) or use call/choose")
         rank = self._ranks[0]
         header, frames = self._header("call", args, kwargs)
-        conn = await self._mesh._connection(rank)
+        conn = self._mesh._ready_connection(rank) or await self._mesh._connection(rank)
         p = conn.request(header, frames, reply=True, rank=rank)
         assert p is not None
         return await self._wait(p)

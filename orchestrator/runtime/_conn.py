@@ -118,7 +118,7 @@ class Connection:
         mon.connect(mon_addr)
         sock.connect(address)
         self.z = ZSocket(sock, self._on_reply, close_on_exit=False)
-        self._mon = ZSocket(mon, self._on_event, close_on_exit=False)
+        self._mon = ZSocket(mon, self._on_event, close_on_exit=False, copy_parts=2)
 
     # -- sending ---------------------------------------------------------------
     def request(self, header: dict[str, Any], frames: list[Any], *, reply: bool,
@@ -152,7 +152,7 @@ class Connection:
     # -- receiving -------------------------------------------------------------
     def _on_reply(self, frames: list[Any]) -> None:
         try:
-            header = loads(frames[0].bytes)
+            header = loads(frames[0])
         except ValueError as exc:
             log(f"{self.name}[{self.rank}]: dropped a malformed reply: {exc}")
             return
@@ -164,7 +164,7 @@ class Connection:
         p._done()
 
     def _on_event(self, frames: list[Any]) -> None:
-        ev = parse_monitor_message([f.bytes for f in frames])["event"]
+        ev = parse_monitor_message(frames)["event"]
         if ev == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self.connected = True
             if self.dead is not None and not self.sticky:

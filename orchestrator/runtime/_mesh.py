@@ -143,6 +143,14 @@ class Mesh(Generic[A]):
             raise _copy(slot.died)
         return slot.conn
 
+    def _ready_connection(self, rank: int) -> Connection | None:
+        """Fast path: the owner's live connection, else None (then use ``_connection``)."""
+        owner = self._owner
+        if owner is None:
+            return None
+        slot = owner.slots[rank]
+        return slot.conn if slot.state == "live" else None
+
     def _live_connection(self, rank: int) -> Connection | None:
         """The connection if usable now, None while restarting; ActorDied if dead."""
         if self._owner is None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import traceback
 from typing import Any
 
+import outcome
 import trio
 import zmq
 
@@ -27,6 +28,7 @@ from ._zsock import ZSocket, log
 __all__ = ["Server", "exception_info"]
 
 _SCALARS = (int, float, str, bool, type(None))
+_MAX_IDLE = 32  # idle worker tasks kept for reuse
 
 
 def exception_info(exc: BaseException) -> dict[str, str]:
@@ -52,11 +54,12 @@ class Server:
         self.actor: Actor | None = None
         self.ready = trio.Event()
         self.running: dict[tuple[bytes, Any], trio.CancelScope] = {}
-        self.z = ZSocket(sock, self._on_message)
+        self.z = ZSocket(sock, self._on_message, copy_parts=2)
         self._nursery: trio.Nursery | None = None
         self._next_seq = 0
         self._started = 0
         self._turns: dict[int, trio.Event] = {}
+        self._idle: list[trio.lowlevel.Task] = []
         self._init_spec = _Spec(cls.__init__, f"{cls.__qualname__}.__init__")
 
     async def serve(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -87,8 +90,9 @@ class Server:
     def _answer(self, ident: bytes, rid: Any, value: Any, spec: _Spec | None) -> None:
         frames: list[Any] = []
         try:
-            tree = encode(value, frames, where="return value" if spec is None
-                          else f"{spec.qualname} return value")
+            tree = value if type(value) in _SCALARS else encode(
+                value, frames, where="return value" if spec is None
+                else f"{spec.qualname} return value")
         except TypeError as exc:
             self._reply(ident, {"i": rid, "k": "err", "x": exception_info(exc)})
             return
@@ -105,9 +109,9 @@ class Server:
         if len(frames) < 2:
             log(f"{self.name}[{self.rank}]: dropped a message with {len(frames)} frame(s)")
             return
-        ident = frames[0].bytes
+        ident = frames[0]
         try:
-            header = loads(frames[1].bytes)
+            header = loads(frames[1])
         except WireError as exc:
             self._bad(ident, None, str(exc))
             return
@@ -152,8 +156,12 @@ class Server:
             with _tracing.remote_parent(tp):
                 self._run_sync(ep, ident, rid, args, kwargs, reply)
             return
-        assert self._nursery is not None
-        self._nursery.start_soon(self._run, seq, ep, ident, rid, args, kwargs, reply, tp)
+        job = (seq, ep, ident, rid, args, kwargs, reply, tp)
+        if self._idle:
+            trio.lowlevel.reschedule(self._idle.pop(), outcome.Value(job))
+        else:
+            assert self._nursery is not None
+            self._nursery.start_soon(self._worker, job)
 
     def _decode_args(self, header: dict[str, Any], frames: list[Any]
                      ) -> tuple[list[Any], dict[str, Any]]:
@@ -189,6 +197,24 @@ class Server:
         nxt = self._turns.pop(seq + 1, None)
         if nxt is not None:
             nxt.set()
+
+    async def _worker(self, job: tuple[Any, ...]) -> None:
+        """Run calls; then wait, idle, for the next one (reusing tasks is cheaper than spawning).
+
+        At most ``_MAX_IDLE`` workers wait; each call still runs in its own cancel scope.
+        """
+        task = trio.lowlevel.current_task()
+
+        def abort(_: Any) -> trio.lowlevel.Abort:
+            self._idle.remove(task)
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        while True:
+            await self._run(*job)
+            if len(self._idle) >= _MAX_IDLE:
+                return
+            self._idle.append(task)
+            job = await trio.lowlevel.wait_task_rescheduled(abort)
 
     async def _run(self, seq: int, ep: EndpointDef[Any, Any], ident: bytes, rid: int,
                    args: list[Any], kwargs: dict[str, Any], reply: bool, tp: Any) -> None:

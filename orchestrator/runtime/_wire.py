@@ -263,7 +263,7 @@ def _decode_tensor(x: dict[str, Any], fr: _Frames, where: str) -> Any:
             raise WireError(f"{where}: empty tensor must not reference a frame")
         return torch.empty(shape, dtype=dtype)
     buf = fr.take(x.get("f"), n, where)
-    if n < _SMALL_COPY:
+    if n < _SMALL_COPY or buf.readonly:
         raw = torch.frombuffer(bytearray(buf), dtype=torch.uint8)
     else:
         raw = torch.frombuffer(buf, dtype=torch.uint8)  # zero-copy; keeps the frame alive

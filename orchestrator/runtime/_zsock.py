@@ -19,7 +19,7 @@ import zmq
 
 __all__ = ["ZSocket", "context", "tune"]
 
-_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
+_EVENTS, _POLLIN, _RCVMORE = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.RCVMORE)
 _NOBLOCK, _NOBLOCK_MORE = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE)
 _BATCH = 256  # messages the reader handles before yielding
 
@@ -51,8 +51,9 @@ def tune(sock: zmq.Socket[Any], *, tcp: bool) -> None:
 class ZSocket:
     """A ZeroMQ socket with one reader task and synchronous, non-blocking sends.
 
-    ``on_message(frames)`` is called for every message (frames are
-    ``zmq.Frame`` objects, zero-copy); it must not block. It runs in the
+    ``on_message(frames)`` is called for every message (the first
+    ``copy_parts`` frames as ``bytes``, the rest as zero-copy ``zmq.Frame``);
+    it must not block. It runs in the
     reader task, or inside ``send`` when the send consumed the FD's edge
     while input was pending (then the sender drains, since the reader would
     not be woken). Cancellation: cancelling ``run`` closes the socket.
@@ -61,9 +62,12 @@ class ZSocket:
     """
 
     def __init__(self, sock: zmq.Socket[Any], on_message: Callable[[list[Any]], None], *,
-                 close_on_exit: bool = True) -> None:
+                 close_on_exit: bool = True, copy_parts: int = 1) -> None:
         self.sock = sock
         self._close_on_exit = close_on_exit
+        # Leading frames (routing id, header) arrive as bytes: cheaper than zmq.Frame
+        # for small parts; the rest stay zero-copy frames.
+        self._copy_parts = copy_parts
         self._on_message = on_message
         self._fd = sock.getsockopt(zmq.FD)
         self._draining = False
@@ -90,9 +94,11 @@ class ZSocket:
                     return False
                 limit -= 1
                 try:
-                    frames = sock.recv_multipart(_NOBLOCK, copy=False)
+                    frames = [sock.recv(_NOBLOCK)]
                 except zmq.Again:
                     break
+                while sock.get(_RCVMORE):  # the rest of a message is already here
+                    frames.append(sock.recv(_NOBLOCK, copy=len(frames) < self._copy_parts))
                 try:
                     handle(frames)
                 except Exception as exc:  # noqa: BLE001 - one bad message must not stop the reader
