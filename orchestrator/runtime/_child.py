@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import sys
 from typing import Any
 
 import trio
@@ -79,7 +78,8 @@ async def _serve(cls: Any, args: argparse.Namespace) -> None:
 
 
 async def _stop_on_signal(scope: trio.CancelScope) -> None:
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+    stop = (signal.SIGTERM,) if signal.getsignal(signal.SIGINT) == signal.SIG_IGN else (signal.SIGTERM, signal.SIGINT)
+    with trio.open_signal_receiver(*stop) as signals:
         async for _ in signals:
             scope.cancel()
             return
@@ -98,6 +98,13 @@ def main(argv: list[str] | None = None) -> None:
                    help="construct the actor without arguments instead of waiting for init")
     args = p.parse_args(argv)
     _actor.rank_of_this_process = args.rank
+    if args.parent_pid is not None:
+        # A terminal's Ctrl-C reaches the whole process group; the owner decides what it
+        # means (finish the step, checkpoint) and stops its actors itself with SIGTERM.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    cpus = os.environ.get("FLOTILLA_CPUS")
+    if cpus:  # pin this actor to its cores (the owner emulates separate devices on one machine)
+        os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
     trace_file = os.environ.get("FLOTILLA_TRACE_FILE")
     if trace_file:
         from ._tracing import configure_tracing

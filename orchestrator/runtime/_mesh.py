@@ -8,9 +8,8 @@ the mesh (the owner) watches the processes, can respawn ranks and stops them.
 
 from __future__ import annotations
 
-import shutil
+import importlib
 import sys
-import tempfile
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, Generic, Literal, TypeVar
@@ -20,12 +19,11 @@ from pydantic import BaseModel
 
 from ._actor import Actor, EndpointDef, _Spec, endpoints_of
 from ._calls import EndpointRef
-from ._conn import Connection, Pending, connection
+from ._conn import Connection, connection
 from ._curve import Curve, default_identity, set_default_identity
-from ._errors import ActorDied, ActorError
-from ._proc import ActorProcess, child_env, spawn_local, stop_all
+from ._errors import ActorDied
+from ._owner import Owner
 from ._wire import encode, register_handle_decoder
-from ._zsock import log
 
 __all__ = ["ActorRef", "HostSpec", "Mesh", "open_mesh"]
 
@@ -41,18 +39,6 @@ class HostSpec(BaseModel):
     """The host's CurveZMQ public key (z85), printed by the host at start-up."""
 
 
-class _Slot:
-    __slots__ = ("address", "proc", "conn", "state", "ready", "died")
-
-    def __init__(self) -> None:
-        self.address = ""
-        self.proc: ActorProcess | None = None
-        self.conn: Connection | None = None
-        self.state: Literal["starting", "live", "dead"] = "starting"
-        self.ready = trio.Event()
-        self.died: ActorDied | None = None
-
-
 def _copy(exc: ActorDied) -> ActorDied:
     return ActorDied(exc.name, exc.rank, exc.reason)
 
@@ -65,7 +51,7 @@ class Mesh(Generic[A]):
     """
 
     def __init__(self, name: str, cls_path: str, endpoints: list[str], addresses: list[str],
-                 keys: list[str | None], owner: _Owner | None = None,
+                 keys: list[str | None], owner: Owner | None = None,
                  identity: Curve | None = None) -> None:
         self.name = name
         self._identity = identity  # client keypair for tcp; None: this process's default
@@ -236,164 +222,6 @@ register_handle_decoder("mesh", Mesh._from_desc)
 register_handle_decoder("actor", ActorRef._from_desc)
 
 
-class _Owner:
-    """The owner's view of a mesh: processes, slots, supervision tasks."""
-
-    def __init__(self, *, name: str, cls_path: str, procs: int, init: tuple[Any, list[Any]],
-                 nursery: trio.Nursery, env: dict[str, str], transport: str, curve: Curve | None,
-                 hosts: list[Mesh[Any]], tcp_host: str, grace: float,
-                 on_death: Callable[[ActorDied], None] | None, addresses: list[str]) -> None:
-        self.addresses = addresses  # the mesh handle's list: respawns update it in place
-        self.name, self.cls_path, self.init = name, cls_path, init
-        self.nursery, self.env, self.transport, self.curve = nursery, env, transport, curve
-        self.hosts, self.tcp_host, self.grace, self.on_death = hosts, tcp_host, grace, on_death
-        self.slots = [_Slot() for _ in range(procs)]
-        self.procs: list[ActorProcess] = []
-        self.closing = False
-        self.tmpdir = tempfile.mkdtemp(prefix="flotilla-") if transport == "ipc" and not hosts \
-            else None
-
-    async def _spawn(self, rank: int) -> ActorProcess:
-        slot = self.slots[rank]
-        if self.hosts:
-            from .host import RemoteProcess
-
-            host = self.hosts[rank % len(self.hosts)][0]
-            return await RemoteProcess.spawn(host, self.cls_path, name=self.name, rank=rank,
-                                             env=self.env, register=self.procs.append)
-        if self.tmpdir is not None:
-            bind = f"ipc://{self.tmpdir}/{rank}"
-        else:  # tcp: a respawned rank reuses its port so handles held elsewhere stay valid
-            bind = slot.address or f"tcp://{self.tcp_host}:*"
-        return await spawn_local(self.cls_path, name=self.name, rank=rank, bind=bind,
-                                 env=child_env(self.env, self.curve), register=self.procs.append)
-
-    async def start(self, rank: int) -> None:
-        """Spawn, connect and construct one rank; raises ActorDied/ActorError on failure."""
-        slot = self.slots[rank]
-        proc = await self._spawn(rank)
-        slot.proc, slot.address = proc, proc.address
-        self.addresses[rank] = proc.address
-        self.nursery.start_soon(self._supervise, rank, proc)
-        key = self.curve.public if self.curve is not None and proc.address.startswith(
-            "tcp://") else None
-        if self.hosts:
-            key = self.hosts[rank % len(self.hosts)]._keys[0].encode()
-        conn = connection(proc.address, name=self.name, rank=rank, server_key=key,
-                          identity=self.curve, connect_timeout=None)
-        slot.conn = conn
-        a, frames = self.init
-        p = conn.request({"k": "init", "a": a[0], "w": a[1]}, frames, reply=True, rank=rank)
-        assert p is not None
-        await p.wait()
-        _init_result(p)
-        if slot.proc is proc and slot.state == "starting":
-            slot.state = "live"
-            slot.ready.set()
-
-    async def start_all(self) -> None:
-        errors: dict[int, BaseException] = {}
-
-        async def one(rank: int) -> None:
-            try:
-                await self.start(rank)
-            except Exception as exc:  # noqa: BLE001 - re-raised below, unwrapped
-                errors[rank] = exc
-                nursery.cancel_scope.cancel()
-
-        async with trio.open_nursery() as nursery:
-            for rank in range(len(self.slots)):
-                nursery.start_soon(one, rank)
-        if errors:
-            raise errors[min(errors)]
-
-    async def _supervise(self, rank: int, proc: ActorProcess) -> None:
-        try:
-            how = await proc.wait_exit()
-        except ActorDied as exc:
-            how = exc.reason
-        except Exception as exc:  # noqa: BLE001 - a supervisor must not take the mesh down
-            how = f"lost track of the process: {exc!r}"
-        slot = self.slots[rank]
-        if self.closing or slot.proc is not proc:
-            return
-        self._mark_dead(rank, ActorDied(self.name, rank, how))
-
-    def _mark_dead(self, rank: int, exc: ActorDied) -> None:
-        slot = self.slots[rank]
-        slot.state, slot.died = "dead", exc
-        slot.ready.set()
-        if slot.conn is not None:
-            _close(slot.conn, exc)
-            slot.conn = None
-        if self.on_death is not None:
-            try:
-                self.on_death(exc)
-            except Exception as err:  # noqa: BLE001
-                log(f"on_death callback raised: {err!r}")
-
-    def respawn(self, rank: int) -> None:
-        if self.closing:
-            raise RuntimeError(f"mesh {self.name!r} is closed")
-        slot = self.slots[rank]
-        if slot.state == "starting":
-            return
-        old = slot.proc
-        slot.state, slot.died, slot.ready = "starting", None, trio.Event()
-        slot.proc = None
-        if slot.conn is not None:
-            _close(slot.conn, ActorDied(self.name, rank, "respawned"))
-            slot.conn = None
-        self.nursery.start_soon(self._restart, rank, old)
-
-    async def _restart(self, rank: int, old: ActorProcess | None) -> None:
-        if old is not None:
-            with trio.CancelScope(shield=True):
-                await old.stop(self.grace)
-        try:
-            await self.start(rank)
-        except (ActorDied, ActorError, OSError) as exc:
-            reason = exc.reason if isinstance(exc, ActorDied) else f"respawn failed: {exc}"
-            if not self.closing:
-                self._mark_dead(rank, ActorDied(self.name, rank, reason))
-
-    async def shutdown(self) -> None:
-        """Fail outstanding calls, stop and reap every process. Call shielded."""
-        self.closing = True
-        for rank, slot in enumerate(self.slots):
-            exc = ActorDied(self.name, rank, "mesh closed")
-            if slot.conn is not None:
-                _close(slot.conn, exc)
-                slot.conn = None
-            slot.state, slot.died = "dead", exc
-            slot.ready.set()
-        await stop_all(self.procs, self.grace)
-        if self.tmpdir is not None:
-            shutil.rmtree(self.tmpdir, ignore_errors=True)
-
-
-def _close(conn: Connection, exc: ActorDied) -> None:
-    from ._conn import _conns
-
-    conn.fail(exc, sticky=True)
-    conn.scope.cancel()
-    conns = _conns()
-    if conns.get(conn.address) is conn:
-        del conns[conn.address]
-
-
-def _init_result(p: Pending) -> None:
-    if p.error is not None:
-        raise p.error
-    h = p.header or {}
-    if h.get("k") == "ok":
-        return
-    x = h.get("x") or {}
-    if h.get("k") == "err":
-        raise ActorError(str(x.get("type")), str(x.get("msg")), str(x.get("tb")))
-    raise TypeError(f"actor rejected its constructor arguments: {h.get('m')}")
-
-
 @asynccontextmanager
 async def open_mesh(cls: type[A], *args: Any, procs: int = 1, name: str | None = None,
                     env: Mapping[str, str] | None = None,
@@ -455,7 +283,7 @@ async def _mesh_lifetime(cls: type[A], cls_path: str, name: str, procs: int,
     async with trio.open_nursery() as nursery:
         host_meshes = []
         if hosts:
-            from . import host as _host  # noqa: F401 - typed endpoints for the host handles
+            importlib.import_module(".host", __package__)  # typed endpoints for host handles
         for h in hosts or ():
             host_meshes.append(Mesh(f"host {h.address}", "orchestrator.runtime.host:HostActor",
                                     ["spawn", "wait_exit", "stop", "signal"], [h.address],
@@ -468,7 +296,7 @@ async def _mesh_lifetime(cls: type[A], cls_path: str, name: str, procs: int,
                              identity=curve)
         if curve is not None:
             set_default_identity(curve)
-        owner = _Owner(name=name, cls_path=cls_path, procs=procs, init=init,
+        owner = Owner(name=name, cls_path=cls_path, procs=procs, init=init,
                        nursery=nursery, env=dict(env or {}), transport=transport, curve=curve,
                        hosts=host_meshes, tcp_host=tcp_host, grace=grace, on_death=on_death,
                        addresses=mesh._addresses)

@@ -152,3 +152,29 @@ class Relay(Actor):
 class BadInit(Actor):
     def __init__(self) -> None:
         raise RuntimeError("constructor failed")
+
+
+class Lifecycle(Actor):
+    """Starts a background task in on_start; on_stop leaves a file behind."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.ticks = 0
+        self.started = trio.Event()
+
+    async def on_start(self, nursery: trio.Nursery) -> None:
+        nursery.start_soon(self._background)
+
+    async def _background(self) -> None:
+        self.ticks += 1
+        self.started.set()
+        await trio.sleep_forever()
+
+    @endpoint
+    async def background_ran(self) -> bool:
+        await self.started.wait()
+        return self.ticks == 1
+
+    async def on_stop(self) -> None:
+        with open(self.path, "w") as f:
+            f.write("stopped")

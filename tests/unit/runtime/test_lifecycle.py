@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import psutil
 import pytest
@@ -11,7 +14,7 @@ import trio
 
 from orchestrator.runtime import ActorDied, ActorError, open_mesh
 
-from ._actors import BadInit, Counter, Gate
+from ._actors import BadInit, Counter, Gate, Lifecycle
 
 
 def _gone(pids: list[int]) -> bool:
@@ -164,3 +167,44 @@ async def test_idle_mesh_burns_no_cpu() -> None:
             after = sum(p.cpu_times().user + p.cpu_times().system for p in procs)
             assert after - before < 0.1
             assert await mesh.value.call() == [0, 0]
+
+
+_CONTROLLER = """
+import sys, trio
+from orchestrator.runtime import open_mesh
+from tests.unit.runtime._actors import Counter
+
+async def main():
+    async with open_mesh(Counter, 0, procs=2) as mesh:
+        print(*(await mesh.pid.call()), flush=True)
+        await trio.sleep_forever()
+
+trio.run(main)
+"""
+
+
+async def test_actors_exit_when_their_controller_is_killed() -> None:
+    with trio.fail_after(60):
+        controller = await trio.lowlevel.open_process(
+            [sys.executable, "-c", _CONTROLLER], stdout=subprocess.PIPE,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path)})
+        assert controller.stdout is not None
+        line = b""
+        while not line.endswith(b"\n"):
+            chunk = await controller.stdout.receive_some()
+            assert chunk, "controller exited early"
+            line += chunk
+        children = [psutil.Process(int(pid)) for pid in line.split()]
+        controller.kill()  # SIGKILL: no cleanup code runs in the controller
+        await controller.wait()
+        gone, alive = await trio.to_thread.run_sync(psutil.wait_procs, children, 20)
+        assert not alive
+
+
+async def test_on_start_tasks_run_and_on_stop_runs_at_exit(tmp_path: Path) -> None:
+    marker = tmp_path / "stopped"
+    with trio.fail_after(30):
+        async with open_mesh(Lifecycle, str(marker)) as mesh:
+            assert await mesh[0].background_ran.call_one()
+            assert not marker.exists()
+    assert marker.read_text() == "stopped"

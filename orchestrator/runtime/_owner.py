@@ -1,0 +1,197 @@
+"""The owner's side of a mesh: spawning ranks, supervising them, respawning, stopping.
+
+Supervision: one task per process waits for its exit (local: the process
+handle; remote: a long-lived ``wait_exit`` call on its host). An exit the
+owner did not cause marks the rank dead, fails its calls with ``ActorDied``
+and calls ``on_death``. ``shutdown`` (run shielded when the mesh closes) fails
+outstanding calls, SIGTERMs every process, SIGKILLs what outlives the grace
+period and reaps everything.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Literal
+
+import trio
+
+from ._conn import Connection, Pending, _conns, connection
+from ._curve import Curve
+from ._errors import ActorDied, ActorError
+from ._proc import ActorProcess, child_env, spawn_local, stop_all
+from ._zsock import log
+
+if TYPE_CHECKING:
+    from ._mesh import Mesh
+
+__all__ = ["Owner", "Slot"]
+
+
+class Slot:
+    __slots__ = ("address", "proc", "conn", "state", "ready", "died")
+
+    def __init__(self) -> None:
+        self.address = ""
+        self.proc: ActorProcess | None = None
+        self.conn: Connection | None = None
+        self.state: Literal["starting", "live", "dead"] = "starting"
+        self.ready = trio.Event()
+        self.died: ActorDied | None = None
+
+
+class Owner:
+    """The owner's view of a mesh: processes, slots, supervision tasks."""
+
+    def __init__(self, *, name: str, cls_path: str, procs: int, init: tuple[Any, list[Any]],
+                 nursery: trio.Nursery, env: dict[str, str], transport: str, curve: Curve | None,
+                 hosts: list[Mesh[Any]], tcp_host: str, grace: float,
+                 on_death: Callable[[ActorDied], None] | None, addresses: list[str]) -> None:
+        self.addresses = addresses  # the mesh handle's list: respawns update it in place
+        self.name, self.cls_path, self.init = name, cls_path, init
+        self.nursery, self.env, self.transport, self.curve = nursery, env, transport, curve
+        self.hosts, self.tcp_host, self.grace, self.on_death = hosts, tcp_host, grace, on_death
+        self.slots = [Slot() for _ in range(procs)]
+        self.procs: list[ActorProcess] = []
+        self.closing = False
+        self.tmpdir = tempfile.mkdtemp(prefix="flotilla-") if transport == "ipc" and not hosts \
+            else None
+
+    async def _spawn(self, rank: int) -> ActorProcess:
+        slot = self.slots[rank]
+        if self.hosts:
+            from .host import RemoteProcess
+
+            host = self.hosts[rank % len(self.hosts)][0]
+            return await RemoteProcess.spawn(host, self.cls_path, name=self.name, rank=rank,
+                                             env=self.env, register=self.procs.append)
+        if self.tmpdir is not None:
+            bind = f"ipc://{self.tmpdir}/{rank}"
+        else:  # tcp: a respawned rank reuses its port so handles held elsewhere stay valid
+            bind = slot.address or f"tcp://{self.tcp_host}:*"
+        return await spawn_local(self.cls_path, name=self.name, rank=rank, bind=bind,
+                                 env=child_env(self.env, self.curve), register=self.procs.append)
+
+    async def start(self, rank: int) -> None:
+        """Spawn, connect and construct one rank; raises ActorDied/ActorError on failure."""
+        slot = self.slots[rank]
+        proc = await self._spawn(rank)
+        slot.proc, slot.address = proc, proc.address
+        self.addresses[rank] = proc.address
+        self.nursery.start_soon(self._supervise, rank, proc)
+        key = self.curve.public if self.curve is not None and proc.address.startswith(
+            "tcp://") else None
+        if self.hosts:
+            key = self.hosts[rank % len(self.hosts)]._keys[0].encode()
+        conn = connection(proc.address, name=self.name, rank=rank, server_key=key,
+                          identity=self.curve, connect_timeout=None)
+        slot.conn = conn
+        a, frames = self.init
+        p = conn.request({"k": "init", "a": a[0], "w": a[1]}, frames, reply=True, rank=rank)
+        assert p is not None
+        await p.wait()
+        _init_result(p)
+        if slot.proc is proc and slot.state == "starting":
+            slot.state = "live"
+            slot.ready.set()
+
+    async def start_all(self) -> None:
+        errors: dict[int, BaseException] = {}
+
+        async def one(rank: int) -> None:
+            try:
+                await self.start(rank)
+            except Exception as exc:  # noqa: BLE001 - re-raised below, unwrapped
+                errors[rank] = exc
+                nursery.cancel_scope.cancel()
+
+        async with trio.open_nursery() as nursery:
+            for rank in range(len(self.slots)):
+                nursery.start_soon(one, rank)
+        if errors:
+            raise errors[min(errors)]
+
+    async def _supervise(self, rank: int, proc: ActorProcess) -> None:
+        try:
+            how = await proc.wait_exit()
+        except ActorDied as exc:
+            how = exc.reason
+        except Exception as exc:  # noqa: BLE001 - a supervisor must not take the mesh down
+            how = f"lost track of the process: {exc!r}"
+        slot = self.slots[rank]
+        if self.closing or slot.proc is not proc:
+            return
+        self._mark_dead(rank, ActorDied(self.name, rank, how))
+
+    def _mark_dead(self, rank: int, exc: ActorDied) -> None:
+        slot = self.slots[rank]
+        slot.state, slot.died = "dead", exc
+        slot.ready.set()
+        if slot.conn is not None:
+            _close(slot.conn, exc)
+            slot.conn = None
+        if self.on_death is not None:
+            try:
+                self.on_death(exc)
+            except Exception as err:  # noqa: BLE001
+                log(f"on_death callback raised: {err!r}")
+
+    def respawn(self, rank: int) -> None:
+        if self.closing:
+            raise RuntimeError(f"mesh {self.name!r} is closed")
+        slot = self.slots[rank]
+        if slot.state == "starting":
+            return
+        old = slot.proc
+        slot.state, slot.died, slot.ready = "starting", None, trio.Event()
+        slot.proc = None
+        if slot.conn is not None:
+            _close(slot.conn, ActorDied(self.name, rank, "respawned"))
+            slot.conn = None
+        self.nursery.start_soon(self._restart, rank, old)
+
+    async def _restart(self, rank: int, old: ActorProcess | None) -> None:
+        if old is not None:
+            with trio.CancelScope(shield=True):
+                await old.stop(self.grace)
+        try:
+            await self.start(rank)
+        except (ActorDied, ActorError, OSError) as exc:
+            reason = exc.reason if isinstance(exc, ActorDied) else f"respawn failed: {exc}"
+            if not self.closing:
+                self._mark_dead(rank, ActorDied(self.name, rank, reason))
+
+    async def shutdown(self) -> None:
+        """Fail outstanding calls, stop and reap every process. Call shielded."""
+        self.closing = True
+        for rank, slot in enumerate(self.slots):
+            exc = ActorDied(self.name, rank, "mesh closed")
+            if slot.conn is not None:
+                _close(slot.conn, exc)
+                slot.conn = None
+            slot.state, slot.died = "dead", exc
+            slot.ready.set()
+        await stop_all(self.procs, self.grace)
+        if self.tmpdir is not None:
+            shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+
+def _close(conn: Connection, exc: ActorDied) -> None:
+    conn.fail(exc, sticky=True)
+    conn.scope.cancel()
+    conns = _conns()
+    if conns.get(conn.address) is conn:
+        del conns[conn.address]
+
+
+def _init_result(p: Pending) -> None:
+    if p.error is not None:
+        raise p.error
+    h = p.header or {}
+    if h.get("k") == "ok":
+        return
+    x = h.get("x") or {}
+    if h.get("k") == "err":
+        raise ActorError(str(x.get("type")), str(x.get("msg")), str(x.get("tb")))
+    raise TypeError(f"actor rejected its constructor arguments: {h.get('m')}")
