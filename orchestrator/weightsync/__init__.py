@@ -1,15 +1,21 @@
 """Sparse weight-delta sync: exact, compressed, versioned, FP8-aware.
 
 The trainer side keeps a `WeightPublisher`; each sampler a `WeightReceiver`.
-Messages (`WeightMessage`) are XOR deltas between consecutive wire snapshots
-or keyframes, zstd-compressed per chunk on a thread pool, each tensor
-verified by a hash of its new bytes. They travel as ZeroMQ frames
-(`to_frames` / `from_frames`) or as a safetensors file (`to_bytes` /
-`from_bytes`); never pickled. Transport-agnostic: moving messages and acks is
-the caller's job. Imports torch; `orchestrator/__init__` does not import it.
+Transport-agnostic: moving messages and acks is the caller's job.
 
-Every failure is a `DeltaError` subclass naming the tensor or problem, and
-applying never leaves a target half-updated.
+A `WeightMessage` is a delta (XOR of consecutive wire snapshots) or a keyframe
+(the snapshot itself). Metadata (`MessageMeta`, JSON): format, version,
+base_version (None for a keyframe), encoding ("xor-zstd" | "keyframe-zstd"),
+precision, hash_algo, chunk_bytes, and per tensor name, dtype, shape, hash of
+its new bytes, compressed length of each chunk. Payload: one zstd frame per
+chunk of `chunk_bytes` raw bytes, holding the chunk's changes as
+positions+values (sparse) or byte planes (dense); see `_chunks`. Wire forms:
+ZeroMQ multipart (`to_frames` / `from_frames`: metadata frame, then chunk
+frames) or a safetensors file (`to_bytes` / `from_bytes`). Never pickled.
+
+Every failure is a `DeltaError` subclass naming the tensor or problem, and a
+failed apply leaves the target bit-identical (undo by XOR, see `_codec`).
+Imports torch; `orchestrator/__init__` does not import this package.
 """
 
 from ._codec import Snapshot, apply, decode_keyframe, encode_delta, encode_keyframe, snapshot_bytes

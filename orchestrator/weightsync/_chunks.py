@@ -110,17 +110,13 @@ class Workspace:
         return b[:nbytes].view(dtype)
 
 
-def _to_planes(words: np.ndarray, out: np.ndarray, *, destroy: bool) -> None:
-    """Byte j of every word -> out[j*n:(j+1)*n]. With destroy, shifts `words` in place."""
+def _to_planes(words: np.ndarray, out: np.ndarray) -> None:
+    """Byte j of every word -> out[j*n:(j+1)*n]. Consumes `words` (shifted in place)."""
     n, w = words.size, words.dtype.itemsize
-    if w == 1:
-        np.copyto(out[:n], words)
-        return
-    src = words if destroy else words.copy()
     for j in range(w):
-        np.copyto(out[j * n : (j + 1) * n], src, casting="unsafe")  # keeps the low byte
+        np.copyto(out[j * n : (j + 1) * n], words, casting="unsafe")  # keeps the low byte
         if j + 1 < w:
-            np.right_shift(src, 8, out=src)
+            np.right_shift(words, 8, out=words)
 
 
 def _xor_planes_into(planes: np.ndarray, target: np.ndarray, tmp: np.ndarray) -> None:
@@ -207,8 +203,8 @@ def encode_chunk(old: np.ndarray | None, new: np.ndarray, ws: Workspace) -> byte
         del pos
         body = np.empty(5 + (4 + w) * nnz, np.uint8)
         _header(body, _GAPS, nnz)
-        _to_planes(gaps, body[5 : 5 + 4 * nnz], destroy=True)
-        _to_planes(vals, body[5 + 4 * nnz :], destroy=True)
+        _to_planes(gaps, body[5 : 5 + 4 * nnz])
+        _to_planes(vals, body[5 + 4 * nnz :])
     else:
         x = ws.buf("words", m * w, new.dtype)
         if old is None:
@@ -224,11 +220,11 @@ def encode_chunk(old: np.ndarray | None, new: np.ndarray, ws: Workspace) -> byte
             body = np.empty(5 + nbits + w * nnz, np.uint8)
             _header(body, _BITMAP, nnz)
             body[5 : 5 + nbits] = np.packbits(changed, bitorder="little")
-            _to_planes(vals, body[5 + nbits :], destroy=True)
+            _to_planes(vals, body[5 + nbits :])
         else:
             body = ws.buf("body", 1 + m * w, np.dtype(np.uint8))
             body[0] = _DENSE
-            _to_planes(x, body[1:], destroy=True)
+            _to_planes(x, body[1:])
     # python-zstandard returns a bytes object that keeps its compressBound-sized
     # allocation (only the length is trimmed); copy so a stored delta costs its
     # wire size in memory, not its raw size.
