@@ -31,13 +31,19 @@ import argparse
 import json
 import math
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 import zstandard
 
-from orchestrator.weightsync import (
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # runnable from a checkout without `pip install -e .`
+    sys.path.insert(0, str(ROOT))
+
+from orchestrator.weightsync import (  # noqa: E402
     WeightMessage,
     WeightReceiver,
     encode_delta,
