@@ -23,6 +23,7 @@ from policies import RecipeConfig
 __all__ = [
     "ConfigError",
     "ModelSection",
+    "PlacementSection",
     "RolloutSection",
     "RunConfig",
     "TaskSection",
@@ -72,6 +73,17 @@ class RolloutSection(_Section):
     and, with the pools' staleness budgets, how far sampling runs ahead of training."""
 
 
+class PlacementSection(_Section):
+    threads_per_actor: int = Field(default=1, ge=1)
+    """Compute threads of each actor process (OMP/MKL/torch); on a small machine, processes
+    fighting over cores cost more than they gain."""
+    trainer_cpus: list[int] | None = None
+    """CPU cores the trainer process is pinned to (None: no pinning)."""
+    sampler_cpus: list[int] | None = None
+    """CPU cores the sampler and environment processes are pinned to (None: no pinning).
+    With trainer_cpus, this emulates separate devices on one machine."""
+
+
 class RunConfig(_Section):
     name: str = "run"
     """The run's name: outputs go to `<run_root>/<name>/`."""
@@ -95,6 +107,8 @@ class RunConfig(_Section):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     """Optimizer and micro-batching (actors.trainer.TrainerConfig); its recipe is replaced
     by the top-level [recipe]."""
+    placement: PlacementSection = Field(default_factory=PlacementSection)
+    """Threads and CPU pinning of the actor processes."""
     pools: PoolList = Field(min_length=1)
     """Sampler pools ([[pools]] tables, hardware.PoolConfig), names unique."""
 

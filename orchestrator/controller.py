@@ -332,6 +332,7 @@ class _Loop:
             "train_s": result.seconds, "cost_usd": self.ledger.report().totals.cost_usd,
             "pools": {name: {**pool_stats[name],
                              "staleness_mean": (sum(by_pool[name]) / len(by_pool[name])) if name in by_pool else None,
+                             "staleness_max": max(by_pool[name]) if name in by_pool else None,
                              "rollouts": len(by_pool.get(name, [])),
                              "mismatch_kl": getattr(per_pool_metrics.get(name), "mismatch_kl", None),
                              "masked_fraction": getattr(per_pool_metrics.get(name), "masked_fraction", None)}

@@ -16,7 +16,6 @@ import json
 import os
 import shutil
 import time
-from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
 
@@ -31,11 +30,12 @@ from orchestrator.telemetry import MetricsLog, setup_run_telemetry
 __all__ = ["run", "run_async", "run_from_cli"]
 
 
-def _actor_env(cfg: RunConfig) -> dict[str, str]:
-    # One compute thread per actor process unless the user says otherwise: on a small
-    # machine, processes fighting over cores costs more than it gains.
-    threads = os.environ.get("FLOTILLA_ACTOR_THREADS", "1")
-    return {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false"}
+def _actor_env(cfg: RunConfig, cpus: list[int] | None) -> dict[str, str]:
+    threads = str(cfg.placement.threads_per_actor)
+    env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false"}
+    if cpus:
+        env["FLOTILLA_CPUS"] = ",".join(str(c) for c in cpus)  # the actor process pins itself
+    return env
 
 
 def _model_config(cfg: RunConfig) -> dict[str, Any] | str:
@@ -95,12 +95,15 @@ async def run_async(cfg: RunConfig, *, resume: bool = False, progress: Progress 
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(cfg.resolved_json())
     setup_run_telemetry(run_dir)
+    if cfg.placement.sampler_cpus:  # the controller works alongside the samplers
+        os.sched_setaffinity(0, set(cfg.placement.sampler_cpus))
 
     model_cfg = _model_config(cfg)
     precisions = sorted({p.precision for p in cfg.pools})
     trainer_cfg = cfg.trainer.model_copy(update={
         "recipe": cfg.recipe, "seed": cfg.model.seed, "model": model_cfg, "precisions": precisions})
-    env = _actor_env(cfg)
+    trainer_env = _actor_env(cfg, cfg.placement.trainer_cpus)
+    env = _actor_env(cfg, cfg.placement.sampler_cpus)
     scheduler = Scheduler(cfg.pools, ThroughputModel(cfg.pools, _model_spec(model_cfg)))
     # Emulated pools are billed their measured busy seconds at the labelled GPU's price
     # (no throughput model given to the ledger), so the report reflects the run that happened.
@@ -113,40 +116,67 @@ async def run_async(cfg: RunConfig, *, resume: bool = False, progress: Progress 
     progress.message(f"flotilla: run {cfg.name} → {run_dir} ({cfg.mode}, {len(cfg.pools)} pools, "
                      f"{'resuming at step ' + str(counters.step) if resume else 'starting'})")
     metrics = MetricsLog(run_dir / "metrics.jsonl")
-    async with AsyncExitStack() as stack:
+    meshes: dict[str, Any] = {
+        "trainer": open_mesh(TrainerActor, trainer_cfg, str(ckpt_dir) if resume else None,
+                             procs=1, name="trainer", env=trainer_env),
+        "env": open_mesh(EnvActor, EnvConfig(step_timeout_s=cfg.task.episode_timeout_s),
+                         procs=cfg.task.env_actors, name="env", env=env),
+    }
+    for pc in cfg.pools:
+        # No initial weights: each sampler waits for the trainer's keyframe (version -1 until
+        # then), so a resumed run samples from the resumed weights.
+        meshes[f"pool:{pc.name}"] = open_mesh(
+            SamplerActor, pc.name, pc.precision, model_cfg, pc.device,
+            init_seed=None, max_batch=pc.capacity, staleness_budget=pc.staleness_budget,
+            seed=cfg.seed, procs=_procs(pc), name=f"sampler-{pc.name}", env=env)
+    async with trio.open_nursery() as actors:
         with span("startup", pools=len(cfg.pools)):
-            trainer = await stack.enter_async_context(open_mesh(
-                TrainerActor, trainer_cfg, str(ckpt_dir) if resume else None,
-                procs=1, name="trainer", env=env))
-            pools: dict[str, _Pool] = {}
-            for pc in cfg.pools:
-                procs = 1 if pc.device == "cpu" else pc.count
-                # No initial weights: each sampler waits for the trainer's keyframe (version -1
-                # until then), so a resumed run samples from the resumed weights.
-                mesh = await stack.enter_async_context(open_mesh(
-                    SamplerActor, pc.name, pc.precision, model_cfg, pc.device,
-                    init_seed=None, max_batch=pc.capacity, staleness_budget=pc.staleness_budget,
-                    seed=cfg.seed, procs=procs, name=f"sampler-{pc.name}", env=env))
-                pools[pc.name] = _Pool(pc, mesh, versions=[-1] * procs, in_flight=[0] * procs)
-            envs = await stack.enter_async_context(open_mesh(
-                EnvActor, EnvConfig(step_timeout_s=cfg.task.episode_timeout_s),
-                procs=cfg.task.env_actors, name="env", env=env))
-        version = await trainer[0].version.call_one()
-        loop = _Loop(cfg, trainer[0], pools, envs, scheduler, ledger, progress, metrics, counters,
-                     version, state.get("buffer"))
+            opened = await _open_all(actors, meshes)
+        trainer = opened["trainer"][0]
+        pools = {pc.name: _Pool(pc, opened[f"pool:{pc.name}"], versions=[-1] * _procs(pc),
+                                in_flight=[0] * _procs(pc)) for pc in cfg.pools}
+        version = await trainer.version.call_one()
+        loop = _Loop(cfg, trainer, pools, opened["env"], scheduler, ledger, progress, metrics,
+                     counters, version, state.get("buffer"))
         try:
             await loop.run()
             if not loop.abandoned:
                 with trio.CancelScope(shield=True):
-                    await _checkpoint(trainer[0], ckpt_dir, loop, ledger, scheduler)
+                    await _checkpoint(trainer, ckpt_dir, loop, ledger, scheduler)
         finally:
             metrics.close()
+        actors.cancel_scope.cancel()  # leaves every mesh: its processes stop, in parallel
     _write_reports(run_dir, ledger)
     result = RunResult(run_dir, counters.step, loop.version, loop.interrupted, loop.buffer.counts(),
                        time.monotonic() - t0)
     progress.message(f"flotilla: {'interrupted' if result.interrupted else 'done'} at step "
                      f"{result.steps_done}, {result.wall_s:.0f}s; reports in {run_dir}")
     return result
+
+
+def _procs(pool: Any) -> int:
+    """A CPU-emulated pool runs one sampler process (its `count` only prices it)."""
+    return 1 if pool.device == "cpu" else pool.count
+
+
+async def _hold(mesh_cm: Any, *, task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED) -> None:
+    async with mesh_cm as mesh:
+        task_status.started(mesh)
+        await trio.sleep_forever()
+
+
+async def _open_all(actors: trio.Nursery, meshes: dict[str, Any]) -> dict[str, Any]:
+    """Open every mesh at once (process start-up dominates: torch imports, model builds);
+    each stays open, in `actors`, until that nursery is cancelled."""
+    opened: dict[str, Any] = {}
+
+    async def open_one(key: str) -> None:
+        opened[key] = await actors.start(_hold, meshes[key])
+
+    async with trio.open_nursery() as starting:
+        for key in meshes:
+            starting.start_soon(open_one, key)
+    return opened
 
 
 async def _checkpoint(trainer: Any, ckpt_dir: Path, loop: _Loop, ledger: Any, scheduler: Any) -> None:
