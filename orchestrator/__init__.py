@@ -1,4 +1,8 @@
-"""Flotilla's controller and actor runtime."""
+"""Flotilla's controller and actor runtime.
+
+`run` (train from a config) loads lazily, so importing `orchestrator` stays light
+(no torch) for the CLI and for actor processes.
+"""
 
 from .runtime import (
     Actor,
@@ -30,6 +34,15 @@ __all__ = [
     "current_rank",
     "endpoint",
     "open_mesh",
+    "run",
     "span",
     "traced",
 ]
+
+
+def __getattr__(name: str):
+    if name == "run":
+        from .runner import run
+
+        return run
+    raise AttributeError(f"module 'orchestrator' has no attribute {name!r}")

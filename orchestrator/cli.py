@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "run":
         from orchestrator.config import ConfigError
-        from orchestrator.run import run_from_cli
+        from orchestrator.runner import run_from_cli
 
         try:
             return run_from_cli(args.config, overrides=args.overrides, steps=args.steps,

@@ -29,7 +29,6 @@ import json
 import os
 import signal
 import time
-from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,10 +38,10 @@ import trio
 from orchestrator.buffer import Drop, RolloutBuffer, Slot
 from orchestrator.config import RunConfig
 from orchestrator.progress import Progress
-from orchestrator.runtime import ActorDied, open_mesh, span
+from orchestrator.runtime import ActorDied, ActorError, span
 from orchestrator.telemetry import MetricsLog
 
-__all__ = ["RunResult", "run_controller"]
+__all__ = ["RunResult", "STATE_FILE"]
 
 STATE_FILE = "controller_state.json"
 
@@ -227,14 +226,16 @@ class _Loop:
             self._notify()
 
     async def _respawn_after(self, err: ActorDied, pool: _Pool, rank: int) -> None:
-        for mesh, r in ((pool.mesh, rank), (self.envs, None)):
-            dead = [i for i in range(len(mesh)) if not mesh[i].alive] if r is None else [r]
-            for i in dead:
-                if not mesh[i].alive:
-                    await mesh.respawn(i)
-                    if mesh is pool.mesh:
-                        pool.versions[i] = -1
-                        self._version_bumped.set()
+        """Bring back whatever died (the sampler rank, env ranks); a respawned sampler holds no
+        weights, so its sync worker sends it a keyframe before it admits new work."""
+        for dead in pool.mesh.dead_ranks:
+            pool.mesh.respawn(dead)
+            pool.versions[dead] = -1
+            self._version_bumped.set()
+            self._version_bumped = trio.Event()
+        for dead in self.envs.dead_ranks:
+            self.envs.respawn(dead)
+        await trio.lowlevel.checkpoint()
 
     def _trace_drops(self, drops: list[Drop]) -> None:
         for d in drops:
@@ -245,18 +246,32 @@ class _Loop:
 
     # -- weights -----------------------------------------------------------------
     async def _sync_worker(self, pool: _Pool, rank: int) -> None:
+        """Keep sampler `rank` of `pool` at the trainer's version: deltas, or a keyframe when
+        it holds nothing trustworthy (start, respawn, a refused delta)."""
         receiver = pool.receiver(rank)
         while True:
             while pool.versions[rank] >= self.version:
-                event = self._version_bumped
-                await event.wait()
+                await self._version_bumped.wait()
             have = pool.versions[rank]
-            with span("weights.apply", pool=pool.name, rank=rank, precision=pool.config.precision,
-                      from_version=have, to_version=self.version) as s:
-                updates = await self.trainer.updates_for.call_one(receiver, have, pool.config.precision)
-                now = await pool.mesh[rank].apply_weights.call_one(updates)
-                s.set_attribute("messages", len(updates))
-                s.set_attribute("wire_bytes", sum(len(f) for u in updates for f in u))
+            try:
+                with span("weights.apply", pool=pool.name, rank=rank, precision=pool.config.precision,
+                          from_version=have, to_version=self.version) as s:
+                    updates = await self.trainer.updates_for.call_one(receiver, have, pool.config.precision)
+                    now = await pool.mesh[rank].apply_weights.call_one(updates)
+                    s.set_attribute("messages", len(updates))
+                    s.set_attribute("wire_bytes", sum(len(f) for u in updates for f in u))
+            except ActorDied:
+                if rank in pool.mesh.dead_ranks:
+                    self.progress.message(f"sampler {receiver} died; respawning it")
+                    pool.mesh.respawn(rank)
+                pool.versions[rank] = -1
+                continue
+            except ActorError as e:
+                # The sampler refused the update (hash mismatch, gap): it keeps its last good
+                # weights; ask for a keyframe next.
+                self.progress.message(f"sampler {receiver} refused weights ({e}); sending a keyframe")
+                pool.versions[rank] = -1
+                continue
             await self.trainer.ack.call_one(receiver, now)
             pool.versions[rank] = now
             self.scheduler.set_pool_version(pool.name, min(pool.versions))

@@ -57,7 +57,7 @@ class Actor:
 
 
 class _Param:
-    __slots__ = ("name", "plain", "adapter")
+    __slots__ = ("adapter", "name", "plain")
 
     def __init__(self, name: str, ann: Any) -> None:
         self.name = name
@@ -93,7 +93,7 @@ def _hints(fn: Callable[..., Any]) -> dict[str, Any]:
         for name, ann in getattr(fn, "__annotations__", {}).items():
             if isinstance(ann, str):
                 try:
-                    ann = eval(ann, fn.__globals__)  # noqa: S307 - the actor's own source code
+                    ann = eval(ann, fn.__globals__)
                 except Exception:  # noqa: BLE001
                     ann = Any
             hints[name] = ann

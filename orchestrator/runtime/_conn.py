@@ -42,7 +42,7 @@ class Pending:
     (used by ``stream``) is called instead when the reply arrives.
     """
 
-    __slots__ = ("conn", "rid", "done", "task", "header", "frames", "error", "sink", "rank")
+    __slots__ = ("conn", "done", "error", "frames", "header", "rank", "rid", "sink", "task")
 
     def __init__(self, conn: Connection, rid: int, sink: Callable[[Pending], None] | None,
                  rank: int) -> None:

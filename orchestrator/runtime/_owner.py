@@ -30,7 +30,7 @@ __all__ = ["Owner", "Slot"]
 
 
 class Slot:
-    __slots__ = ("address", "proc", "conn", "state", "ready", "died")
+    __slots__ = ("address", "conn", "died", "proc", "ready", "state")
 
     def __init__(self) -> None:
         self.address = ""

@@ -178,7 +178,9 @@ def configure_tracing(path: str | os.PathLike[str], service_name: str) -> None:
     provider.add_span_processor(SimpleSpanProcessor(_exporter))
     if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
         try:
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+                OTLPSpanExporter,
+            )
         except ImportError:
             return
         from opentelemetry.sdk.trace.export import BatchSpanProcessor

@@ -282,7 +282,7 @@ def _decode_model(x: dict[str, Any], fr: _Frames, where: str, depth: int) -> Any
         return values
     try:
         return cls.model_validate(values)
-    except Exception as exc:  # validation error of a peer's model: a bad message, not a crash
+    except Exception as exc:  # noqa: BLE001 - a peer's invalid model is a bad message, not a crash
         raise WireError(f"{where}: invalid {path}: {exc}") from None
 
 

@@ -134,5 +134,5 @@ def log(msg: str) -> None:
     """Runtime diagnostics go to stderr: they must never take a process down."""
     try:
         print(f"[flotilla.runtime] {msg}", file=sys.stderr, flush=True)
-    except Exception:  # noqa: BLE001 - stderr may be gone at shutdown
+    except Exception:  # noqa: BLE001, S110 - stderr may be gone at shutdown
         pass
