@@ -15,7 +15,7 @@ import trio
 
 from orchestrator.config import load_config
 from orchestrator.progress import Progress
-from orchestrator.run import run_async
+from orchestrator.runner import run_async
 from tests.integration.conftest import read_jsonl
 
 pytestmark = pytest.mark.timeout(300)
