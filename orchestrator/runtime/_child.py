@@ -78,11 +78,23 @@ async def _serve(cls: Any, args: argparse.Namespace) -> None:
 
 
 async def _stop_on_signal(scope: trio.CancelScope) -> None:
-    stop = (signal.SIGTERM,) if signal.getsignal(signal.SIGINT) == signal.SIG_IGN else (signal.SIGTERM, signal.SIGINT)
-    with trio.open_signal_receiver(*stop) as signals:
-        async for _ in signals:
-            scope.cancel()
-            return
+    """The first SIGTERM (or SIGINT, unless ignored) stops gracefully: on_stop runs.
+
+    Later signals are ignored, so a repeated SIGTERM cannot kill the process in
+    the middle of on_stop (trio restores the default handler when the receiver
+    closes); the owner's SIGKILL after its grace period still can.
+    """
+    stop = [signal.SIGTERM]
+    if signal.getsignal(signal.SIGINT) != signal.SIG_IGN:
+        stop.append(signal.SIGINT)
+    try:
+        with trio.open_signal_receiver(*stop) as signals:
+            async for _ in signals:
+                scope.cancel()
+                return
+    finally:
+        for signum in stop:
+            signal.signal(signum, signal.SIG_IGN)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -54,12 +54,14 @@ class LocalProcess:
     def __init__(self, process: trio.Process, address: str = "") -> None:
         self.process = process
         self.address = address
+        self._signalled = False
 
     async def wait_exit(self) -> str:
         return describe_exit(await self.process.wait())
 
     def signal_stop(self) -> None:
-        if self.process.returncode is None:
+        if self.process.returncode is None and not self._signalled:
+            self._signalled = True
             try:
                 self.process.send_signal(signal.SIGTERM)
             except ProcessLookupError:

@@ -176,5 +176,4 @@ class Lifecycle(Actor):
         return self.ticks == 1
 
     async def on_stop(self) -> None:
-        with open(self.path, "w") as f:
-            f.write("stopped")
+        await trio.Path(self.path).write_text("stopped")

@@ -52,13 +52,12 @@ async def test_thousand_concurrent_calls_return_right_results() -> None:
 
 async def test_choose_prefers_least_loaded_rank() -> None:
     with trio.fail_after(30):
-        async with open_mesh(Gate, procs=2) as mesh:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(mesh[0].wait.call_one)
-                await mesh[0].wait_parked.call_one(1)
-                # rank 0 has one call in flight from here, rank 1 none
-                assert await mesh.pid.choose() == await mesh[1].pid.call_one()
-                await mesh[0].open.call_one()
+        async with open_mesh(Gate, procs=2) as mesh, trio.open_nursery() as nursery:
+            nursery.start_soon(mesh[0].wait.call_one)
+            await mesh[0].wait_parked.call_one(1)
+            # rank 0 has one call in flight from here, rank 1 none
+            assert await mesh.pid.choose() == await mesh[1].pid.call_one()
+            await mesh[0].open.call_one()
 
 
 async def test_endpoint_error_reaches_caller_and_actor_keeps_serving() -> None:

@@ -197,7 +197,7 @@ async def test_actors_exit_when_their_controller_is_killed() -> None:
         children = [psutil.Process(int(pid)) for pid in line.split()]
         controller.kill()  # SIGKILL: no cleanup code runs in the controller
         await controller.wait()
-        gone, alive = await trio.to_thread.run_sync(psutil.wait_procs, children, 20)
+        _, alive = await trio.to_thread.run_sync(psutil.wait_procs, children, 20)
         assert not alive
 
 

@@ -121,8 +121,8 @@ async def test_malformed_messages_are_rejected_and_actor_keeps_serving() -> None
         ([b""], None),
         ([b'{"i": 1, "k": "call", "e": "echo", "a": [{"__t": "bytes", "f": 1, "n": 5}]}'], 1),
         ([b'{"i": 2, "k": "call", "e": "echo", "a": [1]}', b"extra frame"], 2),
-        ([b'{"i": 3, "k": "call", "e": "echo", "a": [{"__t": "tensor", "d": "float32", '
-          b'"s": [1000000000, 1000000], "f": 1, "n": 4000000000000000}]}', b"tiny"], 3),
+        ([(b'{"i": 3, "k": "call", "e": "echo", "a": [{"__t": "tensor", "d": "float32", '
+           b'"s": [1000000000, 1000000], "f": 1, "n": 4000000000000000}]}'), b"tiny"], 3),
         ([b'{"i": 4, "k": "call", "e": "no_such_endpoint", "a": []}'], 4),
         ([b'{"i": 5, "k": "call", "e": "echo", "a": "not a list"}'], 5),
         ([b'{"i": 6, "k": "launch_missiles"}'], 6),
