@@ -5,10 +5,11 @@ Pure Python + pydantic: importing `hardware` imports nothing else of Flotilla's 
     hw = HardwareConfig.from_toml("run.toml")                   # [[pools]] -> validated pools
     tp = ThroughputModel(hw.pools, ModelSpec(total_params=35e9, active_params=3e9))
     sched = Scheduler(hw.pools, tp)                              # cost-aware placement
-    sched.set_trainer(version, demand, horizon_s); pool = sched.place()   # None: wait
+    sched.set_trainer(version, demand, horizon_s, consume_per_s, batch); pool = sched.place()  # None: wait
     sched.complete(pool, tokens); sched.set_pool_version(pool, v); sched.observe(pool, tokens, gpu_s)
     ledger = CostLedger(hw.pools, throughput=tp); ledger.record_busy(...); ledger.record_rollout(...)
     ledger.report().write(run_dir)                               # cost_report.json + .md
+    ckpt = {"ledger": ledger.state(), "scheduler": sched.state()}  # JSON; resume with load_state
 """
 
 from hardware.catalog import CATALOG, SOURCES, GpuSpec, canonical_gpu, catalog_markdown, gpu_spec

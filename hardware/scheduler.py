@@ -2,33 +2,71 @@
 
 State per pool: capacity (its `max_concurrent_rollouts`), rollouts in flight, the version of
 the weights it holds and its staleness budget. State of the trainer, set by the controller:
-its version; its *demand* D (rollouts its next step still needs that have not finished); the
-*horizon* h (seconds until that step starts; 0 when it is already waiting); and its
-consumption rate c (rollouts per second it takes when never starved, batch ÷ train-step
-seconds; 0 to look one step ahead only).
+its version; its *demand* D (rollouts its next step still needs that have not finished; may
+be negative when finished rollouts wait beyond one batch); the *horizon* h (seconds until that
+step starts; 0 when it is already waiting); its consumption rate c (rollouts per second it
+takes when never starved, batch ÷ train-step seconds); and, optionally, its batch B
+(rollouts per step), which makes its need step-shaped instead of continuous.
 
-Rule (policy "cost"). Pools are ranked by expected cost per token, price per GPU-hour ÷
-estimated tokens/s per GPU at full batch (roofline × online factor), ties broken by name;
-the ranking is recomputed only when an estimate changes. A pool is *eligible* when
-trainer_version − pool_version ≤ its staleness budget. Walking the ranking over eligible pools:
+Billing the rule works against: busy GPU-seconds × price, and a GPU serving one sequence
+costs as much as a full one. A pool serves replicas of g GPUs with S slots each
+(ThroughputModel.replica_gpus / slots_per_replica) and is assumed to pack rollouts onto as few
+replicas as hold them: with n in flight, ceil(n / S) replicas are busy. A rollout placed where
+n mod S ≠ 0 joins a busy replica (a *warm* slot: nothing more is billed); otherwise it wakes a
+replica (a *cold* slot: g more GPUs billed); the controller should therefore send a pool's
+rollouts to its fullest replica with room. A decode step's cost is dominated by reading the
+weights, so a replica's cost per token falls steeply with its batch (a B200 serving a 35B MoE:
+0.175 $/Mtok full, 0.27 at half batch, 3.7 with one sequence).
 
-- the cheapest eligible pool takes the rollout whenever it has a free slot (its tokens are
-  the cheapest there are, so generating ahead of need costs nothing extra);
-- the first dearer eligible pool with a free slot, k, takes it only if the trainer would
-  otherwise starve: need(T) > supply(T) at T = max(h, R_k), the later of when the trainer
-  needs rollouts and when one started on k now would finish. Otherwise `place` returns None
-  (wait for a slot on a cheaper pool). Here
-    R_i       = mean rollout tokens ÷ per-sequence tokens/s of pool i at full batch,
-    need(T)   = D + c · max(0, T − h),
-    supply(T) = Σ over the cheaper eligible pools (all full) of capacity_i · T ÷ R_i
-                  (a full pool finishes a rollout per slot every R_i: those in flight and
-                   those it starts in freed slots)
-              + Σ over every other pool of in_flight_i · min(1, T ÷ R_i)
-                  (rollouts already running finish uniformly over the next R_i).
+Rule (policy "cost"). Pools are ranked by expected cost per token at full batch, price ÷
+estimated tokens/s per GPU (roofline × online factor), ties broken by name; the ranking is
+recomputed only when an estimate changes. A pool is *eligible* when trainer_version −
+pool_version ≤ its staleness budget. Let j be the first eligible pool in the ranking with a
+free slot: every cheaper eligible pool is full. In order:
 
-A decision is O(pools) over plain lists: the walk, plus one supply sum when a spill is
-considered. Each placement on a dearer pool raises its in-flight count and so the supply of
-the next decision: spills stop once the shortfall is covered.
+1. Base pools. j takes the rollout if it is the cheapest eligible pool, or if the trainer's
+   steady consumption needs all of j: the full-batch tokens/s of the eligible pools before j
+   plus j's own is at most c × mean rollout tokens. Every token of a base pool is consumed,
+   so it is kept full, whatever the demand of the moment.
+2. Top-up. If a recent placement on j (rule 3 or 4) set a fill target for its part-full
+   replica and j is below it, j takes the rollout (the target is dropped once reached, or
+   once j drains back to where the top-up began).
+3. Warm slot. If j has a warm slot and the trainer will need more rollouts within the
+   look-ahead (shortfall(T₂) > 0, below), j takes it and its replica is topped up (rule 2)
+   to full, or to the look-ahead shortfall plus one batch if the replica is bigger than that.
+   Topping up costs nothing while the replica is busy and keeps its batch high; a trickle
+   just in time would leave the marginal pool's replicas part-empty.
+4. Spill. If the trainer would starve otherwise (shortfall(T₁) > 0), the rollout goes to the
+   eligible pool with a free slot, from j on, with the lowest *marginal* cost per token:
+   price ÷ tokens/s per GPU at the batch its busy-or-woken replica would run, namely r + the
+   shortfall rollouts (r = n mod S already on it), capped at S; for j, which is topped up
+   after a spill (rule 2), plus one batch (without B: c × R_j). A small shortfall therefore
+   does not wake an 8-GPU replica for three rollouts.
+5. Otherwise `place` returns None: wait for a slot on a cheaper pool.
+
+Shortfall. A rollout started now on j lands after R_j = mean rollout tokens × seconds per
+token of one sequence on j at full batch; T = max(h, R_j). With the batch B known, the
+trainer's next step starts at h' = max(h, when the pools already running deliver D) (it
+cannot start before), and later steps every B ÷ c seconds: if T lands before h', T₁ = T and
+need = D; else T₁ is the first step start at or after T and need = D + B × (steps from h'
+to T₁). Without B, T₁ = T and need = D + c × (T − h). T₂ = T₁ + `lookahead_steps` train steps
+(R_j each without B). shortfall(T) = need(T) − supply(T), with
+    supply(T) = Σ over the cheaper eligible pools (all full) of capacity_i × T ÷ R_i
+                  (a full pool finishes a rollout per slot every R_i, restarting freed slots)
+              + in-flight_j × T ÷ R_j at T₁ (j's busy replicas are topped up while needed;
+                at T₂ they count like the rest, so rule 3 fills them before they drain)
+              + Σ over every other pool of in-flight_i × min(1, T ÷ R_i)
+                  (rollouts already running finish over the next R_i),
+where R_i uses pool i's speed at its current batch.
+
+Mean rollout tokens: tokens generated (from `observe`) ÷ rollouts finished (from
+`complete`), forgotten over each pool's last `length_window` fills (hardware._lengths). The
+mean of finished rollouts would run short after a synchronised start, when the short ones
+finish first, and the trainer would wait; this flow ratio errs long instead.
+
+A decision is O(pools) over plain lists: the walk, plus at most one supply sum and one pass
+over the dearer pools. Each placement raises an in-flight count and so the supply of the next
+decision: spills stop once the shortfall is covered.
 
 Policy "round_robin" (a baseline): pools in name order, in turn, skipping full or lagging ones,
 regardless of cost and demand.
@@ -39,12 +77,17 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from hardware._lengths import PoolLengthState, RolloutLengths
 from hardware.pools import PoolConfig
 from hardware.throughput import ThroughputModel
 
 __all__ = ["Scheduler", "PoolState"]
+
+_EPS = 1e-6  # rollouts: shortfalls below this are rounding, not need
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,8 +101,25 @@ class PoolState:
     staleness_budget: int
     eligible: bool
     usd_per_mtok: float
+    """Expected cost per million tokens at full batch (the ranking key)."""
     tokens_per_s_per_gpu: float
+    """Estimated tokens/s per GPU at full batch."""
     rank: int
+    replica_gpus: int
+    """GPUs per replica (0: the model does not fit)."""
+    busy_replicas: int
+    """Replicas busy with the rollouts in flight, packed."""
+
+
+class _SchedulerState(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    lengths: dict[str, PoolLengthState] = Field(default_factory=dict)
+    """The rollout-length flow per pool name."""
+    round_robin_next: int = Field(default=0, ge=0)
+    """Position (in name order) where the round-robin policy looks first."""
+    throughput: dict[str, Any] = Field(default_factory=dict)
+    """ThroughputModel.state()."""
 
 
 class Scheduler:
@@ -76,57 +136,95 @@ class Scheduler:
         *,
         policy: Literal["cost", "round_robin"] = "cost",
         mean_rollout_tokens: float = 1024.0,
-        tokens_alpha: float = 0.05,
+        lookahead_steps: float = 1.0,
+        length_window: float = 4.0,
     ) -> None:
         if not pools:
             raise ValueError("a scheduler needs at least one pool")
         if policy not in ("cost", "round_robin"):
             raise ValueError(f"policy must be 'cost' or 'round_robin', got {policy!r}")
-        if mean_rollout_tokens <= 0:
+        if not mean_rollout_tokens > 0:
             raise ValueError(f"mean_rollout_tokens must be > 0, got {mean_rollout_tokens}")
+        if not lookahead_steps >= 0:
+            raise ValueError(f"lookahead_steps must be ≥ 0, got {lookahead_steps}")
+        if not length_window > 0:
+            raise ValueError(f"length_window must be > 0, got {length_window}")
         self.policy = policy
         self.throughput = throughput
-        self._mean_tokens = float(mean_rollout_tokens)
-        self._tokens_alpha = tokens_alpha
+        self._lookahead = float(lookahead_steps)
         # Parallel lists indexed by pool position in name order: attribute-free inner loops.
         ordered = sorted(pools, key=lambda p: p.name)
+        n = len(ordered)
         self._pools = ordered
         self._names = [p.name for p in ordered]
-        self._index = {n: i for i, n in enumerate(self._names)}
+        self._index = {name: i for i, name in enumerate(self._names)}
         self._cap = [p.capacity for p in ordered]
         self._budget = [p.staleness_budget for p in ordered]
-        self._inflight = [0] * len(ordered)
-        self._ver = [0] * len(ordered)
+        self._price_s = [p.price / 3600.0 for p in ordered]
+        self._g = [throughput.replica_gpus(name) for name in self._names]
+        # Slots per replica; a pool the model does not fit gets one huge "replica" so that
+        # n mod S stays defined; it is never chosen (infinite cost).
+        self._S = [throughput.slots_per_replica(name) or 1 << 62 for name in self._names]
+        # Roofline tokens/s per GPU with m sequences per replica, filled on first use; the
+        # online factor multiplies it, so it never needs recomputing.
+        self._curve: list[dict[int, float]] = [{} for _ in ordered]
+        self._inflight = [0] * n
+        self._ver = [0] * n
+        self._fill_to = [0] * n  # top-up target (rule 2); 0: none
+        self._fill_from = [0] * n  # in flight when the top-up began; draining back to it ends it
+        self._lengths = RolloutLengths(self._cap, float(mean_rollout_tokens), float(length_window))
         self._trainer_version = 0
         self._demand = 0
         self._horizon = 0.0
         self._consume = 0.0
+        self._batch = 0
         self._rr_next = 0
         self._rerank()
 
-    # -- ranking ---------------------------------------------------------------------------
+    # -- estimates -------------------------------------------------------------------------
 
     def _rerank(self) -> None:
-        n = len(self._pools)
-        self._cost = [self.throughput.usd_per_token(name) for name in self._names]
-        self._tps = [self.throughput.estimate(name) for name in self._names]
+        tp = self.throughput
+        self._factor = [tp.factor(name) for name in self._names]
+        self._cost = [tp.usd_per_token(name) for name in self._names]
+        self._tps = [tp.estimate(name) for name in self._names]
         # slot_s: seconds one sequence takes per token on a full pool, so R_i = tokens × slot_s.
-        self._slot_s = [
-            (p.capacity / p.count) / tps if tps > 0 else math.inf for p, tps in zip(self._pools, self._tps, strict=True)
-        ]
-        self._order = sorted(range(n), key=lambda i: (self._cost[i], self._names[i]))
+        self._slot_s = [tp.batch_per_gpu(name) / t if t > 0 else math.inf for name, t in zip(self._names, self._tps)]
+        # Tokens/s of each whole pool at full batch.
+        self._pool_tps = [p.count * t for p, t in zip(self._pools, self._tps)]
+        self._order = sorted(range(len(self._pools)), key=lambda i: (self._cost[i], self._names[i]))
+
+    def _replica_tps(self, i: int, m: int) -> float:
+        """Estimated tokens/s per GPU of pool i's replicas with m sequences each."""
+        curve = self._curve[i]
+        t = curve.get(m)
+        if t is None:
+            g = self._g[i]
+            t = self.throughput.roofline(self._names[i], m / g) if g else 0.0
+            curve[m] = t
+        return t * self._factor[i]
+
+    def _seq_seconds(self, i: int, n: int) -> float:
+        """Seconds per token of one sequence on pool i with n > 0 rollouts in flight, packed."""
+        m = -(-n // -(-n // self._S[i]))  # sequences per busy replica, spread evenly
+        tps = self._replica_tps(i, m)
+        return m / (self._g[i] * tps) if tps > 0 else math.inf
 
     # -- inputs from the controller ---------------------------------------------------------
 
-    def set_trainer(self, version: int, demand: int, horizon_s: float = 0.0, consume_per_s: float = 0.0) -> None:
+    def set_trainer(
+        self, version: int, demand: int, horizon_s: float = 0.0, consume_per_s: float = 0.0, batch: int = 0
+    ) -> None:
         """The trainer's version; `demand`, the rollouts its next step still needs that have not
-        finished (in flight ones are not subtracted); `horizon_s`, seconds until that step
+        finished (in-flight ones are not subtracted); `horizon_s`, seconds until that step
         starts (0: it is waiting now); `consume_per_s`, rollouts per second it takes when never
-        starved (batch ÷ train-step seconds; 0 looks at the next step only)."""
+        starved (batch ÷ train-step seconds; 0 looks at the next step only); `batch`, rollouts
+        per step (0: unknown, consumption is taken as continuous)."""
         self._trainer_version = version
         self._demand = demand
         self._horizon = max(0.0, horizon_s)
         self._consume = max(0.0, consume_per_s)
+        self._batch = max(0, batch)
 
     def set_pool_version(self, pool: str, version: int) -> None:
         """The weight version `pool` now holds (after a sync)."""
@@ -134,22 +232,25 @@ class Scheduler:
 
     def complete(self, pool: str, tokens: int | None = None) -> None:
         """A rollout on `pool` finished, failed or was aborted: its slot is free again.
-        `tokens` (generated) refines the mean rollout length used for the starvation test."""
+        `tokens` (generated) stands in for the pool's generated tokens until it is observed."""
         i = self._idx(pool)
         if self._inflight[i] <= 0:
             raise ValueError(f"complete({pool!r}) with no rollout in flight there")
         self._inflight[i] -= 1
-        if tokens is not None and tokens > 0:
-            self._mean_tokens += self._tokens_alpha * (tokens - self._mean_tokens)
+        if self._inflight[i] <= self._fill_from[i]:
+            self._fill_to[i] = 0
+        self._lengths.finished(i, tokens)
 
     def observe(self, pool: str, tokens: float, gpu_seconds: float, batch_per_gpu: float | None = None) -> float:
-        """A throughput measurement for `pool` (see ThroughputModel.observe); when the batch is
-        not given, the pool's current rollouts in flight per GPU stand for it. Re-ranks the
-        pools; returns the pool's new factor."""
+        """A throughput measurement for `pool`: `tokens` generated in `gpu_seconds` busy
+        GPU-seconds since its last one (see ThroughputModel.observe); when the batch is not
+        given, the pool's current rollouts in flight per GPU stand for it. Also feeds the mean
+        rollout length. Re-ranks the pools; returns the pool's new factor."""
         i = self._idx(pool)
         if batch_per_gpu is None:
             batch_per_gpu = max(1.0, self._inflight[i] / self._pools[i].count)
         f = self.throughput.observe(pool, tokens, gpu_seconds, batch_per_gpu)
+        self._lengths.generated(i, tokens)
         self._rerank()
         return f
 
@@ -164,46 +265,141 @@ class Scheduler:
         cap = self._cap
         ver = self._ver
         budget = self._budget
+        order = self._order
+        pool_tps = self._pool_tps
         first = True
-        for pos, i in enumerate(self._order):
+        jpos = -1
+        prod = 0.0  # tokens/s of the eligible full pools before j
+        lagging: list[int] = []  # pools before j that lag beyond their budget, with rollouts
+        for pos, i in enumerate(order):
             if tv - ver[i] > budget[i]:
+                if inflight[i]:
+                    lagging.append(i)
                 continue
             if inflight[i] < cap[i]:
-                if first or self._starving(pos, i):
-                    inflight[i] += 1
-                    return self._names[i]
-                return None
+                jpos = pos
+                break
             first = False
-        return None
+            prod += pool_tps[i]
+        if jpos < 0:
+            return None
+        j = order[jpos]
+        if math.isinf(self._cost[j]):
+            return None  # the cheapest pool with room cannot run the model: nor can dearer ones
+        n = inflight[j]
+        if first or prod + pool_tps[j] <= self._consume * self._lengths.mean or n < self._fill_to[j]:
+            return self._take(j)
+        now, ahead = self._shortfall(jpos, j, prod, lagging)
+        S = self._S[j]
+        r = n % S
+        if r and ahead > _EPS:
+            self._top_up(j, n - r + S, n + math.ceil(ahead - _EPS) + self._extra(j))
+            return self._take(j)
+        if now <= _EPS:
+            return None
+        k = self._spill_target(jpos, now)
+        if k < 0:
+            return None
+        if k == j:
+            self._top_up(j, n - r + S, n + math.ceil(now - _EPS) + self._extra(j))
+        return self._take(k)
 
-    def _starving(self, pos: int, k: int) -> bool:
-        """Would the trainer starve without a rollout on pool k (at ranking position pos)?"""
-        mt = self._mean_tokens
-        slot_s = self._slot_s
+    def _top_up(self, j: int, replica_full: int, enough: int) -> None:
+        self._fill_to[j] = min(replica_full, enough)
+        self._fill_from[j] = self._inflight[j]
+
+    def _take(self, i: int) -> str:
+        self._inflight[i] += 1
+        if self._inflight[i] >= self._fill_to[i]:
+            self._fill_to[i] = 0
+        return self._names[i]
+
+    def _extra(self, j: int) -> int:
+        """Rollouts beyond the need a top-up of j may start: one batch (without a batch, what
+        the trainer takes while one rollout runs on j)."""
+        if self._batch:
+            return self._batch
+        R = self._lengths.mean * self._slot_s[j]
+        return 0 if math.isinf(R) else int(self._consume * R)
+
+    def _shortfall(self, jpos: int, j: int, prod: float, lagging: list[int]) -> tuple[float, float]:
+        """(shortfall at T₁, shortfall at T₂) for j, the first eligible pool with room, at
+        ranking position jpos; `prod`: tokens/s of the eligible full pools before j; `lagging`:
+        the pools before j beyond their staleness budget that have rollouts in flight.
+        -inf where there is no need."""
+        mt = self._lengths.mean
         h = self._horizon
-        T = max(h, mt * slot_s[k])
-        if math.isinf(T):  # the model does not run on pool k
-            return False
-        need = self._demand + self._consume * max(0.0, T - h)
-        if need <= 0.0:
-            return False
+        D = self._demand
+        c = self._consume
+        R = mt * self._slot_s[j]
+        if math.isinf(R):
+            return -math.inf, -math.inf
+        T = max(h, R)
+        if self._batch and c > 0.0:
+            B = self._batch
+            step = B / c
+            nj = self._inflight[j]
+            rate = prod + (nj / self._seq_seconds(j, nj) if nj else 0.0)
+            h_eff = h if D <= 0 else (max(h, D * mt / rate) if rate > 0.0 else math.inf)
+            if T <= h or T < h_eff:  # lands before the next step can start: helps that step
+                T1, need1 = T, float(D)
+            else:  # helps the first step that starts once it has landed
+                m = math.ceil((T - h_eff) / step - 1e-9)
+                T1, need1 = h_eff + m * step, float(D + m * B)
+            T2 = T1 + self._lookahead * step
+            if self._lookahead <= 0.0:
+                need2 = -math.inf
+            elif T2 < h_eff:  # h_eff may be inf: nothing delivers D
+                need2 = float(D)
+            else:  # the steps that start by T2
+                need2 = float(D + B * math.floor((T2 - h_eff) / step + 1e-9))
+        else:
+            T1, need1 = T, D + c * (T - h)
+            T2 = T + self._lookahead * R
+            need2 = D + c * (T2 - h) if self._lookahead > 0.0 and c > 0.0 else -math.inf
+        if need1 <= 0.0 and need2 <= 0.0:
+            return -math.inf, -math.inf
+        inflight = self._inflight
+        # The eligible full pools before j finish prod ÷ mt rollouts per second.
+        supply1 = prod / mt * T1
+        supply2 = prod / mt * T2
+        order = self._order
+        for pos in range(jpos, len(order) + len(lagging)):
+            i = order[pos] if pos < len(order) else lagging[pos - len(order)]
+            n = inflight[i]
+            if not n:
+                continue
+            Ri = mt * self._seq_seconds(i, n)
+            supply1 += n * T1 / Ri if i == j or T1 < Ri else n
+            supply2 += n if T2 >= Ri else n * T2 / Ri
+        return need1 - supply1, need2 - supply2
+
+    def _spill_target(self, jpos: int, shortfall: float) -> int:
+        """The eligible pool with room, from ranking position jpos on, whose marginal cost per
+        token is lowest (see the module docstring); -1 if none can run the model."""
         tv = self._trainer_version
         ver = self._ver
         budget = self._budget
         inflight = self._inflight
         cap = self._cap
-        supply = 0.0
-        for r, i in enumerate(self._order):
-            R = mt * slot_s[i]
-            if r < pos and tv - ver[i] <= budget[i]:
-                supply += cap[i] * T / R
-            else:
-                n = inflight[i]
-                if n:
-                    supply += n if T >= R else n * T / R
-            if supply >= need:
-                return False
-        return True
+        S = self._S
+        order = self._order
+        want = math.ceil(shortfall - _EPS)
+        best = -1
+        best_cost = math.inf
+        for pos in range(jpos, len(order)):
+            k = order[pos]
+            if tv - ver[k] > budget[k] or inflight[k] >= cap[k]:
+                continue
+            if best >= 0 and self._cost[k] >= best_cost:
+                continue  # even at full batch k costs more than the best so far
+            r = inflight[k] % S[k]
+            m = min(S[k], r + want + (self._extra(k) if pos == jpos else 0))
+            tps = self._replica_tps(k, m)
+            cost = self._price_s[k] / tps if tps > 0 else math.inf
+            if cost < best_cost:
+                best, best_cost = k, cost
+        return best
 
     def _place_round_robin(self) -> str | None:
         n = len(self._names)
@@ -216,6 +412,41 @@ class Scheduler:
                 self._rr_next = i + 1
                 return self._names[i]
         return None
+
+    # -- resume -------------------------------------------------------------------------------
+
+    def state(self) -> dict[str, Any]:
+        """What a resumed controller needs, JSON-serialisable: the throughput model's online
+        corrections, the rollout-length flow and the round-robin position. Rollouts in flight,
+        top-up targets and pool versions are not saved: a resumed run restarts its rollouts.
+        Nor are rollouts finished since their pool's last `observe`: their tokens are not
+        measured yet, and a resumed run's samplers count from zero."""
+        return {
+            "lengths": {name: self._lengths.state(i).model_dump() for i, name in enumerate(self._names)},
+            "round_robin_next": self._rr_next,
+            "throughput": self.throughput.state(),
+        }
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Restore what `state()` returned and re-rank. An empty dict changes nothing; a
+        malformed one, or one naming a pool this scheduler does not have, raises ValueError
+        naming the field or pool, and changes nothing."""
+        if not state:
+            return
+        try:
+            parsed = _SchedulerState.model_validate(state)
+        except ValidationError as e:
+            raise ValueError(f"scheduler state: {e}") from e
+        unknown = [name for name in parsed.lengths if name not in self._index]
+        if unknown:
+            raise ValueError(f"scheduler state: unknown pool(s) {', '.join(map(repr, unknown))}; "
+                             f"pools: {', '.join(self._names)}")
+        self.throughput.load_state(parsed.throughput)  # validates before changing anything
+        for name, st in parsed.lengths.items():
+            self._lengths.load(self._index[name], st)
+        self._lengths.refresh()
+        self._rr_next = parsed.round_robin_next % len(self._names)
+        self._rerank()
 
     # -- views ----------------------------------------------------------------------------
 
@@ -235,7 +466,8 @@ class Scheduler:
 
     @property
     def mean_rollout_tokens(self) -> float:
-        return self._mean_tokens
+        """The current estimate of generated tokens per rollout."""
+        return self._lengths.mean
 
     def in_flight(self, pool: str) -> int:
         return self._inflight[self._idx(pool)]
@@ -244,18 +476,22 @@ class Scheduler:
         return self._cap[self._idx(pool)]
 
     def ranking(self) -> list[str]:
-        """Pool names from cheapest to dearest expected cost per token."""
+        """Pool names from cheapest to dearest expected cost per token at full batch."""
         return [self._names[i] for i in self._order]
 
     def would_spill(self, pool: str) -> bool:
-        """Whether the starvation test passes for `pool` now, as if it were the first pool with a
-        free slot (a diagnostic: `place` asks this only of that pool)."""
+        """Whether the starvation test of rule 4 passes for `pool` now, as if it were the first
+        eligible pool with a free slot (a diagnostic)."""
         i = self._idx(pool)
-        return self._starving(self._order.index(i), i)
+        pos = self._order.index(i)
+        tv = self._trainer_version
+        before = self._order[:pos]
+        eligible = [k for k in before if tv - self._ver[k] <= self._budget[k]]
+        lagging = [k for k in before if tv - self._ver[k] > self._budget[k] and self._inflight[k]]
+        return self._shortfall(pos, i, sum(self._pool_tps[k] for k in eligible), lagging)[0] > _EPS
 
     def states(self) -> list[PoolState]:
         """Every pool's state, cheapest first."""
-        rank = {i: r for r, i in enumerate(self._order)}
         tv = self._trainer_version
         return [
             PoolState(
@@ -267,7 +503,9 @@ class Scheduler:
                 eligible=tv - self._ver[i] <= self._budget[i],
                 usd_per_mtok=self._cost[i] * 1e6,
                 tokens_per_s_per_gpu=self._tps[i],
-                rank=rank[i],
+                rank=rank,
+                replica_gpus=self._g[i],
+                busy_replicas=-(-self._inflight[i] // self._S[i]),
             )
-            for i in self._order
+            for rank, i in enumerate(self._order)
         ]

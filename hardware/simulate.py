@@ -1,11 +1,15 @@
 """A discrete-event simulation of sampler pools feeding a trainer, to test and compare placement.
 
 Model (stated so results can be read):
-- Each pool's true decode speed is the roofline (hardware.throughput) at its current batch
-  × a speed multiplier (1 unless changed by `speed_changes`). Every rollout in flight on a
-  pool advances at the same per-sequence rate; the rate changes when the batch changes.
-- A pool packs its rollouts onto as few replicas as hold them (serverless-style scaling);
-  the busy GPUs are billed at the pool's price per second. Idle GPUs cost nothing.
+- Each pool's true decode speed is the roofline (hardware.throughput) of its replicas (the
+  tensor-parallel size that holds its full batch) at its current batch × a speed multiplier
+  (1 unless changed by `speed_changes`). Every rollout in flight on a pool advances at the
+  same per-sequence rate; the rate changes when the batch changes.
+- Billing, the same rule for every policy: a pool packs its n rollouts onto as few replicas
+  as hold them (serverless-style scaling), ceil(n / slots per replica) replicas are busy, and
+  each busy GPU is billed the pool's price per second, whatever its batch (one sequence costs
+  as much as a full replica). Idle GPUs cost nothing. The n rollouts share the busy GPUs
+  evenly (n ÷ busy GPUs sequences each).
 - A rollout is pure decode of `rollout_tokens(rng)` tokens; prefill and environment time are
   not modelled. It carries the version its pool held when it started.
 - The trainer takes `batch` finished rollouts (oldest first), trains `step_seconds`, then
@@ -14,11 +18,15 @@ Model (stated so results can be read):
 - The controller starts rollouts while in-flight + buffered < batch × (1 + max_ahead_steps),
   asking the scheduler each time; it stops at the first None until the next event. It tells
   the scheduler the demand (batch − finished rollouts waiting), the horizon (time left in
-  the current train step, 0 while waiting) and the consumption rate (batch ÷ step seconds),
-  and every `observe_every_s` reports each
-  pool's tokens, busy GPU-seconds and mean batch per busy GPU.
+  the current train step, 0 while waiting), the consumption rate (batch ÷ step seconds) and
+  (unless `tell_batch=False`) the batch, reports every finished rollout with its tokens, and
+  every `observe_every_s` reports each pool's tokens, busy GPU-seconds and mean batch per
+  busy GPU.
 - Trainer idle fraction is measured from the first batch taken (the initial fill, equal for
   all policies in kind, is excluded) to the end of the last step.
+- Tokens and cost count everything generated, including rollouts dropped as too stale and
+  those still in flight at the end; `tokens_trained` counts the tokens of the rollouts the
+  trainer took.
 """
 
 from __future__ import annotations
@@ -73,9 +81,13 @@ class SimResult:
     steps: int
     cost_usd: float
     tokens: float
+    tokens_trained: float
     rollouts_completed: int
     rollouts_dropped: int
     trainer_idle_fraction: float
+    capped_fraction: float
+    """Fraction of the measured time the controller could start nothing: rollouts in flight
+    plus finished ones waiting reached its limit (batch × (1 + max_ahead_steps))."""
     decisions: int
     decision_seconds: float
     pools: dict[str, SimPoolStats]
@@ -84,6 +96,11 @@ class SimResult:
     @property
     def usd_per_mtok(self) -> float:
         return self.cost_usd / self.tokens * 1e6 if self.tokens else math.nan
+
+    @property
+    def usd_per_mtok_trained(self) -> float:
+        """Cost per million tokens the trainer used (dropped and unfinished rollouts are waste)."""
+        return self.cost_usd / self.tokens_trained * 1e6 if self.tokens_trained else math.nan
 
     @property
     def decision_us(self) -> float:
@@ -110,6 +127,7 @@ class FleetSim:
         assumptions: RooflineAssumptions | None = None,
         seed: int = 0,
         trace: bool = False,
+        tell_batch: bool = True,
     ) -> None:
         self.pools = list(pools)
         self.model = model
@@ -123,6 +141,7 @@ class FleetSim:
         self.observe_every_s = observe_every_s
         self.rng = random.Random(seed)
         self.trace = trace
+        self.tell_batch = tell_batch
         self.names = [p.name for p in self.pools]
         self.idx = {n: i for i, n in enumerate(self.names)}
         self.delay = [
@@ -144,7 +163,7 @@ class FleetSim:
 
     def _tps(self, i: int, b: float) -> float:
         p = self.pools[i]
-        return roofline_tokens_per_s(p.spec, p.precision, self.model, b, self.a) * self.mult[i]
+        return roofline_tokens_per_s(p.spec, p.precision, self.model, b, self.a, replica=self.g[i]) * self.mult[i]
 
     def _recompute(self, i: int) -> None:
         n = self.n[i]
@@ -183,6 +202,8 @@ class FleetSim:
         training_until: float | None = None
         t_first: float | None = None
         idle = 0.0
+        capped = 0.0
+        trained = 0.0
         dropped = 0
         completed = 0
         decisions = 0
@@ -194,7 +215,8 @@ class FleetSim:
 
         def tell_scheduler() -> None:
             horizon = 0.0 if training_until is None else training_until - t
-            sched.set_trainer(k, self.batch - len(buffer), horizon, self.batch / self.step_seconds)
+            sched.set_trainer(k, self.batch - len(buffer), horizon, self.batch / self.step_seconds,
+                              self.batch if self.tell_batch else 0)
 
         def fill() -> None:
             nonlocal seq, in_flight_total, decisions, decision_s
@@ -221,7 +243,7 @@ class FleetSim:
                 self._recompute(i)
 
         def try_consume() -> None:
-            nonlocal training_until, t_first, dropped
+            nonlocal training_until, t_first, dropped, trained
             # Drop what is already too stale to train on; the controller retries those prompts.
             keep: deque[tuple[int, int, int]] = deque()
             for item in buffer:
@@ -235,7 +257,7 @@ class FleetSim:
             buffer.extend(keep)
             if len(buffer) >= self.batch:
                 for _ in range(self.batch):
-                    buffer.popleft()
+                    trained += buffer.popleft()[2]
                 training_until = t + self.step_seconds
                 if t_first is None:
                     t_first = t
@@ -268,6 +290,8 @@ class FleetSim:
                     obs_nsum[i] += self.n[i] * dt
             if training_until is None and t_first is not None:
                 idle += dt
+            if t_first is not None and in_flight_total + len(buffer) >= self.max_outstanding:
+                capped += dt
             t = tn
             for i in range(P):
                 h = heaps[i]
@@ -322,9 +346,11 @@ class FleetSim:
             steps=steps_done,
             cost_usd=sum(s.cost_usd for s in st),
             tokens=sum(s.tokens for s in st),
+            tokens_trained=trained,
             rollouts_completed=completed,
             rollouts_dropped=dropped,
             trainer_idle_fraction=idle / span if span > 0 else 0.0,
+            capped_fraction=capped / span if span > 0 else 0.0,
             decisions=decisions,
             decision_seconds=decision_s,
             pools=stats,

@@ -4,12 +4,13 @@ The roofline (per GPU, batch `b` sequences decoding one token each per step):
 
     step_s   = max(bytes_per_gpu / (bandwidth · bandwidth_efficiency),
                    flops_per_gpu / (peak · compute_efficiency)) + step_overhead_s
-    tokens/s = b / step_s
+    tokens/s = b / step_s      (b·g ≥ 1: a replica with one sequence still runs whole steps)
 
 - Replicas: a replica of the model spans `g` GPUs (tensor parallel), the smallest power of
   two whose memory (times `memory_fraction`) holds all weights (every expert, at the pool's
   precision) plus the KV cache of its `b·g` sequences. Each GPU reads 1/g of the replica's
-  bytes per step. Interconnect time is ignored.
+  bytes per step. Interconnect time is ignored. A pool's replica size is fixed by its full
+  batch (ThroughputModel); at a smaller batch the same replicas run with fewer sequences.
 - Weight bytes read per step: shared (non-expert) parameters always; routed experts by
   coverage: with `b·g` tokens each routed to a fraction f = routed_active / routed_total of
   the experts, a fraction 1 − (1 − f)^(b·g) of the expert weights is read. Dense models have
@@ -33,8 +34,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from hardware.catalog import CATALOG, GpuSpec
 from hardware.pools import PoolConfig
@@ -164,16 +166,34 @@ def fit_batch_per_gpu(
 
 
 def decode_step_seconds(
-    gpu: GpuSpec, precision: str, model: ModelSpec, batch_per_gpu: float, a: RooflineAssumptions
+    gpu: GpuSpec,
+    precision: str,
+    model: ModelSpec,
+    batch_per_gpu: float,
+    a: RooflineAssumptions,
+    replica: int | None = None,
 ) -> float:
-    """Seconds for one decode step with `batch_per_gpu` sequences per GPU; inf if it cannot fit."""
-    b = max(batch_per_gpu, 1.0)
-    g = replica_gpus(gpu, precision, model, b, a)
-    if g is None:
-        return math.inf
-    tokens = b * g
+    """Seconds for one decode step with `batch_per_gpu` sequences per GPU on a replica of
+    `replica` GPUs (None: the smallest that fits the batch); inf if it cannot fit.
+
+    A replica steps all its sequences together, so a batch under one sequence per GPU (fewer
+    sequences than GPUs in the replica) still pays for a step of one sequence across the
+    replica: its GPUs are busy, and each produces tokens ÷ g per step."""
+    b = max(batch_per_gpu, 0.0)
+    if replica is None:
+        g = replica_gpus(gpu, precision, model, max(b, 1.0), a)
+        if g is None:
+            return math.inf
+    else:
+        g = replica
+        if g < 1:
+            return math.inf
+        room_per_gpu = gpu.memory_gb * 1e9 * a.memory_fraction - max(b, 1.0 / g) * model.kv_bytes_per_sequence
+        if g * room_per_gpu < model.total_params * bytes_per_param(precision):
+            return math.inf
+    tokens = max(b * g, 1.0)  # sequences in the replica's step
     bytes_per_gpu = (model.params_read(tokens) * bytes_per_param(precision) + tokens * model.kv_bytes_per_sequence) / g
-    flops_per_gpu = b * (2.0 * model.active_params + model.kv_bytes_per_sequence)
+    flops_per_gpu = tokens / g * (2.0 * model.active_params + model.kv_bytes_per_sequence)
     peak = gpu.fp8_tflops if precision == "fp8" and gpu.fp8_tflops is not None else gpu.bf16_tflops
     memory_s = bytes_per_gpu / (gpu.bandwidth_gbps * 1e9 * a.bandwidth_efficiency)
     compute_s = flops_per_gpu / (peak * 1e12 * a.compute_efficiency)
@@ -182,18 +202,46 @@ def decode_step_seconds(
 
 
 def roofline_tokens_per_s(
-    gpu: GpuSpec, precision: str, model: ModelSpec, batch_per_gpu: float, a: RooflineAssumptions | None = None
+    gpu: GpuSpec,
+    precision: str,
+    model: ModelSpec,
+    batch_per_gpu: float,
+    a: RooflineAssumptions | None = None,
+    replica: int | None = None,
 ) -> float:
-    """Decode tokens/s per GPU at `batch_per_gpu` concurrent sequences per GPU (0 if it cannot fit)."""
+    """Decode tokens/s per GPU at `batch_per_gpu` concurrent sequences per GPU on a replica of
+    `replica` GPUs (None: the smallest that fits); 0 if it cannot fit."""
     a = a or RooflineAssumptions()
-    step = decode_step_seconds(gpu, precision, model, batch_per_gpu, a)
-    return 0.0 if math.isinf(step) else max(batch_per_gpu, 1.0) / step
+    step = decode_step_seconds(gpu, precision, model, batch_per_gpu, a, replica)
+    if math.isinf(step):
+        return 0.0
+    g = replica if replica is not None else replica_gpus(gpu, precision, model, max(batch_per_gpu, 1.0), a)
+    assert g is not None  # a finite step means a replica fits
+    return max(batch_per_gpu * g, 1.0) / g / step
+
+
+class _PoolFactorState(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    log_factor: float
+    """Natural log of the pool's measured / roofline factor."""
+    observations: int = Field(ge=0)
+    """Measurements folded in so far."""
+
+
+class _ThroughputState(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    pools: dict[str, _PoolFactorState] = Field(default_factory=dict)
+    """Online correction per pool name."""
 
 
 class ThroughputModel:
-    """Per-pool decode tokens/s per GPU: roofline at the pool's full batch × an online factor.
+    """Per-pool decode tokens/s per GPU: roofline × an online factor.
 
-    Not thread-safe; owned by one scheduler or controller task.
+    Each pool serves replicas of the size that holds the model and the KV cache of its full
+    batch (`replica_gpus(pool)`); at a smaller batch the same replicas run, fewer sequences
+    each. Not thread-safe; owned by one scheduler or controller task.
     """
 
     def __init__(
@@ -212,6 +260,10 @@ class ThroughputModel:
         self._pools = {p.name: p for p in pools}
         self._log_factor = {p.name: 0.0 for p in pools}
         self._observations = {p.name: 0 for p in pools}
+        self._replica: dict[str, int] = {}
+        for p in pools:
+            g = replica_gpus(p.spec, p.precision, model, p.capacity / p.count, self.assumptions)
+            self._replica[p.name] = 0 if g is None or g > p.count else g
 
     def _pool(self, name: str) -> PoolConfig:
         try:
@@ -224,11 +276,27 @@ class ThroughputModel:
         p = self._pool(pool)
         return p.capacity / p.count
 
-    def roofline(self, pool: str, batch_per_gpu: float | None = None) -> float:
-        """Uncorrected roofline tokens/s per GPU (at full batch unless given)."""
+    def replica_gpus(self, pool: str) -> int:
+        """GPUs per replica the pool serves (tensor parallel); 0 if the model with the KV cache
+        of its full batch does not fit a replica of at most `max_replica_gpus`, or the pool has
+        fewer GPUs than one replica needs."""
+        return self._replica[self._pool(pool).name]
+
+    def slots_per_replica(self, pool: str) -> int:
+        """Concurrent sequences one replica holds when the pool is full (0 if none fits)."""
         p = self._pool(pool)
+        g = self._replica[p.name]
+        return 0 if g == 0 else math.ceil(p.capacity / (p.count // g))
+
+    def roofline(self, pool: str, batch_per_gpu: float | None = None) -> float:
+        """Uncorrected roofline tokens/s per GPU of the pool's replicas (at full batch unless
+        given); 0 if the model does not fit."""
+        p = self._pool(pool)
+        g = self._replica[p.name]
+        if g == 0:
+            return 0.0
         b = self.batch_per_gpu(pool) if batch_per_gpu is None else batch_per_gpu
-        return roofline_tokens_per_s(p.spec, p.precision, self.model, b, self.assumptions)
+        return roofline_tokens_per_s(p.spec, p.precision, self.model, b, self.assumptions, replica=g)
 
     def factor(self, pool: str) -> float:
         """Measured / roofline, exponentially weighted (1.0 before any measurement)."""
@@ -241,9 +309,10 @@ class ThroughputModel:
         """Expected tokens/s per GPU: roofline × factor."""
         return self.roofline(pool, batch_per_gpu) * self.factor(pool)
 
-    def usd_per_token(self, pool: str) -> float:
-        """Expected cost of one token on a full pool (inf if the model cannot run there)."""
-        tps = self.estimate(pool)
+    def usd_per_token(self, pool: str, batch_per_gpu: float | None = None) -> float:
+        """Expected cost of one token on the pool's busy GPUs at `batch_per_gpu` sequences per
+        GPU (None: full batch); inf if the model cannot run there."""
+        tps = self.estimate(pool, batch_per_gpu)
         return math.inf if tps <= 0.0 else self._pool(pool).price / 3600.0 / tps
 
     def observe(self, pool: str, tokens: float, gpu_seconds: float, batch_per_gpu: float | None = None) -> float:
@@ -266,3 +335,33 @@ class ThroughputModel:
         self._log_factor[name] = lf + self.alpha * (math.log(ratio) - lf)
         self._observations[name] += 1
         return self.factor(name)
+
+    # -- resume -------------------------------------------------------------------------------
+
+    def state(self) -> dict[str, Any]:
+        """The online corrections as JSON-serialisable data (for a controller checkpoint)."""
+        return {
+            "pools": {
+                name: {"log_factor": self._log_factor[name], "observations": self._observations[name]}
+                for name in self._pools
+            }
+        }
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Restore what `state()` returned. Pools absent from `state` keep their current factor;
+        a pool in `state` that this model does not have, or a malformed entry, raises ValueError
+        naming it (nothing is changed then)."""
+        try:
+            parsed = _ThroughputState.model_validate(state)
+        except ValidationError as e:
+            raise ValueError(f"throughput state: {e}") from e
+        unknown = [name for name in parsed.pools if name not in self._pools]
+        if unknown:
+            raise ValueError(f"throughput state: unknown pool(s) {', '.join(map(repr, unknown))}; "
+                             f"pools: {', '.join(self._pools)}")
+        for name, st in parsed.pools.items():
+            if not math.isfinite(st.log_factor):
+                raise ValueError(f"throughput state: pool {name!r}: log_factor must be finite, got {st.log_factor}")
+        for name, st in parsed.pools.items():
+            self._log_factor[name] = st.log_factor
+            self._observations[name] = st.observations

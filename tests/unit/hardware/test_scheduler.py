@@ -1,5 +1,6 @@
 """Placement decisions, with the starvation test checked against hand-computed supply."""
 
+import math
 import random
 import time
 
@@ -163,3 +164,79 @@ def test_a_decision_with_100_pools_is_cheap():
     mean_us = (time.perf_counter() - t0) / n * 1e6
     assert name == ranking[-1]
     assert mean_us < 150, f"{mean_us:.1f} µs per decision"  # ~20 µs on a quiet core; slack for a shared one
+
+
+def test_base_pools_stay_full_when_the_steady_consumption_needs_them():
+    # Each pool makes 4 × 1,020 ≈ 4,078 tokens/s = 4.08 rollouts/s of 1,000 tokens. The trainer
+    # has more than it needs waiting (demand −100), so nothing is short right now.
+    pools = [a100("cheap", 1.0), a100("mid", 2.0), a100("dear", 3.0)]
+    s = make(pools)
+    s.set_trainer(0, demand=-100, horizon_s=5.0, consume_per_s=9.0)  # needs cheap + mid, not dear
+    assert fill(s, 9) == ["cheap"] * 4 + ["mid"] * 4 + [None]
+    s = make(pools)
+    s.set_trainer(0, demand=-100, horizon_s=5.0, consume_per_s=7.0)  # cheap + most of mid
+    assert fill(s, 5) == ["cheap"] * 4 + [None]
+
+
+def test_a_spill_wakes_a_replica_and_tops_it_up_when_the_batch_is_known():
+    # dear: one A100 replica of 8 slots. The trainer waits for 5 rollouts and takes 16 every
+    # 4 s; cheap (4 slots) makes 4.08 rollouts/s, so 4.0 of the 5 by the time one on dear lands.
+    pools = [a100("cheap", 1.0), a100("dear", 2.0, cap=8)]
+    s = make(pools)
+    fill(s, 4)
+    s.set_trainer(0, demand=5, horizon_s=0.0, consume_per_s=4.0, batch=16)
+    assert s.would_spill("dear")
+    # The woken replica is billed whole: it is filled (8 slots ≤ shortfall + one batch).
+    assert fill(s, 9) == ["dear"] * 8 + [None]
+    assert [st.busy_replicas for st in s.states()] == [1, 1]
+
+
+def test_a_busy_replica_is_topped_up_only_when_the_look_ahead_needs_it():
+    # cheap (2 slots) makes 2.04 rollouts/s; the trainer takes 16 every 4 s (4/s), its next
+    # step starts in 2 s and finds enough. Two rollouts already run on dear's only replica.
+    pools = [a100("cheap", 0.2, cap=2), a100("dear", 2.0, cap=8)]
+    for lookahead, expected in ((0.0, [None]), (1.0, ["dear"] * 6 + [None])):
+        s = make(pools, lookahead_steps=lookahead)
+        s.set_trainer(0, demand=4)  # cheap delivers 2 by the time one on dear lands: spill 2
+        assert fill(s, 5) == ["cheap", "cheap", "dear", "dear", None]
+        s.set_trainer(0, demand=0, horizon_s=2.0, consume_per_s=4.0, batch=16)
+        assert not s.would_spill("dear")
+        # Look-ahead (one step, to t = 6 s): 16 needed, 2.04 × 6 + 2 ≈ 14.2 supplied.
+        assert fill(s, len(expected)) == expected
+
+
+def test_a_small_shortfall_goes_where_its_few_tokens_are_cheapest():
+    # A 100 GB dense model: an H100 replica needs 2 GPUs, a B200 replica one. "big" (H100)
+    # is cheaper per token full (1.0 / 268 vs 1.5 / 320 $/h per tokens/s), but one sequence
+    # on it keeps two GPUs busy: 1.0 / 33.5 vs 1.5 / 80 on "small".
+    model = ModelSpec(total_params=50e9, active_params=50e9)
+    pools = [PoolConfig(name="base", gpu="B200", count=1, price_per_gpu_hour=0.5, max_concurrent_rollouts=4),
+             PoolConfig(name="big", gpu="H100-SXM", count=2, price_per_gpu_hour=1.0, max_concurrent_rollouts=8),
+             PoolConfig(name="small", gpu="B200", count=1, price_per_gpu_hour=1.5, max_concurrent_rollouts=4)]
+    tp = ThroughputModel(pools, model, IDEAL)
+    assert (tp.replica_gpus("big"), tp.slots_per_replica("big"), tp.replica_gpus("small")) == (2, 8, 1)
+    assert tp.roofline("big", 0.5) == pytest.approx(0.5 / (50e9 / 3350e9))
+    for demand, expected in ((5, "small"), (100, "big")):
+        s = Scheduler(pools, ThroughputModel(pools, model, IDEAL), mean_rollout_tokens=1000)
+        assert s.ranking() == ["base", "big", "small"]
+        fill(s, 4)
+        # A rollout on big lands after 1,000 × 4 / 268 ≈ 14.9 s; base delivers 0.32/s × 14.9 ≈
+        # 4.8 by then: demand 5 leaves a shortfall of one rollout, demand 100 a full replica's.
+        s.set_trainer(0, demand=demand, horizon_s=0.0)
+        assert s.place() == expected
+
+
+def test_the_mean_rollout_length_is_a_flow_and_errs_long_after_a_synchronised_start():
+    s = make([a100("a", 1.0)])  # 4 slots, prior 1,000 tokens counted as one fill (4 rollouts)
+    s.set_trainer(0, demand=4)
+    fill(s, 4)
+    s.complete("a", tokens=100)  # the two short ones finish first
+    s.complete("a", tokens=100)
+    assert s.mean_rollout_tokens == pytest.approx((4 * 1000 + 200) / 6)  # stand-in: finished ones
+    # The pool reports 3,000 tokens generated: 200 by the finished two, 1,400 each so far by
+    # the two still running.
+    s.observe("a", tokens=3000, gpu_seconds=1.0, batch_per_gpu=4)
+    keep = math.exp(-3000 / (4 * 4 * (4200 / 6)))
+    expected = (keep * 4000 + 3000) / (keep * 4 + 2)
+    assert s.mean_rollout_tokens == pytest.approx(expected)
+    assert s.mean_rollout_tokens > 1000  # long, not the 100 the finished ones suggest

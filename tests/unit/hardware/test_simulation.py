@@ -97,3 +97,20 @@ def test_a_pool_that_halves_its_speed_gets_half_the_rollouts_once_the_estimate_a
     assert before.count("a") / before.count("b") == pytest.approx(1.0, rel=0.1)
     assert after.count("a") / after.count("b") == pytest.approx(0.5, rel=0.15)
     assert_within_capacity(pools, r)
+
+
+def test_billing_is_busy_gpus_whatever_their_batch():
+    # A 100 GB dense model needs 2-GPU H100 replicas. One 1,000-token rollout on one replica:
+    # each step reads 50 GB per GPU (14.9 ms) and makes one token, and both GPUs are billed.
+    model = ModelSpec(total_params=50e9, active_params=50e9)
+    pools = [PoolConfig(name="h", gpu="H100-SXM", count=4, price_per_gpu_hour=3.6, max_concurrent_rollouts=16)]
+    sched = Scheduler(pools, ThroughputModel(pools, model, IDEAL), mean_rollout_tokens=TOKENS)
+    r = FleetSim(pools, model, sched, batch=1, step_seconds=1.0, steps=1, rollout_tokens=lambda rng: TOKENS,
+                 assumptions=IDEAL, max_ahead_steps=0.0).run()
+    step = 50e9 / 3350e9
+    # The next rollout starts when the trainer takes the first and runs through its 1 s step:
+    # unfinished at the end, it is billed and counted, but not trained on.
+    seconds = TOKENS * step + 1.0
+    assert r.tokens == pytest.approx(TOKENS + 1.0 / step) and r.tokens_trained == TOKENS
+    assert r.pools["h"].gpu_seconds == pytest.approx(2 * seconds)
+    assert r.cost_usd == pytest.approx(2 * seconds * 3.6 / 3600)

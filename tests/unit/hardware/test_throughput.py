@@ -116,3 +116,46 @@ def test_emulated_pools_are_corrected_against_the_cpu_roofline():
         assert tp.observe(name, tokens=cpu * 0.5, gpu_seconds=1.0) == pytest.approx(0.5)
     assert tp.estimate("b") / tp.estimate("a") == pytest.approx(tp.roofline("b") / tp.roofline("a"))
     assert tp.estimate("b") > tp.estimate("a")
+
+
+def test_a_pool_keeps_the_replica_size_of_its_full_batch():
+    # 35e9 dense BF16 (70 GB) with 1 GB of KV cache per sequence on H100s (72 GB usable):
+    # 10 sequences per GPU need 2-GPU replicas, one sequence alone would fit on one GPU.
+    m = ModelSpec(total_params=35e9, active_params=35e9, kv_bytes_per_token=1e5, context_tokens=1e4)
+    pools = [PoolConfig(name="h", gpu="H100-SXM", count=4, max_concurrent_rollouts=40),
+             PoolConfig(name="lone", gpu="H100-SXM", count=1, max_concurrent_rollouts=10)]
+    tp = ThroughputModel(pools, m, IDEAL)
+    assert (tp.replica_gpus("h"), tp.slots_per_replica("h")) == (2, 20)
+    # At one sequence per GPU the pool still runs 2-GPU replicas: 2 sequences per step read
+    # (70 + 2) GB, half on each GPU.
+    assert tp.roofline("h", 1) == pytest.approx(1 / ((70e9 + 2e9) / 2 / 3350e9))
+    assert roofline_tokens_per_s(CATALOG["H100-SXM"], "bf16", m, 1, IDEAL) == pytest.approx(1 / (71e9 / 3350e9))
+    # One sequence on a 2-GPU replica: each GPU makes half a token per step.
+    assert tp.roofline("h", 0.5) == pytest.approx(0.5 / ((70e9 + 1e9) / 2 / 3350e9))
+    # One H100 cannot hold a replica: no speed, infinite cost.
+    assert (tp.replica_gpus("lone"), tp.slots_per_replica("lone"), tp.roofline("lone")) == (0, 0, 0.0)
+    assert math.isinf(tp.usd_per_token("lone"))
+    assert tp.usd_per_token("h", 1) == pytest.approx(pools[0].price / 3600 / tp.roofline("h", 1))
+
+
+def test_throughput_state_round_trips_through_json():
+    import json
+
+    pools = [PoolConfig(name="a", gpu="B200", count=2, max_concurrent_rollouts=20),
+             PoolConfig(name="b", gpu="A100-80GB", count=1, max_concurrent_rollouts=4)]
+    dense = ModelSpec(total_params=4e9, active_params=4e9)
+    tp = ThroughputModel(pools, dense, IDEAL)
+    tp.observe("a", tokens=50_000, gpu_seconds=10.0)
+    tp.observe("a", tokens=30_000, gpu_seconds=10.0, batch_per_gpu=4)
+    again = ThroughputModel(pools, dense, IDEAL)
+    again.load_state(json.loads(json.dumps(tp.state())))
+    for name in ("a", "b"):
+        assert again.factor(name) == tp.factor(name) and again.observations(name) == tp.observations(name)
+        assert again.usd_per_token(name) == tp.usd_per_token(name)
+    with pytest.raises(ValueError, match="unknown pool.*'c'"):
+        again.load_state({"pools": {"c": {"log_factor": 0.0, "observations": 1}}})
+    with pytest.raises(ValueError, match="observations"):
+        again.load_state({"pools": {"a": {"log_factor": 0.0, "observations": -1}}})
+    with pytest.raises(ValueError, match="finite"):
+        again.load_state({"pools": {"a": {"log_factor": float("inf"), "observations": 1}}})
+    assert again.factor("a") == tp.factor("a")  # refused states change nothing
