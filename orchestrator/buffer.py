@@ -179,6 +179,10 @@ class RolloutBuffer:
     def queued(self) -> int:
         return len(self._fresh) + len(self._retry)
 
+    def done_rollouts(self) -> int:
+        """Finished trajectories waiting to be trained (in complete and incomplete groups)."""
+        return sum(len(g.done) for g in self._groups.values())
+
     def complete_groups(self) -> int:
         return sum(g.complete for g in self._groups.values())
 

@@ -155,9 +155,10 @@ class _Loop:
         self.buffer.add_group(group_id, task.prompt_id, task)
 
     def _demand(self) -> int:
+        """Rollouts the next step still needs that have not finished (in-flight ones count as
+        missing: the scheduler weighs them itself)."""
         need = self.cfg.rollout.prompts_per_step * self.cfg.rollout.group_size
-        have = self.buffer.complete_groups() * self.cfg.rollout.group_size + self.buffer.in_flight
-        return max(0, need - have)
+        return max(0, need - self.buffer.done_rollouts())
 
     async def _produce(self, nursery: trio.Nursery) -> None:
         while not self.stopping:
@@ -190,7 +191,7 @@ class _Loop:
             horizon = 0.0
         batch = self.cfg.rollout.prompts_per_step * self.cfg.rollout.group_size
         consume = batch / self._train_s_ewma if self._train_s_ewma > 0 else 0.0
-        self.scheduler.set_trainer(self.version, self._demand(), horizon, consume)
+        self.scheduler.set_trainer(self.version, self._demand(), horizon, consume, batch=batch)
         return self.scheduler.place()
 
     async def _rollout(self, slot: Slot, pool_name: str, rank: int) -> None:

@@ -22,6 +22,7 @@ is checked against the actual frame; any mismatch raises ``WireError``.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import sys
@@ -135,7 +136,11 @@ def _encode_tensor(value: Any, frames: list[Any], where: str) -> dict[str, Any]:
     if t.numel() == 0:
         return {"__t": "tensor", "d": dtype, "s": shape, "f": None, "n": 0}
     raw = t.reshape(-1).view(torch.uint8)
-    buf = memoryview(raw.numpy())  # zero-copy view; keeps the storage alive while queued
+    # A zero-copy byte view of the storage (ctypes, so numpy is not needed); the view
+    # holds the tensor, so the storage stays alive while ZeroMQ still queues the frame.
+    view = (ctypes.c_uint8 * raw.numel()).from_address(raw.data_ptr())
+    view._tensor = raw  # type: ignore[attr-defined]
+    buf = memoryview(view).cast("B")
     frames.append(buf)
     return {"__t": "tensor", "d": dtype, "s": shape, "f": len(frames), "n": buf.nbytes}
 
