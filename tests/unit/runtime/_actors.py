@@ -131,6 +131,10 @@ class Echo(Actor):
     async def scale(self, xs: list[float], factor: float = 2.0) -> list[float]:
         return [x * factor for x in xs]
 
+    @endpoint
+    def liar(self) -> int:
+        return "not an int"  # type: ignore[return-value]
+
 
 class Relay(Actor):
     """Calls another actor it was handed (a handle crossing the wire)."""

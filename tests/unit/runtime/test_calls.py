@@ -27,6 +27,9 @@ async def test_call_kinds_on_two_ranks() -> None:
             assert await mesh.incr.choose(100) == 116
             mesh.incr.broadcast(1)
             assert sorted([v async for v in mesh.value.stream()]) == [12, 117]
+            with pytest.raises(ActorError, match="stream me"):
+                async for _ in mesh.fail.stream("stream me"):
+                    pass
             with pytest.raises(ValueError, match="call_one on 2 actors"):
                 await mesh.incr.call_one(1)
             with pytest.raises(AttributeError, match="no endpoint 'nope'"):
@@ -88,6 +91,8 @@ async def test_bad_arguments_raise_type_error_at_caller() -> None:
             with pytest.raises(TypeError, match="invalid arguments"):
                 await mesh[0].scale.call_one("abc")
             assert await mesh[0].scale.call_one([1.0, 2.5], factor=3) == [3.0, 7.5]
+            with pytest.raises(TypeError, match="does not match its annotation"):
+                await mesh[0].liar.call_one()
 
 
 async def test_values_round_trip_and_nothing_is_unpickled() -> None:
