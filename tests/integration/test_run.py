@@ -55,7 +55,7 @@ async def test_end_to_end_run_writes_outputs_and_one_trace_spans_three_processes
 
     report = (run_dir / "cost_report.md").read_text()
     assert "b200-bf16" in report and "h100-fp8" in report
-    train_spans = [s for s in spans if s["name"] == "train_step"]
+    train_spans = [s for s in spans if s["name"] == "train_step" and s["service"] == "controller"]
     assert len(train_spans) == 3
     assert all("mismatch_kl" in s["attributes"] for s in train_spans)
 
