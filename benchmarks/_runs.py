@@ -1,0 +1,214 @@
+"""Shared helpers of the controller benchmarks (async_vs_sync.py, ablation.py).
+
+Builds run configs as raw dicts from the demo config (examples/guess_number.toml),
+runs one config to completion with the real controller (`orchestrator.runner.run_async`:
+trainer, sampler and environment processes), and reads back its metrics and spans.
+Each run gets its own run_root under a temporary directory, removed afterwards.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+DEMO = ROOT / "examples" / "guess_number.toml"
+
+__all__ = ["DEMO", "ROOT", "CpuWatch", "RunOutput", "demo_raw", "intervals_union", "load_average", "run_raw"]
+
+
+def demo_raw() -> dict[str, Any]:
+    """The demo config as a raw dict (a fresh copy each call)."""
+    with open(DEMO, "rb") as f:
+        return copy.deepcopy(tomllib.load(f))
+
+
+@dataclass
+class RunOutput:
+    """What one run left behind, read before its directory was removed."""
+
+    metrics: list[dict[str, Any]]
+    """metrics.jsonl, one dict per step."""
+    spans: list[dict[str, Any]]
+    """traces.jsonl, one dict per span (every process of the run)."""
+    counts: dict[str, int]
+    """The rollout buffer's counters at the end (groups in/trained/buffered, drops)."""
+    total_s: float
+    """Wall time of the whole run, process start-up and shutdown included."""
+    cpu: CpuWatch | None = None
+    """CPU time and run-queue waits sampled during the run (when asked for)."""
+
+
+def run_raw(raw: dict[str, Any], *, keep_spans: bool = True, watch_cpu: bool = False) -> RunOutput:
+    """Run `raw` (a run config dict) in a fresh temporary run_root; return its outputs.
+
+    The controller pins itself to `placement.sampler_cpus` when that is set; this
+    process's CPU affinity is restored afterwards so that one run's placement does not
+    leak into the next. Errors of the run propagate (ConfigError, ActorError).
+    With `watch_cpu`, a CpuWatch samples this process tree while the run lasts.
+    """
+    import trio
+
+    from orchestrator.config import load_config
+    from orchestrator.progress import Progress
+    from orchestrator.runner import run_async
+
+    tmp = Path(tempfile.mkdtemp(prefix="flotilla-bench-"))
+    affinity = os.sched_getaffinity(0)
+    try:
+        raw = copy.deepcopy(raw)
+        raw["run_root"] = str(tmp)
+        cfg = load_config(raw=raw)
+        watch = CpuWatch() if watch_cpu else None
+        t0 = time.monotonic()
+        if watch is not None:
+            watch.start()
+        try:
+            result = trio.run(lambda: run_async(cfg, progress=Progress(cfg.steps, quiet=True)))
+        finally:
+            if watch is not None:
+                watch.stop()
+        total = time.monotonic() - t0
+        metrics = _read_jsonl(cfg.run_dir / "metrics.jsonl")
+        spans = _read_jsonl(cfg.run_dir / "traces.jsonl") if keep_spans else []
+        return RunOutput(metrics=metrics, spans=spans, counts=dict(result.counts), total_s=total, cpu=watch)
+    finally:
+        os.sched_setaffinity(0, affinity)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:  # a span line cut short when a process was stopped
+                continue
+    return out
+
+
+def intervals_union(intervals: list[tuple[int, int]], lo: int, hi: int) -> int:
+    """Total length of the union of [start, end) intervals, clipped to [lo, hi)."""
+    total, cur_s, cur_e = 0, None, None
+    for s, e in sorted((max(s, lo), min(e, hi)) for s, e in intervals):
+        if e <= s:
+            continue
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        total += cur_e - cur_s
+    return total
+
+
+def load_average() -> list[float]:
+    """The 1, 5 and 15 minute load averages (timings on a loaded machine are noisy)."""
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def _read_ints(path: str) -> list[int] | None:
+    try:
+        with open(path) as f:
+            return [int(x) for x in f.read().split()]
+    except (OSError, ValueError):  # the thread or process is gone
+        return None
+
+
+class CpuWatch:
+    """Samples, every `period` seconds, the CPU time and run-queue wait of every thread of
+    this process and its descendants (/proc/<pid>/task/<tid>/schedstat) and the machine's
+    busy and steal time (/proc/stat), so a benchmark can tell how much CPU its processes got
+    in a window and how much went to other work on the machine.
+
+    Linux only; a sampling thread runs between `start()` and `stop()`. Counters of a thread
+    that ends between two samples lose at most one period of its time.
+    """
+
+    def __init__(self, period: float = 0.25) -> None:
+        self.period = period
+        self.samples: list[tuple[int, int, int, dict[tuple[int, int], tuple[int, int]]]] = []
+        """(time_ns, machine busy ns, machine steal ns, {(pid, tid): (cpu ns, wait ns)})."""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="cpu-watch", daemon=True)
+        self._tick_ns = 10**9 // os.sysconf("SC_CLK_TCK")
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.period):
+            self._sample()
+
+    def _pids(self) -> list[int]:
+        import psutil
+
+        me = psutil.Process()
+        try:
+            return [me.pid] + [c.pid for c in me.children(recursive=True)]
+        except psutil.Error:
+            return [me.pid]
+
+    def _sample(self) -> None:
+        t = time.time_ns()
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        # user nice system idle iowait irq softirq steal guest guest_nice (guest is inside user)
+        busy = sum(fields[:8]) - fields[3] - fields[4] - fields[7]
+        steal = fields[7]
+        threads: dict[tuple[int, int], tuple[int, int]] = {}
+        for pid in self._pids():
+            try:
+                tids = os.listdir(f"/proc/{pid}/task")
+            except OSError:
+                continue
+            for tid in tids:
+                v = _read_ints(f"/proc/{pid}/task/{tid}/schedstat")
+                if v:
+                    threads[(pid, int(tid))] = (v[0], v[1])
+        self.samples.append((t, busy * self._tick_ns, steal * self._tick_ns, threads))
+
+    def window(self, start_ns: int, end_ns: int) -> dict[str, Any]:
+        """CPU seconds and run-queue wait seconds per pid in [start_ns, end_ns] (nearest
+        samples), plus the machine's busy and steal seconds and everything not ours."""
+        inside = [s for s in self.samples if start_ns <= s[0] <= end_ns]
+        if len(inside) < 2:
+            return {}
+        first, last = inside[0], inside[-1]
+        cpu: dict[int, float] = {}
+        wait: dict[int, float] = {}
+        seen: dict[tuple[int, int], tuple[int, int]] = {}
+        for _, _, _, threads in inside:
+            seen.update(threads)  # the last value each thread showed inside the window
+        for key, (c, w) in seen.items():
+            c0, w0 = first[3].get(key, (0, 0))
+            cpu[key[0]] = cpu.get(key[0], 0.0) + (c - c0) / 1e9
+            wait[key[0]] = wait.get(key[0], 0.0) + (w - w0) / 1e9
+        machine_busy = (last[1] - first[1]) / 1e9
+        ours = sum(cpu.values())
+        return {"seconds": (last[0] - first[0]) / 1e9, "cpu_s": cpu, "wait_s": wait,
+                "machine_busy_s": machine_busy, "steal_s": (last[2] - first[2]) / 1e9,
+                "others_cpu_s": max(0.0, machine_busy - ours)}
