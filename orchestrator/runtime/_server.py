@@ -199,9 +199,11 @@ class Server:
             nxt.set()
 
     async def _worker(self, job: tuple[Any, ...]) -> None:
-        """Run calls; then wait, idle, for the next one (reusing tasks is cheaper than spawning).
+        """Run calls, parking between them (reusing a task is cheaper than spawning one).
 
-        At most ``_MAX_IDLE`` workers wait; each call still runs in its own cancel scope.
+        The worker's cancel scope is registered under the running call's key, so
+        a cancel message cancels exactly that call; the worker then ends (a new
+        one is spawned when needed). At most ``_MAX_IDLE`` workers park.
         """
         task = trio.lowlevel.current_task()
 
@@ -209,36 +211,35 @@ class Server:
             self._idle.remove(task)
             return trio.lowlevel.Abort.SUCCEEDED
 
-        while True:
-            await self._run(*job)
-            if len(self._idle) >= _MAX_IDLE:
-                return
-            self._idle.append(task)
-            job = await trio.lowlevel.wait_task_rescheduled(abort)
-
-    async def _run(self, seq: int, ep: EndpointDef[Any, Any], ident: bytes, rid: int,
-                   args: list[Any], kwargs: dict[str, Any], reply: bool, tp: Any) -> None:
         with trio.CancelScope() as scope:
-            key = (ident, rid)
-            self.running[key] = scope
-            try:
-                if self._started != seq or not self.ready.is_set():
-                    with trio.CancelScope(shield=True):
-                        await self._turn(seq)
-                else:
-                    self._pass_turn(seq)
-                with _tracing.remote_parent(tp):
-                    if ep.is_async:
-                        value = await ep.fn(self.actor, *args, **kwargs)
+            while True:
+                seq, ep, ident, rid, args, kwargs, reply, tp = job
+                key = (ident, rid)
+                self.running[key] = scope
+                value = None
+                try:
+                    if self._started != seq or not self.ready.is_set():
+                        with trio.CancelScope(shield=True):
+                            await self._turn(seq)
                     else:
-                        value = ep.fn(self.actor, *args, **kwargs)
-            except Exception as exc:  # noqa: BLE001 - the caller gets it as ActorError
-                self._error(ident, rid, exc, reply, ep.spec.qualname)
-                return
-            finally:
-                self.running.pop(key, None)
-            if reply:
-                self._answer(ident, rid, value, ep.spec)
+                        self._pass_turn(seq)
+                    with _tracing.remote_parent(tp):
+                        if ep.is_async:
+                            value = await ep.fn(self.actor, *args, **kwargs)
+                        else:
+                            value = ep.fn(self.actor, *args, **kwargs)
+                except Exception as exc:  # noqa: BLE001 - the caller gets it as ActorError
+                    self._error(ident, rid, exc, reply, ep.spec.qualname)
+                else:
+                    if reply:
+                        self._answer(ident, rid, value, ep.spec)
+                finally:
+                    del self.running[key]
+                del job, args, kwargs, value  # nothing of a finished call stays referenced
+                if len(self._idle) >= _MAX_IDLE:
+                    return
+                self._idle.append(task)
+                job = await trio.lowlevel.wait_task_rescheduled(abort)
 
     async def autostart(self) -> None:
         """Construct the actor with no arguments (for processes nobody sends ``init`` to)."""

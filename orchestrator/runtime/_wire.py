@@ -53,10 +53,13 @@ def dumps(header: dict[str, Any]) -> bytes:
     return _encoder.encode(header).encode()
 
 
+_decoder = json.JSONDecoder()
+
+
 def loads(frame: bytes) -> dict[str, Any]:
     try:
-        header = json.loads(frame)
-    except (ValueError, RecursionError) as exc:
+        header = _decoder.decode(frame.decode())
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
         raise WireError(f"header is not valid JSON: {exc}") from None
     if not isinstance(header, dict):
         raise WireError("header must be a JSON object")
