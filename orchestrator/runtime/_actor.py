@@ -46,7 +46,9 @@ class Actor:
 
     Concurrency: calls to one actor run as concurrent trio tasks, started in
     arrival order; a plain ``def`` endpoint runs to completion before the next
-    message is read. Blocking compute blocks the actor's loop (allowed).
+    message is read. Blocking compute blocks the actor's loop (allowed). Tasks
+    are reused between calls: do not rely on context variables set by an
+    earlier call.
     """
 
     async def on_start(self, nursery: trio.Nursery) -> None:

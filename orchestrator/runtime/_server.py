@@ -1,4 +1,8 @@
-"""Actor side: one ROUTER socket, one reader task, one trio task per async call.
+"""Actor side: one ROUTER socket, one reader task; async calls run on reusable worker tasks.
+
+A plain ``def`` endpoint with nothing queued ahead of it runs inline in the
+reader. Async calls are handed to parked worker tasks (spawned when none is
+idle), started in arrival order; each call can be cancelled on its own.
 
 Message kinds (header ``"k"``): ``init`` (constructor arguments, once),
 ``call`` (reply expected), ``send`` (fire-and-forget), ``cancel`` (cancel the
