@@ -78,6 +78,14 @@ class Trainer:
             torch.manual_seed(config.seed)
 
     # ------------------------------------------------------------------ step
+    def learning_rate(self) -> float:
+        """The rate of the next optimizer step (the config's linear decay at this version)."""
+        c = self.config
+        if c.lr_decay_steps is None:
+            return c.lr
+        done = min(self.version, c.lr_decay_steps) / c.lr_decay_steps
+        return c.lr * (1.0 - done * (1.0 - c.lr_final_ratio))
+
     def train_step(self, batch: Sequence[Trajectory]) -> StepResult:
         """One optimizer step on ``batch``; returns the loss at the pre-step weights.
 
@@ -92,6 +100,8 @@ class Trainer:
         grad_norm = self._clip()
         applied = bool(torch.isfinite(grad_norm))
         if applied:
+            for group in self.optimizer.param_groups:
+                group["lr"] = self.learning_rate()
             self.optimizer.step()
             self.version += 1
         self.optimizer.zero_grad(set_to_none=True)
