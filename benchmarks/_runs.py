@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
+if not sys.path or sys.path[0] != str(ROOT):
+    # First, so that benchmarks/actors.py (next to this file) never shadows the `actors` package.
     sys.path.insert(0, str(ROOT))
 
 DEMO = ROOT / "examples" / "guess_number.toml"

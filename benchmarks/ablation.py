@@ -42,7 +42,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# The repository root first: benchmarks/actors.py must not shadow the `actors` package.
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
 from _runs import demo_raw, load_average, run_raw  # noqa: E402
 

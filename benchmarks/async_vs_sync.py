@@ -59,7 +59,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# The repository root first: benchmarks/actors.py must not shadow the `actors` package.
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
 from _runs import RunOutput, demo_raw, intervals_union, load_average, run_raw  # noqa: E402
 
@@ -137,7 +138,8 @@ def cpu_figures(out: RunOutput) -> dict[str, float]:
     roles = _roles(out)
     fig: dict[str, float] = {"window_s": w["seconds"], "others_cpu_s": w["others_cpu_s"],
                              "steal_s": w["steal_s"]}
-    for key, group in (("trainer", {"trainer"}), ("core1", {"controller", "sampler", "env"})):
+    for key, group in (("trainer", {"trainer"}), ("core1", {"controller", "sampler", "env"}),
+                       ("controller", {"controller"}), ("sampler", {"sampler"}), ("env", {"env"})):
         fig[f"{key}_cpu_s"] = sum(v for p, v in w["cpu_s"].items() if roles.get(p) in group)
         fig[f"{key}_wait_s"] = sum(v for p, v in w["wait_s"].items() if roles.get(p) in group)
     return {k: round(v, 3) for k, v in fig.items()}
