@@ -44,7 +44,9 @@ an estimate for a noisy machine, not a substitute for a quiet one.
 Run:  .venv/bin/python benchmarks/async_vs_sync.py            (16 steps per mode, ~2-4 min)
       .venv/bin/python benchmarks/async_vs_sync.py --quick    (hidden 256, 8 prompts, 4 steps; < 60 s)
 Options: --steps N, --seed S, --hidden H, --intermediate I, --max-turns T, --prompts P,
---group G. Needs Linux (CPU affinity, /proc) and 2 cores. Last line: JSON with sync_s,
+--group G, --lr LR, --repeats R (R sync/async pairs run alternately, their timed steps
+pooled: sums of the times, means of the per-step figures; repeat to average out a noisy
+machine). Needs Linux (CPU affinity, /proc) and 2 cores. Last line: JSON with sync_s,
 async_s, speedup, ideal_speedup, efficiency, t_gen, t_train, steps (and the rest).
 """
 
@@ -187,6 +189,16 @@ def async_figures(out: RunOutput) -> dict[str, float]:
     }
 
 
+def pair_figures(runs: dict[str, RunOutput]) -> dict[str, Any]:
+    """Everything the report needs from one sync run and one async run."""
+    ph = sync_phases(runs["sync"])
+    sync_s, async_s = _phase_s(runs["sync"]), _phase_s(runs["async"])
+    ideal = (ph["t_gen"] + ph["t_train"]) / max(ph["t_gen"], ph["t_train"])
+    return {"sync_s": sync_s, "async_s": async_s, "phases": ph, "async": async_figures(runs["async"]),
+            "cpu": {mode: cpu_figures(out) for mode, out in runs.items()},
+            "speedup": sync_s / async_s, "ideal_speedup": ideal, "efficiency": sync_s / async_s / ideal}
+
+
 def _fmt(x: float) -> str:
     return f"{x:.3f}" if isinstance(x, float) else str(x)
 
@@ -202,11 +214,15 @@ def main() -> None:
     p.add_argument("--prompts", type=int, help="prompts (GRPO groups) per step (default 16; quick 8)")
     p.add_argument("--group", type=int, default=8, help="rollouts per prompt")
     p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="sync/async pairs, run alternately; their timed steps are pooled")
     args = p.parse_args()
     args.steps = args.steps or (4 if args.quick else 16)
     args.hidden = args.hidden or (256 if args.quick else 640)
     args.intermediate = args.intermediate or 4 * args.hidden
     args.prompts = args.prompts or (8 if args.quick else 16)
+    if args.repeats < 1:
+        p.error("--repeats must be >= 1")
     if args.steps < 3:
         p.error("--steps must be >= 3 (step 1 is excluded from the timing)")
     if len(os.sched_getaffinity(0)) < 2 or not {0, 1} <= os.sched_getaffinity(0):
@@ -217,31 +233,38 @@ def main() -> None:
     torch.set_num_threads(1)
     load_before = load_average()
     t0 = time.monotonic()
-    runs: dict[str, RunOutput] = {}
-    for mode in ("sync", "async"):
-        print(f"running {mode}: {args.steps} steps ...", file=sys.stderr, flush=True)
-        runs[mode] = run_raw(build_raw(args, mode), watch_cpu=True)
+    n = args.steps - 1
+    pairs = []
+    for rep in range(args.repeats):
+        runs: dict[str, RunOutput] = {}
+        for mode in ("sync", "async"):
+            print(f"running {mode} ({rep + 1}/{args.repeats}): {args.steps} steps ...", file=sys.stderr, flush=True)
+            runs[mode] = run_raw(build_raw(args, mode), watch_cpu=True)
+        pairs.append(pair_figures(runs))
+        del runs  # spans of a long run take memory; the figures are all that is kept
     total = time.monotonic() - t0
     load_after = load_average()
 
-    sync_s, async_s = _phase_s(runs["sync"]), _phase_s(runs["async"])
-    ph = sync_phases(runs["sync"])
+    # Several repeats pool their timed steps: times add up, per-step figures average.
+    sync_s, async_s = sum(f["sync_s"] for f in pairs), sum(f["async_s"] for f in pairs)
+    ph = {k: statistics.fmean(f["phases"][k] for f in pairs) for k in pairs[0]["phases"]}
     t_gen, t_train = ph["t_gen"], ph["t_train"]
     ideal = (t_gen + t_train) / max(t_gen, t_train)
     speedup = sync_s / async_s
     efficiency = speedup / ideal
-    n = args.steps - 1
-    sync_step, async_step = sync_s / n, async_s / n
-    af = async_figures(runs["async"])
-    cpu = {mode: cpu_figures(out) for mode, out in runs.items()}
-    proj = {k: round(v, 3) for k, v in cpu_projection(cpu, n).items()}
+    sync_step, async_step = sync_s / (n * args.repeats), async_s / (n * args.repeats)
+    af = {k: statistics.fmean(f["async"][k] for f in pairs) for k in pairs[0]["async"]}
+    cpu = {mode: {k: round(sum(f["cpu"][mode].get(k, 0.0) for f in pairs), 3) for k in pairs[0]["cpu"][mode]}
+           for mode in ("sync", "async")}
+    proj = {k: round(v, 3) for k, v in cpu_projection(cpu, n * args.repeats).items()}
     params = _param_count(args)
 
     print(f"\nconfig: guess_number n={demo_raw()['task']['params'].get('n')} max_turns={args.max_turns}, "
           f"{args.prompts} prompts x {args.group} rollouts per step, model hidden {args.hidden} / "
           f"intermediate {args.intermediate} ({params / 1e6:.1f} M params), lr {args.lr}, one BF16 pool "
           f"(staleness budget {build_raw(args, 'async')['pools'][0]['staleness_budget']}), trainer on "
-          f"core 0, sampler+env+controller on core 1, 1 thread each; {args.steps} steps, steps 2..{args.steps} timed")
+          f"core 0, sampler+env+controller on core 1, 1 thread each; {args.steps} steps, steps 2..{args.steps} timed, "
+          f"{args.repeats} sync/async pair(s)")
     print(f"load average before {load_before}, after {load_after}\n")
     print("| phase (sync run, per step) | seconds |\n|---|---|")
     for k in ("t_gen", "t_train_step", "t_sync", "t_train"):
@@ -251,7 +274,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for mode, secs in (("sync", sync_s), ("async", async_s)):
         c = cpu[mode]
-        print(f"| {mode} | {secs:.2f} | {secs / n:.3f} | {c.get('trainer_cpu_s', '-')} | {c.get('trainer_wait_s', '-')} "
+        print(f"| {mode} | {secs:.2f} | {secs / (n * args.repeats):.3f} | {c.get('trainer_cpu_s', '-')} | {c.get('trainer_wait_s', '-')} "
               f"| {c.get('core1_cpu_s', '-')} | {c.get('core1_wait_s', '-')} | {c.get('others_cpu_s', '-')} |")
     print("\nasync run: " + ", ".join(f"{k} {_fmt(v)}" for k, v in af.items()))
     bound = "generation" if af["trainer_busy_frac"] < 0.9 else "training"
@@ -259,6 +282,10 @@ def main() -> None:
           f"{async_step:.3f}s vs max(t_gen, t_train) {max(t_gen, t_train):.3f}s; the async trainer was busy "
           f"{af['trainer_busy_frac']:.0%} of the time ({bound}-bound); its step took "
           f"{af['train_step_s']:.3f}s vs {ph['t_train_step']:.3f}s in the sync run")
+    if args.repeats > 1:
+        for i, f in enumerate(pairs):
+            print(f"repeat {i + 1}: sync {f['sync_s']:.2f}s, async {f['async_s']:.2f}s, speedup {f['speedup']:.3f}, "
+                  f"ideal {f['ideal_speedup']:.3f}, efficiency {f['efficiency']:.3f}")
     if proj:
         print(f"CPU-time projection without other load (each device busy only with its own work): "
               f"sync {proj['sync_step_s']:.3f}s/step, async {proj['async_step_s']:.3f}s/step, speedup "
@@ -266,11 +293,14 @@ def main() -> None:
     print(f"total wall {total:.1f}s (start-up and shutdown included)", file=sys.stderr)
     print(json.dumps({
         "benchmark": "async_vs_sync", "quick": args.quick, "steps": args.steps, "timed_steps": n,
+        "repeats": args.repeats,
         "sync_s": round(sync_s, 3), "async_s": round(async_s, 3), "speedup": round(speedup, 3),
         "ideal_speedup": round(ideal, 3), "efficiency": round(efficiency, 3),
         "t_gen": round(t_gen, 3), "t_train": round(t_train, 3), "t_train_step": round(ph["t_train_step"], 3),
         "t_sync": round(ph["t_sync"], 3), "sync_step_s": round(sync_step, 3), "async_step_s": round(async_step, 3),
         "async": {k: round(v, 3) if isinstance(v, float) else v for k, v in af.items()},
+        "per_repeat": [{k: round(f[k], 3) for k in ("sync_s", "async_s", "speedup", "ideal_speedup", "efficiency")}
+                       for f in pairs] if args.repeats > 1 else None,
         "cpu": cpu, "cpu_projection": proj, "load_avg_before": load_before, "load_avg_after": load_after, "total_s": round(total, 1),
         "config": {"hidden_size": args.hidden, "intermediate_size": args.intermediate, "params": params,
                    "max_turns": args.max_turns, "prompts_per_step": args.prompts, "group_size": args.group,
