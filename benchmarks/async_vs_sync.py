@@ -200,7 +200,7 @@ def pair_figures(runs: dict[str, RunOutput]) -> dict[str, Any]:
 
 
 def _fmt(x: float) -> str:
-    return f"{x:.3f}" if isinstance(x, float) else str(x)
+    return str(int(x)) if float(x).is_integer() else f"{x:.3f}"
 
 
 def main() -> None:
@@ -285,7 +285,8 @@ def main() -> None:
     if args.repeats > 1:
         for i, f in enumerate(pairs):
             print(f"repeat {i + 1}: sync {f['sync_s']:.2f}s, async {f['async_s']:.2f}s, speedup {f['speedup']:.3f}, "
-                  f"ideal {f['ideal_speedup']:.3f}, efficiency {f['efficiency']:.3f}")
+                  f"ideal {f['ideal_speedup']:.3f}, efficiency {f['efficiency']:.3f}; others' cpu s: sync "
+                  f"{f['cpu']['sync'].get('others_cpu_s', '-')}, async {f['cpu']['async'].get('others_cpu_s', '-')}")
     if proj:
         print(f"CPU-time projection without other load (each device busy only with its own work): "
               f"sync {proj['sync_step_s']:.3f}s/step, async {proj['async_step_s']:.3f}s/step, speedup "
@@ -299,7 +300,8 @@ def main() -> None:
         "t_gen": round(t_gen, 3), "t_train": round(t_train, 3), "t_train_step": round(ph["t_train_step"], 3),
         "t_sync": round(ph["t_sync"], 3), "sync_step_s": round(sync_step, 3), "async_step_s": round(async_step, 3),
         "async": {k: round(v, 3) if isinstance(v, float) else v for k, v in af.items()},
-        "per_repeat": [{k: round(f[k], 3) for k in ("sync_s", "async_s", "speedup", "ideal_speedup", "efficiency")}
+        "per_repeat": [{**{k: round(f[k], 3) for k in ("sync_s", "async_s", "speedup", "ideal_speedup", "efficiency")},
+                        "others_cpu_s": {m: f["cpu"][m].get("others_cpu_s") for m in ("sync", "async")}}
                        for f in pairs] if args.repeats > 1 else None,
         "cpu": cpu, "cpu_projection": proj, "load_avg_before": load_before, "load_avg_after": load_after, "total_s": round(total, 1),
         "config": {"hidden_size": args.hidden, "intermediate_size": args.intermediate, "params": params,
