@@ -43,6 +43,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["host"]:  # the host has its own options (--bind, --keys, ...)
+        from orchestrator.runtime.host import main as host_main
+
+        return host_main(argv[1:]) or 0
     args = _parser().parse_args(argv)
     if args.command == "run":
         from orchestrator.config import ConfigError
@@ -63,10 +68,6 @@ def main(argv: list[str] | None = None) -> int:
 
         print(describe(args.config))
         return 0
-    if args.command == "host":
-        from orchestrator.runtime.host import main as host_main
-
-        return host_main(args.args)
     raise AssertionError(args.command)
 
 
