@@ -29,7 +29,7 @@ import json
 import os
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -62,8 +62,6 @@ class _Pool:
     mesh: Any
     versions: list[int]
     in_flight: list[int]
-    tokens: int = 0
-    busy_s: float = 0.0
 
     @property
     def name(self) -> str:
@@ -80,7 +78,6 @@ class _Pool:
 class _Counters:
     step: int = 0
     prompts: int = 0
-    reward_history: list[float] = field(default_factory=list)
 
 
 def _min_version(traj: Any) -> int:
@@ -109,12 +106,13 @@ class _Loop:
         if buffer_state:
             for k, v in buffer_state.items():
                 setattr(self.buffer, k, v)
-            # Groups buffered at the checkpoint were not trained: they count as re-entered now.
         self._TaskSpec = TaskSpec
         self.sampling = SamplingParams(
             temperature=cfg.recipe.temperature, top_k=cfg.recipe.top_k, top_p=cfg.recipe.top_p,
             max_new_tokens=cfg.task.max_new_tokens)
         self._changed = trio.Event()
+        self._version_bumped = trio.Event()
+        self._train_pending = False
         self.stopping = False
         self.interrupted = False
         self.abandoned = False
@@ -131,6 +129,11 @@ class _Loop:
     async def _wait_change(self) -> None:
         await self._changed.wait()
 
+    def _bump_versions(self) -> None:
+        """Wake the weight-sync workers: the trainer moved on, or a sampler needs a keyframe."""
+        self._version_bumped.set()
+        self._version_bumped = trio.Event()
+
     def _budget(self, pool: str) -> int:
         if self.cfg.mode == "sync":
             return 0
@@ -141,10 +144,8 @@ class _Loop:
 
     # -- producer ----------------------------------------------------------------
     def _wanted_groups(self) -> int:
-        n = self.cfg.rollout.prompts_per_step
-        if self.cfg.mode == "sync":
-            return n if self._all_synced() else 0
-        return n + self.cfg.rollout.max_buffered_groups
+        """Async mode: groups to keep buffered (the next batch plus the run-ahead allowance)."""
+        return self.cfg.rollout.prompts_per_step + self.cfg.rollout.max_buffered_groups
 
     def _new_group(self) -> None:
         i = self.c.prompts
@@ -204,36 +205,35 @@ class _Loop:
                       sample=slot.index, attempt=slot.attempt, pool=pool_name,
                       gpu=pool.config.gpu, precision=pool.config.precision) as s:
                 traj = await self.envs.run_episode.choose(pool.mesh[rank], task, self.sampling, min_version)
-                n_gen = int(traj.versions.numel())
-                s.set_attribute("policy_version", _min_version(traj))
+                n_gen = traj.num_generated
+                oldest = _min_version(traj)
+                s.set_attribute("policy_version", oldest)
                 s.set_attribute("policy_version_max", int(traj.versions.max()) if n_gen else 0)
-                s.set_attribute("staleness", self.version - _min_version(traj))
+                s.set_attribute("staleness", self.version - oldest)
                 s.set_attribute("tokens", n_gen)
                 s.set_attribute("reward", float(traj.reward))
                 s.set_attribute("failed", bool(traj.failed))
         except ActorDied as e:
             # The sampler (or an env process) died: bring it back and retry the rollout.
             self.progress.message(f"actor died during a rollout on {pool_name}/{rank}: {e}; respawning")
-            await self._respawn_after(e, pool, rank)
+            await self._respawn_dead(pool)
             self.buffer.requeue(slot)
         finally:
             pool.in_flight[rank] -= 1
-            self.scheduler.complete(pool_name, int(traj.versions.numel()) if traj is not None else None)
+            self.scheduler.complete(pool_name, traj.num_generated if traj is not None else None)
             if traj is not None:
-                pool.tokens += int(traj.versions.numel())
                 drop = self.buffer.complete(slot, traj)
                 if drop is not None:
                     self._trace_drops([drop])
             self._notify()
 
-    async def _respawn_after(self, err: ActorDied, pool: _Pool, rank: int) -> None:
+    async def _respawn_dead(self, pool: _Pool) -> None:
         """Bring back whatever died (the sampler rank, env ranks); a respawned sampler holds no
         weights, so its sync worker sends it a keyframe before it admits new work."""
         for dead in pool.mesh.dead_ranks:
             pool.mesh.respawn(dead)
             pool.versions[dead] = -1
-            self._version_bumped.set()
-            self._version_bumped = trio.Event()
+            self._bump_versions()
         for dead in self.envs.dead_ranks:
             self.envs.respawn(dead)
         await trio.lowlevel.checkpoint()
@@ -307,8 +307,7 @@ class _Loop:
         self.version = result.version
         self.c.step += 1
         self._train_pending = False
-        self._version_bumped.set()
-        self._version_bumped = trio.Event()
+        self._bump_versions()
         await self._account(trajs, stale, result)
         self._notify()
 
@@ -354,7 +353,6 @@ class _Loop:
                              "masked_fraction": getattr(per_pool_metrics.get(name), "masked_fraction", None)}
                       for name in self.pools},
         }
-        self.c.reward_history.append(record["reward_mean"])
         self.metrics.write(record)
         self.progress.step(record)
         self._step_t0 = now
@@ -374,8 +372,6 @@ class _Loop:
 
     async def run(self) -> None:
         self._t_start = time.monotonic()
-        self._version_bumped = trio.Event()
-        self._train_pending = False
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._watch_sigint, nursery.cancel_scope)
             for pool in self.pools.values():

@@ -146,7 +146,7 @@ async def run_async(cfg: RunConfig, *, resume: bool = False, progress: Progress 
         finally:
             metrics.close()
         actors.cancel_scope.cancel()  # leaves every mesh: its processes stop, in parallel
-    _write_reports(run_dir, ledger)
+    ledger.report().write(run_dir)
     result = RunResult(run_dir, counters.step, loop.version, loop.interrupted, loop.buffer.counts(),
                        time.monotonic() - t0)
     progress.message(f"flotilla: {'interrupted' if result.interrupted else 'done'} at step "
@@ -201,11 +201,6 @@ def _buffer_state_on_disk(loop: _Loop) -> dict[str, int]:
     state["groups_abandoned"] += loop.buffer.groups_buffered
     return state
 
-
-def _write_reports(run_dir: Path, ledger: Any) -> None:
-    report = ledger.report()
-    (run_dir / "cost_report.json").write_text(report.to_json())
-    (run_dir / "cost_report.md").write_text(report.to_markdown())
 
 
 def run(config: RunConfig | str | Path, *, overrides: list[str] | None = None,
