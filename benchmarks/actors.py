@@ -11,6 +11,11 @@ Why: every controller <-> actor interaction rides this path. Targets (issue 2):
 How: ``python benchmarks/actors.py [--quick] [--no-peers]``. Each peer runs in
 its own subprocess (``--peer monarch|ray``) and is reported absent when it is
 not installed or fails. The last line of output is one JSON object.
+
+Waiting callers spin briefly before parking when replies come back fast
+(``orchestrator/runtime/_conn.py``); ``rtt_caller_cpu_us`` is the caller's CPU
+per round trip, and ``park_rtt_p50_us`` is the same loop with spinning off
+(``FLOTILLA_SPIN_US=0``), measured in a subprocess of the same run.
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ def _pct(samples: list[float], q: float) -> float:
 
 
 def _sizes(quick: bool) -> dict[str, int]:
-    return {"rtt": 500 if quick else 3000, "conc_rounds": 3 if quick else 7,
+    return {"rtt": 3000 if quick else 10000, "conc_rounds": 3 if quick else 7,
             "echo16": 3 if quick else 7, "echo256": 1 if quick else 3}
 
 
@@ -60,7 +65,7 @@ def _tensor(nbytes: int) -> Any:
 
 
 # -- Flotilla ------------------------------------------------------------------------
-async def _flotilla(quick: bool) -> dict[str, float]:
+async def _flotilla(quick: bool, rtt_only: bool = False) -> dict[str, float]:
     import trio
 
     from benchmarks.actors import EchoActor as Echo  # importable by the actor process
@@ -73,12 +78,17 @@ async def _flotilla(quick: bool) -> dict[str, float]:
         for _ in range(200):
             await ep.call_one(1)
         rtts = []
+        cpu = time.process_time()
         for i in range(n["rtt"]):
             t = time.perf_counter()
             await ep.call_one(i)
             rtts.append(time.perf_counter() - t)
+        # The caller's CPU per round trip: the price of spinning instead of parking.
+        out["rtt_caller_cpu_us"] = (time.process_time() - cpu) / n["rtt"] * 1e6
         out["rtt_p50_us"] = _pct(rtts, 0.5) * 1e6
         out["rtt_p99_us"] = _pct(rtts, 0.99) * 1e6
+        if rtt_only:
+            return out
 
         async def one(i: int) -> None:
             assert await ep.call_one(i) == i
@@ -186,7 +196,8 @@ def _run_peer(peer: str, quick: bool) -> dict[str, float]:
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=25 if quick else 180,
                               check=False,
-                              env={**os.environ, "RAY_DISABLE_USAGE_STATS": "1"})
+                              env={**os.environ, "RAY_DISABLE_USAGE_STATS": "1",
+                                   "FLOTILLA_SPIN_US": "0"})
     except subprocess.TimeoutExpired:
         print(f"{peer}: timed out, reported absent", file=sys.stderr)
         return {}
@@ -201,18 +212,24 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer repetitions (< 60 s)")
     p.add_argument("--no-peers", action="store_true", help="measure only this runtime")
-    p.add_argument("--peer", choices=["monarch", "ray"], help=argparse.SUPPRESS)
+    p.add_argument("--peer", choices=["park", "monarch", "ray"], help=argparse.SUPPRESS)
     args = p.parse_args()
     import torch
 
     torch.set_num_threads(1)
+    import trio
+
+    if args.peer == "park":  # this runtime with spinning off (FLOTILLA_SPIN_US=0)
+        park = trio.run(_flotilla, args.quick, True)
+        print(json.dumps({f"park_{k}": v for k, v in park.items()}))
+        return
     if args.peer:
         result = _monarch(args.quick) if args.peer == "monarch" else _ray(args.quick)
         print(json.dumps(result))
         return
-    import trio
 
     result: dict[str, Any] = trio.run(_flotilla, args.quick)
+    result.update(_run_peer("park", args.quick))
     print(f"flotilla: rtt p50 {result['rtt_p50_us']:.0f} us, p99 {result['rtt_p99_us']:.0f} us, "
           f"{result['calls_per_s']:.0f} calls/s, echo 16 MB {result['echo16_gbps']:.2f} GB/s, "
           f"256 MB {result['echo256_gbps']:.2f} GB/s", file=sys.stderr)

@@ -17,7 +17,9 @@ calls fail fast until a handshake succeeds again (or the owner respawns).
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Callable
+from time import perf_counter
 from typing import Any
 
 import trio
@@ -34,6 +36,17 @@ _EVENTS = (zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HA
            | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 _monitor_ids = itertools.count()
 
+# Spin-then-park. A task parked on the socket's FD is woken through the kernel
+# (ZeroMQ's I/O thread signals, epoll returns, the thread is rescheduled), which on
+# a small VM costs tens of microseconds per round trip. When this connection's
+# recent replies came back within ``2 * SPIN_S`` (parked waiters see round trips
+# inflated by those wake-ups), a waiter first polls the socket for up to ``SPIN_S``
+# after sending (yielding to other tasks between polls) and parks only if the reply
+# is late. Slow endpoints (generation, training) push the average far above and
+# never spin; an idle process never spins. FLOTILLA_SPIN_US=0 turns
+# it off (e.g. when callers share cores with busy actors).
+SPIN_S = float(os.environ.get("FLOTILLA_SPIN_US", "250")) * 1e-6
+
 
 class Pending:
     """One outstanding request: completed exactly once with a reply or an error.
@@ -42,7 +55,7 @@ class Pending:
     (used by ``stream``) is called instead when the reply arrives.
     """
 
-    __slots__ = ("conn", "done", "error", "frames", "header", "rank", "rid", "sink", "task")
+    __slots__ = ("conn", "done", "error", "frames", "header", "rank", "rid", "sink", "t0", "task")
 
     def __init__(self, conn: Connection, rid: int, sink: Callable[[Pending], None] | None,
                  rank: int) -> None:
@@ -55,6 +68,7 @@ class Pending:
         self.error: BaseException | None = None
         self.sink = sink
         self.rank = rank
+        self.t0 = perf_counter()
 
     def _done(self) -> None:
         self.done = True
@@ -69,6 +83,23 @@ class Pending:
         if self.done:
             await trio.lowlevel.checkpoint()
             return
+        conn = self.conn
+        if conn.rtt_ewma < 2 * SPIN_S:
+            deadline = self.t0 + SPIN_S
+            z = conn.z
+            try:
+                while perf_counter() < deadline:
+                    z.poll()
+                    if self.done:
+                        break
+                    await trio.lowlevel.checkpoint()
+            except BaseException:  # cancelled while spinning
+                if not self.done:
+                    self.abandon()
+                raise
+            if self.done:
+                await trio.lowlevel.checkpoint()
+                return
         self.task = trio.lowlevel.current_task()
 
         def abort(_: Any) -> trio.lowlevel.Abort:
@@ -95,6 +126,7 @@ class Connection:
         self.dead: ActorDied | None = None
         self.sticky = False  # set by the owner: stays dead until respawn
         self.connected = False
+        self.rtt_ewma = 0.0  # seconds, over this connection's recent replies
         self._ids = itertools.count(1)
         self._connect_timeout = connect_timeout
         self.scope = trio.CancelScope()
@@ -159,6 +191,7 @@ class Connection:
         p = self.pending.pop(header.get("i"), None)  # type: ignore[arg-type]
         if p is None:
             return  # reply to a cancelled call
+        self.rtt_ewma += 0.2 * (perf_counter() - p.t0 - self.rtt_ewma)
         p.header = header
         p.frames = frames
         p._done()

@@ -64,6 +64,8 @@ class Server:
         self._started = 0
         self._turns: dict[int, trio.Event] = {}
         self._idle: list[trio.lowlevel.Task] = []
+        self._queued: set[tuple[bytes, Any]] = set()  # handed to a worker, not started yet
+        self._dropped: set[tuple[bytes, Any]] = set()  # cancelled before they started
         self._init_spec = _Spec(cls.__init__, f"{cls.__qualname__}.__init__")
 
     async def serve(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -121,9 +123,12 @@ class Server:
             return
         rid, kind = header.get("i"), header.get("k")
         if kind == "cancel":
-            scope = self.running.get((ident, rid))
-            if scope is not None:
-                scope.cancel()
+            key = (ident, rid)
+            if key in self.running:
+                self.running[key].cancel()
+            elif key in self._queued:  # not started yet: it never will be
+                self._queued.discard(key)
+                self._dropped.add(key)
             return
         if type(rid) is not int:
             self._bad(ident, None, f"request id must be an integer, got {rid!r}")
@@ -161,6 +166,7 @@ class Server:
                 self._run_sync(ep, ident, rid, args, kwargs, reply)
             return
         job = (seq, ep, ident, rid, args, kwargs, reply, tp)
+        self._queued.add((ident, rid))
         if self._idle:
             trio.lowlevel.reschedule(self._idle.pop(), outcome.Value(job))
         else:
@@ -207,7 +213,8 @@ class Server:
 
         The worker's cancel scope is registered under the running call's key, so
         a cancel message cancels exactly that call; the worker then ends (a new
-        one is spawned when needed). At most ``_MAX_IDLE`` workers park.
+        one is spawned when needed). A call cancelled while still queued never
+        starts. At most ``_MAX_IDLE`` workers park.
         """
         task = trio.lowlevel.current_task()
 
@@ -219,7 +226,6 @@ class Server:
             while True:
                 seq, ep, ident, rid, args, kwargs, reply, tp = job
                 key = (ident, rid)
-                self.running[key] = scope
                 value = None
                 try:
                     if self._started != seq or not self.ready.is_set():
@@ -227,18 +233,24 @@ class Server:
                             await self._turn(seq)
                     else:
                         self._pass_turn(seq)
-                    with _tracing.remote_parent(tp):
-                        if ep.is_async:
-                            value = await ep.fn(self.actor, *args, **kwargs)
-                        else:
-                            value = ep.fn(self.actor, *args, **kwargs)
+                    if key in self._dropped:  # the caller cancelled it before it started
+                        self._dropped.discard(key)
+                        reply = False
+                    else:
+                        self._queued.discard(key)
+                        self.running[key] = scope
+                        with _tracing.remote_parent(tp):
+                            if ep.is_async:
+                                value = await ep.fn(self.actor, *args, **kwargs)
+                            else:
+                                value = ep.fn(self.actor, *args, **kwargs)
                 except Exception as exc:  # noqa: BLE001 - the caller gets it as ActorError
                     self._error(ident, rid, exc, reply, ep.spec.qualname)
                 else:
                     if reply:
                         self._answer(ident, rid, value, ep.spec)
                 finally:
-                    del self.running[key]
+                    self.running.pop(key, None)
                 del job, args, kwargs, value  # nothing of a finished call stays referenced
                 if len(self._idle) >= _MAX_IDLE:
                     return

@@ -84,6 +84,11 @@ class ZSocket:
         if not self._draining and sock.get(_EVENTS) & _POLLIN:
             self._drain()
 
+    def poll(self) -> None:
+        """Handle whatever input is pending now, without waiting (for callers that spin)."""
+        if not self._draining and not self.closed:
+            self._drain()
+
     def _drain(self, limit: int = -1) -> bool:
         """Handle pending messages; False if ``limit`` stopped it with input left."""
         sock, handle = self.sock, self._on_message

@@ -48,6 +48,10 @@ class Counter(Actor):
     async def block(self) -> None:
         await trio.sleep_forever()
 
+    @endpoint
+    async def nap(self, seconds: float) -> None:
+        await trio.sleep(seconds)
+
 
 class Gate(Actor):
     """Calls park on ``wait`` until ``open``; ``wait_parked(n)`` returns once n calls are parked."""

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
 import trio
 
 from orchestrator.runtime import ActorError, open_mesh
+from orchestrator.runtime._conn import SPIN_S
 
 from ._actors import Counter, Echo, Gate, Item, Relay
 
@@ -123,6 +125,38 @@ async def test_cancelled_caller_cancels_remote_call() -> None:
                     scope.cancel()
             await mesh[0].wait_cancelled.call_one(1)
             assert await mesh[0].counts.call_one() == {"parked": 1, "cancelled": 1}
+
+
+async def test_cancelled_while_spinning_cancels_remote_call() -> None:
+    with trio.fail_after(30):
+        async with open_mesh(Gate) as mesh:
+            conn = mesh._ready_connection(0)
+            assert conn is not None
+            conn.rtt_ewma = 0.0  # as after fast replies: the next wait spins first
+            with trio.move_on_after(SPIN_S / 10):
+                await mesh[0].wait.call_one()
+            assert conn.pending == {}
+            # The cancel reaches the actor before or after the call started: either it
+            # never runs, or it parks and is cancelled. Nothing stays parked.
+            counts = await mesh[0].counts.call_one()
+            while counts["parked"] != counts["cancelled"]:
+                await trio.sleep(0.01)
+                counts = await mesh[0].counts.call_one()
+            assert counts["parked"] <= 1
+
+
+async def test_slow_endpoints_park_instead_of_spinning() -> None:
+    """Waiting on slow calls costs the caller next to no CPU (the spin is for fast ones)."""
+    with trio.fail_after(30):
+        async with open_mesh(Counter, 0) as mesh:
+            for _ in range(50):
+                await mesh[0].echo.call_one(1)
+            await mesh[0].nap.call_one(0.02)
+            start = time.process_time()
+            for _ in range(20):
+                await mesh[0].nap.call_one(0.02)
+            # spinning through each 20 ms nap would cost > 0.4 s of CPU
+            assert time.process_time() - start < 0.1
 
 
 async def test_calls_from_one_caller_start_in_order() -> None:
