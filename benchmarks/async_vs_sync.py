@@ -23,10 +23,9 @@ Separate devices are emulated the same way in both modes ([placement]): the trai
 process on core 0, the sampler, the environment actor and the controller on core 1, one
 compute thread per actor. The batch shape and model size are chosen so that t_gen and
 t_train are comparable (ideal near 2): a wider model than the demo's (hidden 640,
-intermediate 2560, ~10 M parameters) so that both phases are compute-bound, one guess
-per episode (`max_turns = 1`: the sampler recomputes the whole prompt at every turn, which
-makes multi-turn generation several times costlier than training on the same tokens),
-one BF16 pool (the demo's first) and a small learning rate (1e-4) so that the workload
+intermediate 2560, ~10 M parameters) so that both phases are compute-bound, two guesses
+per episode (`max_turns = 2`: each turn is one more batched prefill of the whole prompt,
+which brings t_gen close to t_train), one BF16 pool (the demo's first) and a small learning rate (1e-4) so that the workload
 (episode lengths) stays the same across steps and modes. Everything chosen is printed
 and in the JSON.
 
@@ -210,7 +209,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hidden", type=int, help="model hidden_size (default 640; quick 256)")
     p.add_argument("--intermediate", type=int, help="model intermediate_size (default 4 x hidden)")
-    p.add_argument("--max-turns", type=int, default=1, help="guess_number turns per episode")
+    p.add_argument("--max-turns", type=int, default=2, help="guess_number turns per episode")
     p.add_argument("--prompts", type=int, help="prompts (GRPO groups) per step (default 16; quick 8)")
     p.add_argument("--group", type=int, default=8, help="rollouts per prompt")
     p.add_argument("--lr", type=float, default=1e-4)

@@ -4,7 +4,12 @@ It spawns a trainer actor, one sampler mesh per pool of the hardware registry an
 a mesh of environment actors, then runs, in one nursery:
 
 - the producer, which keeps enough GRPO groups in the rollout buffer and places
-  each rollout on a pool chosen by the cost-aware scheduler;
+  each rollout on a pool chosen by the cost-aware scheduler. Each group gets the
+  version the trainer will be at when the group's batch is due (groups are
+  trained in order, P per step); its rollouts ask the sampler for weights no older
+  than that minus the pool's budget, so work started far ahead waits for fresh
+  enough weights instead of being generated, going stale in the buffer and
+  dropped;
 - the training loop, which takes complete groups within their pools' staleness
   budgets (dropping and re-queueing stale trajectories), runs a train step, and
   writes a metrics line;
@@ -120,6 +125,7 @@ class _Loop:
         self._train_started: float | None = None
         self._train_s_ewma = 0.0
         self._pool_marks: dict[str, tuple[int, float]] = {}
+        self._due: dict[str, int] = {}  # group id -> trainer version when its batch is due
 
     # -- coordination ------------------------------------------------------------
     def _notify(self) -> None:
@@ -151,6 +157,10 @@ class _Loop:
         i = self.c.prompts
         self.c.prompts += 1
         group_id = f"g{i}"
+        # Groups ahead of this one are trained first, P per step; a step in progress
+        # (its batch already taken) bumps the version once more before them.
+        ahead = self.buffer.groups_buffered // self.cfg.rollout.prompts_per_step
+        self._due[group_id] = self.version + ahead + (self._train_started is not None)
         task = self._TaskSpec(task=self.cfg.task.name, prompt_id=f"p{i}", group_id=group_id,
                               seed=self.cfg.seed * 1_000_003 + i, params=self.cfg.task.params)
         self.buffer.add_group(group_id, task.prompt_id, task)
@@ -198,7 +208,8 @@ class _Loop:
     async def _rollout(self, slot: Slot, pool_name: str, rank: int) -> None:
         pool = self.pools[pool_name]
         task = self.buffer.task_of(slot)
-        min_version = max(0, self.version - self._budget(pool_name))
+        due = max(self.version, self._due.get(slot.group_id, 0))
+        min_version = max(0, due - self._budget(pool_name))
         traj = None
         try:
             with span("rollout", task=task.task, prompt_id=slot.prompt_id, group_id=slot.group_id,
@@ -290,6 +301,8 @@ class _Loop:
             await self._train_on(groups)
 
     async def _train_on(self, groups: list[Any]) -> None:
+        for g in groups:
+            self._due.pop(g.group_id, None)
         trajs = [traj for g in groups for _, traj in sorted(g.done.values(), key=lambda st: st[0].index)]
         stale = [self.version - _min_version(t) for t in trajs]
         self._train_started = time.monotonic()
@@ -325,7 +338,9 @@ class _Loop:
             if d_busy > 0 and d_tok > 0:
                 self.scheduler.observe(name, tokens=d_tok, gpu_seconds=d_busy * pool.config.count)
             pool_stats[name] = {"tokens_per_s": d_tok / max(now - self._step_t0, 1e-9),
-                                "busy_s": busy, "tokens": tokens}
+                                "busy_s": busy, "tokens": tokens,
+                                "requests": sum(st["requests_finished"] for st in stats),
+                                "prefill_batches": sum(st.get("prefill_batches", 0) for st in stats)}
         by_pool: dict[str, list[int]] = {}
         for t, st in zip(trajs, stale):
             by_pool.setdefault(t.pool, []).append(st)

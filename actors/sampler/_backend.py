@@ -50,6 +50,16 @@ class GenerationBackend(Protocol):
         """The backend's long-lived task; reports started once requests can be served."""
         ...
 
+    async def _gather(self) -> None:
+        """Let requests that are still arriving join the next prefill (see the class docstring)."""
+        b = self._batcher
+        latest = trio.current_time() + 4 * self._window
+        while b.admissible() < b.free_slots:
+            deadline = min(self._last_submit + self._window, latest)
+            if trio.current_time() >= deadline:
+                return
+            await trio.sleep_until(deadline)
+
     async def generate(self, req: GenerateRequest) -> GenerateResult:
         """Serve one request (waits for admission, see ``GenerateRequest.min_version``)."""
         ...
@@ -65,7 +75,8 @@ class GenerationBackend(Protocol):
         ...
 
     def counters(self) -> dict[str, Any]:
-        """tokens_generated, prompt_tokens, requests_finished, busy_seconds, running, waiting."""
+        """tokens_generated, prompt_tokens, requests_finished, busy_seconds, prefill_batches,
+        decode_steps, running, waiting."""
         ...
 
 
@@ -85,6 +96,14 @@ class TorchBackend:
     step boundary and tokens after it carry the new version; an aborted or
     cancelled request leaves its slot before the next step.
 
+    Admission batching: when nothing is decoding, a tick that would prefill
+    waits until no request has arrived for ``batch_window_s`` (at most
+    ``4 * batch_window_s`` after it first could run, and never once the free
+    slots are spoken for), so that requests arriving one by one (from many
+    environment episodes) share one prefill instead of paying for one forward
+    each. While sequences are decoding there is no wait: new requests join at
+    the next tick.
+
     Args:
         model_config: model config dict or checkpoint directory (``actors.models``).
         pool: pool name stamped on results.
@@ -92,6 +111,7 @@ class TorchBackend:
         max_len: tokens per slot (default: the model's max_position_embeddings).
         device: "cpu" or "cuda[:i]".
         seed: seeds the generator of requests that carry no seed.
+        batch_window_s: the quiet gap that closes an admission batch (0: no wait).
     """
 
     name = "torch"
@@ -105,11 +125,16 @@ class TorchBackend:
         max_len: int | None = None,
         device: str = "cpu",
         seed: int = 0,
+        batch_window_s: float = 0.005,
     ) -> None:
+        if batch_window_s < 0:
+            raise ValueError(f"batch_window_s must be >= 0, got {batch_window_s}")
         engine = Qwen3Engine(model_config, max_slots=max_batch, max_len=max_len, device=device)
         self._batcher = ContinuousBatcher(engine, pool=pool, seed=seed)
         self._waiters: dict[str, _Waiter] = {}
         self._wake = trio.Event()
+        self._window = batch_window_s
+        self._last_submit = 0.0
 
     @property
     def version(self) -> int:
@@ -134,6 +159,8 @@ class TorchBackend:
             while not self._batcher.has_work():
                 self._wake = trio.Event()
                 await self._wake.wait()
+            if self._window and not self._batcher.running:
+                await self._gather()
             try:
                 finished = self._batcher.step()
             except Exception as exc:  # noqa: BLE001 - reported to every affected caller
@@ -146,6 +173,16 @@ class TorchBackend:
             # run here, between two decode steps.
             await trio.lowlevel.checkpoint()
 
+    async def _gather(self) -> None:
+        """Let requests that are still arriving join the next prefill (see the class docstring)."""
+        b = self._batcher
+        latest = trio.current_time() + 4 * self._window
+        while b.admissible() < b.free_slots:
+            deadline = min(self._last_submit + self._window, latest)
+            if trio.current_time() >= deadline:
+                return
+            await trio.sleep_until(deadline)
+
     async def generate(self, req: GenerateRequest) -> GenerateResult:
         """Queue ``req`` and wait for its result.
 
@@ -155,6 +192,7 @@ class TorchBackend:
         before the next decode step; nothing is returned.
         """
         self._batcher.submit(req)
+        self._last_submit = trio.current_time()
         waiter = self._waiters[req.request_id] = _Waiter()
         self._wake.set()
         try:
@@ -201,6 +239,8 @@ class TorchBackend:
             "prompt_tokens": b.prompt_tokens,
             "requests_finished": b.requests_finished,
             "busy_seconds": b.busy_seconds,
+            "prefill_batches": b.prefill_batches,
+            "decode_steps": b.decode_steps,
             "running": b.running,
             "waiting": b.waiting,
         }

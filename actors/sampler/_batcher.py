@@ -80,6 +80,8 @@ class ContinuousBatcher:
         self.prompt_tokens = 0
         self.busy_seconds = 0.0
         self.requests_finished = 0
+        self.prefill_batches = 0
+        self.decode_steps = 0
 
     # ---------------------------------------------------------------- requests
     @property
@@ -91,6 +93,15 @@ class ContinuousBatcher:
     def waiting(self) -> int:
         """Requests queued for a slot or for newer weights."""
         return len(self._waiting)
+
+    @property
+    def free_slots(self) -> int:
+        """KV-cache slots not held by a request."""
+        return len(self._free)
+
+    def admissible(self) -> int:
+        """Waiting requests the held weights could serve now (``min_version`` satisfied)."""
+        return sum(1 for s in self._waiting if s.req.min_version <= self.version)
 
     def has_work(self) -> bool:
         """True when ``step()`` would do something (run a sequence or admit one)."""
@@ -172,11 +183,13 @@ class ContinuousBatcher:
             for seq in admitted:
                 self._running[seq.slot] = seq
             logits = self.engine.prefill(slots, [s.req.prompt_ids for s in admitted])
+            self.prefill_batches += 1
             self.prompt_tokens += sum(len(s.req.prompt_ids) for s in admitted)
             self._sample(admitted, logits)
         if decoding:
             seqs = [self._running[s] for s in decoding]
             logits = self.engine.decode(decoding, [s.tokens[-1] for s in seqs])
+            self.decode_steps += 1
             self._sample(seqs, logits)
         finished: list[GenerateResult] = []
         for slot in decoding + [s.slot for s in admitted]:

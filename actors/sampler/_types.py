@@ -121,6 +121,10 @@ class SamplerStats(BaseModel):
     """Requests that returned a result (any finish reason)."""
     busy_seconds: float
     """Time spent in forward passes and sampling (the device is busy)."""
+    prefill_batches: int = 0
+    """Batched prefill forwards run (requests admitted / this = mean prefill batch)."""
+    decode_steps: int = 0
+    """Batched decode forwards run."""
     tokens_per_second: float
     """tokens_generated / busy_seconds (0 before the first token)."""
     running: int

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import trio
 
 from actors.models import build_model, default_model_config, model_weights
 from actors.sampler import ContinuousBatcher, GenerateRequest, Qwen3Engine
@@ -195,3 +196,34 @@ def test_missing_weight_is_named(weights) -> None:
         engine.load(partial)
     with pytest.raises(RuntimeError, match="no weights"):
         engine.prefill([0], [[1]])
+
+
+@pytest.mark.parametrize("window", [0.05, 0.0])
+async def test_requests_arriving_one_by_one_share_a_prefill(weights, window) -> None:
+    """With an admission window, requests that trickle in (2 ms apart) are prefilled together;
+    without one, the idle loop prefills the first one alone."""
+    from actors.sampler import TorchBackend
+    from orchestrator.weightsync import wire_snapshot
+
+    backend = TorchBackend(CFG, pool="p", max_batch=16, batch_window_s=window)
+    results = []
+
+    async def one(i: int) -> None:
+        await trio.sleep(0.002 * i)
+        req = GenerateRequest(request_id=f"r{i}", prompt_ids=[1, 2, 3 + i], max_new_tokens=1)
+        results.append(await backend.generate(req))
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(backend.run)
+            await backend.update_weights(wire_snapshot(weights, "bf16"), 0)
+            async with trio.open_nursery() as clients:
+                for i in range(8):
+                    clients.start_soon(one, i)
+            nursery.cancel_scope.cancel()
+    assert sorted(r.request_id for r in results) == [f"r{i}" for i in range(8)]
+    batches = backend.counters()["prefill_batches"]
+    if window:
+        assert batches == 1
+    else:
+        assert batches > 1
