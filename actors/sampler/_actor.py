@@ -87,6 +87,8 @@ class SamplerActor(Actor):
         staleness_budget: the pool's budget, reported in stats (the controller
             enforces it through ``GenerateRequest.min_version``).
         seed: seeds sampling for requests that carry no seed.
+        batch_window_s: torch backend: how long an idle sampler waits for more
+            requests before a prefill (see ``TorchBackend``); 0: no wait.
         backend: "torch", or "sglang" (needs a CUDA GPU and a running server;
             untested here, see ``actors.sampler._sglang``).
         sglang_url / sglang_weights_dir: the SGLang server and a directory it reads.
@@ -105,6 +107,7 @@ class SamplerActor(Actor):
         max_len: int | None = None,
         staleness_budget: int | None = None,
         seed: int = 0,
+        batch_window_s: float = 0.005,
         backend: str = "torch",
         sglang_url: str | None = None,
         sglang_weights_dir: str | None = None,
@@ -121,7 +124,8 @@ class SamplerActor(Actor):
         config = model_config if model_config is not None else default_model_config()
         self._backend: GenerationBackend
         if backend == "torch":
-            self._backend = TorchBackend(config, pool=pool, max_batch=max_batch, max_len=max_len, device=device, seed=seed)
+            self._backend = TorchBackend(config, pool=pool, max_batch=max_batch, max_len=max_len, device=device,
+                                         seed=seed, batch_window_s=batch_window_s)
         elif backend == "sglang":
             from ._sglang import SGLangBackend
 
