@@ -28,7 +28,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from ._errors import ActorDied
 from ._wire import dumps, loads
-from ._zsock import ZSocket, context, log, tune
+from ._zsock import SPIN_S, ZSocket, context, log, tune
 
 __all__ = ["Connection", "Pending", "close_connection", "connection"]
 
@@ -36,16 +36,6 @@ _EVENTS = (zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HA
            | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 _monitor_ids = itertools.count()
 
-# Spin-then-park. A task parked on the socket's FD is woken through the kernel
-# (ZeroMQ's I/O thread signals, epoll returns, the thread is rescheduled), which on
-# a small VM costs tens of microseconds per round trip. When this connection's
-# recent replies came back within ``2 * SPIN_S`` (parked waiters see round trips
-# inflated by those wake-ups), a waiter first polls the socket for up to ``SPIN_S``
-# after sending (yielding to other tasks between polls) and parks only if the reply
-# is late. Slow endpoints (generation, training) push the average far above and
-# never spin; an idle process never spins. FLOTILLA_SPIN_US=0 turns
-# it off (e.g. when callers share cores with busy actors).
-SPIN_S = float(os.environ.get("FLOTILLA_SPIN_US", "250")) * 1e-6
 
 
 class Pending:
@@ -84,7 +74,7 @@ class Pending:
             await trio.lowlevel.checkpoint()
             return
         conn = self.conn
-        if conn.rtt_ewma < 2 * SPIN_S:
+        if conn.rtt_ewma < 2 * SPIN_S:  # replies come back fast: spin first (see _zsock)
             deadline = self.t0 + SPIN_S
             z = conn.z
             try:
@@ -92,6 +82,7 @@ class Pending:
                     z.poll()
                     if self.done:
                         break
+                    os.sched_yield()  # let this core's other threads (ZeroMQ's I/O) run
                     await trio.lowlevel.checkpoint()
             except BaseException:  # cancelled while spinning
                 if not self.done:

@@ -58,7 +58,7 @@ class Server:
         self.actor: Actor | None = None
         self.ready = trio.Event()
         self.running: dict[tuple[bytes, Any], trio.CancelScope] = {}
-        self.z = ZSocket(sock, self._on_message, copy_parts=2)
+        self.z = ZSocket(sock, self._on_message, copy_parts=2, spin=True)
         self._nursery: trio.Nursery | None = None
         self._next_seq = 0
         self._started = 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from typing import Any
@@ -157,3 +158,35 @@ def test_importing_orchestrator_does_not_import_torch() -> None:
     package = "import orchestrator, sys; assert 'torch' not in sys.modules, 'torch imported'"
     for code in (runtime_only, package):
         subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+async def test_reader_spins_only_while_messages_come_back_to_back() -> None:
+    """An actor's socket polls for the next request only when requests have been arriving
+    within the spin window of each other; sparse traffic parks on the FD every time."""
+    from orchestrator.runtime._zsock import SPIN_S, ZSocket
+
+    if SPIN_S == 0:
+        pytest.skip("spinning is off (FLOTILLA_SPIN_US=0)")
+    ctx = zmq.Context.instance()
+    addr = f"inproc://spin-test-{os.getpid()}"
+    got: list[bytes] = []
+    server = ZSocket(ctx.socket(zmq.PAIR), lambda frames: got.append(frames[0]), spin=True)
+    server.sock.bind(addr)
+    client = ctx.socket(zmq.PAIR)
+    client.connect(addr)
+    try:
+        with trio.fail_after(20):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(server.run)
+                for i in range(10):  # 20 ms apart: far outside the window
+                    client.send(b"%d" % i)
+                    await trio.sleep(0.02)
+                assert server.spins <= 1 and server.gap_ewma > 2 * SPIN_S
+                for i in range(200):  # back to back
+                    client.send(b"x")
+                    while len(got) < 11 + i:
+                        await trio.lowlevel.checkpoint()
+                assert server.spins > 50
+                nursery.cancel_scope.cancel()
+    finally:
+        client.close(linger=0)
