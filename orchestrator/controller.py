@@ -6,10 +6,10 @@ a mesh of environment actors, then runs, in one nursery:
 - the producer, which keeps enough GRPO groups in the rollout buffer and places
   each rollout on a pool chosen by the cost-aware scheduler. Each group gets the
   version the trainer will be at when the group's batch is due (groups are
-  trained in order, P per step); its rollouts ask the sampler for weights no older
-  than that minus the pool's budget, so work started far ahead waits for fresh
-  enough weights instead of being generated, going stale in the buffer and
-  dropped;
+  trained in order, P per step); its rollouts need weights no older than that
+  minus the pool's budget, so work far ahead waits (in the controller, holding no
+  sampler slot) for fresh enough weights instead of being generated, going stale
+  in the buffer and dropped;
 - the training loop, which takes complete groups within their pools' staleness
   budgets (dropping and re-queueing stale trajectories), runs a train step, and
   writes a metrics line;
@@ -190,9 +190,22 @@ class _Loop:
                 self.buffer.requeue(slot)
                 await self._wait_change()
                 continue
+            if min(self.pools[pool].versions) < self._need_version(slot, pool):
+                # Its weights are not there yet: hold the rollout here rather than let it
+                # wait in the sampler, where it would take a slot that work due earlier
+                # (a retry) may need.
+                self.scheduler.complete(pool)
+                self.buffer.requeue(slot)
+                await self._wait_change()
+                continue
             rank = self.pools[pool].pick_rank()
             self.pools[pool].in_flight[rank] += 1
             nursery.start_soon(self._rollout, slot, pool, rank)
+
+    def _need_version(self, slot: Slot, pool: str) -> int:
+        """The oldest weights a rollout may start on: its group's due version minus the budget."""
+        due = max(self.version, self._due.get(slot.group_id, 0))
+        return max(0, due - self._budget(pool))
 
     def _place(self) -> str | None:
         """Ask the cost-aware scheduler; it spills to dearer pools only if the trainer would wait."""
@@ -208,8 +221,7 @@ class _Loop:
     async def _rollout(self, slot: Slot, pool_name: str, rank: int) -> None:
         pool = self.pools[pool_name]
         task = self.buffer.task_of(slot)
-        due = max(self.version, self._due.get(slot.group_id, 0))
-        min_version = max(0, due - self._budget(pool_name))
+        min_version = self._need_version(slot, pool_name)
         traj = None
         try:
             with span("rollout", task=task.task, prompt_id=slot.prompt_id, group_id=slot.group_id,
