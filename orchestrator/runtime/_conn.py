@@ -37,7 +37,6 @@ _EVENTS = (zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HA
 _monitor_ids = itertools.count()
 
 
-
 class Pending:
     """One outstanding request: completed exactly once with a reply or an error.
 
