@@ -50,16 +50,6 @@ class GenerationBackend(Protocol):
         """The backend's long-lived task; reports started once requests can be served."""
         ...
 
-    async def _gather(self) -> None:
-        """Let requests that are still arriving join the next prefill (see the class docstring)."""
-        b = self._batcher
-        latest = trio.current_time() + 4 * self._window
-        while b.admissible() < b.free_slots:
-            deadline = min(self._last_submit + self._window, latest)
-            if trio.current_time() >= deadline:
-                return
-            await trio.sleep_until(deadline)
-
     async def generate(self, req: GenerateRequest) -> GenerateResult:
         """Serve one request (waits for admission, see ``GenerateRequest.min_version``)."""
         ...
