@@ -190,7 +190,8 @@ class _Loop:
                 self.buffer.requeue(slot)
                 await self._wait_change()
                 continue
-            if min(self.pools[pool].versions) < self._need_version(slot, pool):
+            min_version = self._need_version(slot, pool)
+            if min(self.pools[pool].versions) < min_version:
                 # Its weights are not there yet: hold the rollout here rather than let it
                 # wait in the sampler, where it would take a slot that work due earlier
                 # (a retry) may need.
@@ -200,7 +201,7 @@ class _Loop:
                 continue
             rank = self.pools[pool].pick_rank()
             self.pools[pool].in_flight[rank] += 1
-            nursery.start_soon(self._rollout, slot, pool, rank)
+            nursery.start_soon(self._rollout, slot, pool, rank, min_version)
 
     def _need_version(self, slot: Slot, pool: str) -> int:
         """The oldest weights a rollout may start on: its group's due version minus the budget."""
@@ -218,10 +219,9 @@ class _Loop:
         self.scheduler.set_trainer(self.version, self._demand(), horizon, consume, batch=batch)
         return self.scheduler.place()
 
-    async def _rollout(self, slot: Slot, pool_name: str, rank: int) -> None:
+    async def _rollout(self, slot: Slot, pool_name: str, rank: int, min_version: int) -> None:
         pool = self.pools[pool_name]
         task = self.buffer.task_of(slot)
-        min_version = self._need_version(slot, pool_name)
         traj = None
         try:
             with span("rollout", task=task.task, prompt_id=slot.prompt_id, group_id=slot.group_id,
@@ -352,7 +352,7 @@ class _Loop:
             pool_stats[name] = {"tokens_per_s": d_tok / max(now - self._step_t0, 1e-9),
                                 "busy_s": busy, "tokens": tokens,
                                 "requests": sum(st["requests_finished"] for st in stats),
-                                "prefill_batches": sum(st.get("prefill_batches", 0) for st in stats)}
+                                "prefill_batches": sum(st["prefill_batches"] for st in stats)}
         by_pool: dict[str, list[int]] = {}
         for t, st in zip(trajs, stale):
             by_pool.setdefault(t.pool, []).append(st)

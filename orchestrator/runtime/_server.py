@@ -64,8 +64,9 @@ class Server:
         self._started = 0
         self._turns: dict[int, trio.Event] = {}
         self._idle: list[trio.lowlevel.Task] = []
-        self._queued: set[tuple[bytes, Any]] = set()  # handed to a worker, not started yet
-        self._dropped: set[tuple[bytes, Any]] = set()  # cancelled before they started
+        # Calls handed to a worker and not started yet; a cancel removes its call from here,
+        # and the worker then skips it.
+        self._queued: set[tuple[bytes, Any]] = set()
         self._init_spec = _Spec(cls.__init__, f"{cls.__qualname__}.__init__")
 
     async def serve(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -126,9 +127,8 @@ class Server:
             key = (ident, rid)
             if key in self.running:
                 self.running[key].cancel()
-            elif key in self._queued:  # not started yet: it never will be
+            else:  # not started yet (if queued): it never will be
                 self._queued.discard(key)
-                self._dropped.add(key)
             return
         if type(rid) is not int:
             self._bad(ident, None, f"request id must be an integer, got {rid!r}")
@@ -233,8 +233,7 @@ class Server:
                             await self._turn(seq)
                     else:
                         self._pass_turn(seq)
-                    if key in self._dropped:  # the caller cancelled it before it started
-                        self._dropped.discard(key)
+                    if key not in self._queued:  # the caller cancelled it before it started
                         reply = False
                     else:
                         self._queued.discard(key)
