@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 from pathlib import Path
 from typing import Any
 
 import trio
 
+from orchestrator.checkpoints import latest_checkpoint, repair_jsonl, save_checkpoint_dir, write_file_atomic
 from orchestrator.config import ConfigError, RunConfig, load_config
 from orchestrator.controller import STATE_FILE, RunResult, _Counters, _Loop, _Pool, _write_json_atomic
 from orchestrator.progress import Progress
@@ -63,7 +63,7 @@ def _truncate_metrics(path: Path, last_step: int) -> None:
     rows = MetricsLog.read(path)
     keep = [r for r in rows if r["step"] <= last_step]
     if len(keep) != len(rows):
-        path.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in keep))
+        write_file_atomic(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in keep).encode())
 
 
 async def run_async(cfg: RunConfig, *, resume: bool = False, progress: Progress | None = None) -> RunResult:
@@ -83,10 +83,11 @@ async def run_async(cfg: RunConfig, *, resume: bool = False, progress: Progress 
     progress = progress or Progress(cfg.steps)
     state: dict[str, Any] = {}
     if resume:
-        state_path = ckpt_dir / STATE_FILE
-        if not state_path.exists():
-            raise ConfigError(f"{run_dir}: no checkpoint to resume from ({state_path} missing)")
-        state = json.loads(state_path.read_text())
+        if latest_checkpoint(run_dir) is None:  # also resolves an interrupted replacement
+            raise ConfigError(f"{run_dir}: no complete checkpoint to resume from")
+        state = json.loads((ckpt_dir / STATE_FILE).read_text())
+        for log in ("metrics.jsonl", "traces.jsonl"):
+            repair_jsonl(run_dir / log, warn=lambda m: progress.message(f"flotilla: warning: {m}"))
         _truncate_metrics(run_dir / "metrics.jsonl", state["step"])
     else:
         if (run_dir / "metrics.jsonl").exists():
@@ -180,18 +181,17 @@ async def _open_all(actors: trio.Nursery, meshes: dict[str, Any]) -> dict[str, A
 
 
 async def _checkpoint(trainer: Any, ckpt_dir: Path, loop: _Loop, ledger: Any, scheduler: Any) -> None:
-    """Trainer state first, then the controller's: a resume always finds a consistent pair."""
-    tmp = ckpt_dir.with_name(ckpt_dir.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    await trainer.save_checkpoint.call_one(str(tmp))
+    """Trainer state first, then the controller's, then the crash-safe swap
+    (`orchestrator.checkpoints`): a resume always finds a complete, consistent pair."""
     state = {"step": loop.c.step, "version": loop.version, "prompts": loop.c.prompts,
              "buffer": _buffer_state_on_disk(loop), "ledger": ledger.state(),
              "scheduler": scheduler.state()}
-    _write_json_atomic(tmp / STATE_FILE, state)
-    if ckpt_dir.exists():
-        shutil.rmtree(ckpt_dir)
-    os.replace(tmp, ckpt_dir)
+
+    async def write(staging: Path) -> None:
+        await trainer.save_checkpoint.call_one(str(staging))
+        _write_json_atomic(staging / STATE_FILE, state)
+
+    await save_checkpoint_dir(ckpt_dir.parent, write, meta={"step": state["step"]}, name=ckpt_dir.name)
 
 
 def _buffer_state_on_disk(loop: _Loop) -> dict[str, int]:
