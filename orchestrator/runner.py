@@ -21,7 +21,7 @@ from typing import Any
 import trio
 
 from orchestrator.checkpoints import latest_checkpoint, repair_jsonl, save_checkpoint_dir, write_file_atomic
-from orchestrator.config import ConfigError, RunConfig, load_config
+from orchestrator.config import ConfigError, RunConfig, check_runnable, load_config
 from orchestrator.controller import STATE_FILE, RunResult, _Counters, _Loop, _Pool, _write_json_atomic
 from orchestrator.progress import Progress
 from orchestrator.runtime import open_mesh, span
@@ -78,6 +78,7 @@ async def run_async(cfg: RunConfig, *, resume: bool = False, progress: Progress 
     from hardware import CostLedger, Scheduler, ThroughputModel
 
     t0 = time.monotonic()
+    check_runnable(cfg)  # devices, task and params: one line naming the field, before any actor starts
     run_dir = cfg.run_dir
     ckpt_dir = run_dir / "checkpoint"
     progress = progress or Progress(cfg.steps)
@@ -120,7 +121,8 @@ async def run_async(cfg: RunConfig, *, resume: bool = False, progress: Progress 
     meshes: dict[str, Any] = {
         "trainer": open_mesh(TrainerActor, trainer_cfg, str(ckpt_dir) if resume else None,
                              procs=1, name="trainer", env=trainer_env),
-        "env": open_mesh(EnvActor, EnvConfig(step_timeout_s=cfg.task.episode_timeout_s),
+        "env": open_mesh(EnvActor, EnvConfig(step_timeout_s=cfg.task.episode_timeout_s,
+                                             task_modules=cfg.task.modules),
                          procs=cfg.task.env_actors, name="env", env=env),
     }
     for pc in cfg.pools:
