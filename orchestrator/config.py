@@ -138,6 +138,15 @@ class RunConfig(_Section):
     pools: PoolList = Field(min_length=1)
     """Sampler pools ([[pools]] tables, hardware.PoolConfig), names unique."""
 
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, v: str) -> str:
+        """A single path component, so a run's outputs cannot land outside `run_root`."""
+        if not v or v in (".", "..") or any(c in v for c in "/\\\0") or v.startswith("-"):
+            raise ValueError(f"run name {v!r} must be one plain folder name (no '/', '\\', "
+                             "'..', leading '-' or NUL)")
+        return v
+
     @property
     def run_dir(self) -> Path:
         return Path(self.run_root) / self.name

@@ -97,5 +97,6 @@ class EnvThreads:
         if call.counted:
             raise EnvCallTimeout(f"environment {what} timed out after {timeout:g} s; its thread is still "
                                  f"running ({stuck} of {self.per_task} threads of task {task!r} stuck)")
-        raise EnvCallTimeout(f"environment {what} found no free thread within {timeout:g} s: "
-                             f"{stuck} of {self.per_task} threads of task {task!r} are stuck in earlier calls")
+        raise EnvCallTimeout(f"environment {what} found no free thread within {timeout:g} s: all "
+                             f"{self.per_task} threads of task {task!r} are busy ({stuck} stuck in calls "
+                             f"past their timeout)")

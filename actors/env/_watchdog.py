@@ -40,7 +40,8 @@ class LoopWatchdog(trio.abc.Instrument):
         self._limit = RateLimiter(report_interval_s)
         self._labels: dict[Any, str] = {}
         self._running: Any = None
-        self._since = 0.0
+        self._since = time.perf_counter()
+        self._stall_label = ""  # the label a stalling step held when it left it
         self.stalls = 0
         self.longest_s = 0.0
         self.last_blocker = ""
@@ -58,7 +59,8 @@ class LoopWatchdog(trio.abc.Instrument):
         if took > self.threshold_s:
             self.stalls += 1
             self.longest_s = max(self.longest_s, took)
-            self.last_blocker = self._name(task)
+            self.last_blocker = self._stall_label or self._name(task)
+        self._stall_label = ""
 
     @contextmanager
     def label(self, name: str) -> Iterator[None]:
@@ -69,6 +71,8 @@ class LoopWatchdog(trio.abc.Instrument):
             yield
         finally:
             self._labels.pop(task, None)
+            if self._running is task and time.perf_counter() - self._since > self.threshold_s:
+                self._stall_label = name  # the step goes on past the label; keep who stalled it
 
     def _name(self, task: Any) -> str:
         return self._labels.get(task) or f"trio task {getattr(task, 'name', task)!r}"
