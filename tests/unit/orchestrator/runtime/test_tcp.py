@@ -33,14 +33,14 @@ async def test_curve_mesh_serves_allowed_and_refuses_unknown_keys() -> None:
                                identity=Curve.generate(), connect_timeout=None)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(rogue.run)
-                p = rogue.request({"k": "call", "e": "incr", "a": [100]}, [], reply=True)
+                p = rogue.request({"kind": "call", "endpoint": "incr", "args": [100]}, [], reply=True)
                 assert p is not None
                 with trio.fail_after(5):
                     await p.wait()
                 assert isinstance(p.error, ActorDied), p.header
                 assert "CurveZMQ authentication failed" in p.error.reason
                 with pytest.raises(ActorDied, match="refused"):
-                    rogue.request({"k": "call", "e": "incr", "a": [100]}, [], reply=True)
+                    rogue.request({"kind": "call", "endpoint": "incr", "args": [100]}, [], reply=True)
                 rogue.scope.cancel()
             assert await mesh.value.call() == [3, 3]  # the rogue call never ran
 

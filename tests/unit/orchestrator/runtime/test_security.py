@@ -48,7 +48,8 @@ async def _own_key_refused(address: str, server_key: str, own: Curve) -> None:
                       connect_timeout=None)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(conn.run)
-        p = conn.request({"k": "call", "e": "spawn", "a": ["actors.env:EnvActor", "x", 0, {}]}, [], reply=True)
+        p = conn.request({"kind": "call", "endpoint": "spawn", "args": ["actors.env:EnvActor", "x", 0, {}]}, [],
+                         reply=True)
         assert p is not None
         with trio.fail_after(10):
             await p.wait()
@@ -128,8 +129,9 @@ async def test_malformed_frames_are_counted_and_logged_once_per_second_per_peer(
         rogue.setsockopt(zmq.IDENTITY, b"rogue-1")
         rogue.connect(mesh.addresses[0])
         try:
-            bad = [[b"{not json"], [b'{"i": 1, "k": "call", "e": "no_such", "a": []}'],
-                   [b'{"i": "x", "k": "call"}'], [b'{"i": 2, "k": "call", "e": "incr", "a": ["NaN?"]}']]
+            bad = [[b"{not json"], [b'{"id": 1, "kind": "call", "endpoint": "no_such", "args": []}'],
+                   [b'{"id": "x", "kind": "call"}'],
+                   [b'{"id": 2, "kind": "call", "endpoint": "incr", "args": ["NaN?"]}']]
             for i in range(400):
                 rogue.send_multipart(bad[i % len(bad)])
             with trio.fail_after(20):
