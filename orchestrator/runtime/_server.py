@@ -11,7 +11,9 @@ running call with the same id from the same peer). Replies: ``ok`` (value),
 invalid: malformed message, unknown endpoint, arguments that fail validation).
 
 Malformed input never stops the actor: the reader answers ``bad`` when it can
-tell who asked, else drops the message with a line on stderr.
+tell who asked, else drops the message. Either way it is counted per peer
+(``_actor.wire_rejects``, read by every actor's ``runtime_stats`` endpoint) and
+logged on stderr at most once per second per peer.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import trio
 import zmq
 
 from . import _tracing
-from ._actor import Actor, EndpointDef, _Spec, endpoints_of
+from ._actor import Actor, EndpointDef, _Spec, endpoints_of, wire_rejects
 from ._errors import WireError
 from ._wire import SCALARS, decode, dumps, encode, loads
 from ._zsock import ZSocket, log
@@ -89,8 +91,15 @@ class Server:
         except zmq.ZMQError as exc:
             log(f"{self.name}[{self.rank}]: reply not sent: {exc}")
 
+    def _rejected(self, ident: Any, msg: str) -> None:
+        try:
+            peer = bytes(memoryview(ident)).hex()
+        except TypeError:  # no frame at all
+            peer = "?"
+        wire_rejects.record(peer, f"{self.name}[{self.rank}]: rejected a request from peer {peer}: {msg}", log)
+
     def _bad(self, ident: bytes, rid: Any, msg: str) -> None:
-        log(f"{self.name}[{self.rank}]: rejected a request: {msg}")
+        self._rejected(ident, msg)
         self._reply(ident, {"id": rid if type(rid) is int else None, "kind": "bad", "message": msg})
 
     def _answer(self, ident: bytes, rid: Any, value: Any, spec: _Spec | None) -> None:
@@ -113,7 +122,7 @@ class Server:
     # -- dispatch --------------------------------------------------------------
     def _on_message(self, frames: list[Any]) -> None:
         if len(frames) < 2:
-            log(f"{self.name}[{self.rank}]: dropped a message with {len(frames)} frame(s)")
+            self._rejected(frames[0] if frames else None, f"dropped a message with {len(frames)} frame(s)")
             return
         ident = frames[0]
         try:
