@@ -150,7 +150,7 @@ def main() -> None:
     raw.update(name="chaos", steps=steps, run_root=str(tmp))
     raw["checkpoint"] = {"every_steps": every, "max_restarts": 3}
     raw["task"]["name"] = "flaky_guess_number"
-    raw["task"]["modules"] = ["benchmarks.chaos_tasks"]
+    raw["task"]["modules"] = [str(ROOT / "benchmarks" / "chaos_tasks.py")]
     raw["task"]["params"] = {**raw["task"]["params"], "fail_rate": 0.1}
     cfg = load_config(raw=raw)
     schedule = Schedule(steps, random.Random(args.seed), every)
