@@ -67,8 +67,8 @@ class Schedule:
 
     def __init__(self, steps: int, rng: random.Random, every_steps: int) -> None:
         pools_at = sorted(rng.sample(range(4, steps // 2), 2))
-        self.kills = {pools_at[0]: "pool0", pools_at[1]: "pool1", steps // 4 + 1: "env",
-                      every_steps * 2 + every_steps // 2: "trainer"}
+        self.kills = sorted([(pools_at[0], "pool0"), (pools_at[1], "pool1"), (steps // 4 + 1, "env"),
+                             (every_steps * 2 + every_steps // 2, "trainer")])
         self.inject_at = steps // 3
         self.stop_at = (steps * 2) // 3
         self.rng = rng
@@ -92,23 +92,19 @@ class Schedule:
             step = state.step
             if self.keyframe is None:
                 self.keyframe = await meshes["trainer"][0].keyframe.call_one("bf16")
-            if step in self.kills:
-                what = self.kills.pop(step)
+            if self.kills and step >= self.kills[0][0]:
+                what = self.kills.pop(0)[1]
                 mesh = meshes["trainer"] if what == "trainer" else meshes["env"] if what == "env" \
                     else meshes[pools[int(what[-1]) % len(pools)]]
                 pid = mesh.pids[0]
                 t0, cpu0 = time.monotonic(), time.process_time()
                 os.kill(pid, signal.SIGKILL)
                 if what == "trainer":
-                    while state.trainer_restarts == 0:
-                        await trio.sleep(0.02)
-                    while state.step >= step:  # the restore moves the step back
+                    while state.trainer_restarts == 0 or ctl.restoring_trainer:
                         await trio.sleep(0.02)
                     self.cpu_while_dead = (time.process_time() - cpu0) / (time.monotonic() - t0)
-                    self.repeated = step - state.step
-                    target = state.step
-                else:
-                    target = state.step
+                    self.repeated = step - state.step  # the restore moved the step back
+                target = state.step
                 while state.step <= target:
                     await trio.sleep(0.02)
                 self.recoveries.append((what, time.monotonic() - t0))
