@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from actors.trainer import TrainerConfig
 from hardware import PoolList
+from orchestrator.sinks import TelemetrySection
 from policies import RecipeConfig
 
 __all__ = [
@@ -111,6 +112,8 @@ class RunConfig(_Section):
     """Threads and CPU pinning of the actor processes."""
     pools: PoolList = Field(min_length=1)
     """Sampler pools ([[pools]] tables, hardware.PoolConfig), names unique."""
+    telemetry: TelemetrySection = Field(default_factory=TelemetrySection)
+    """Metric sinks besides metrics.jsonl: W&B and TensorBoard (orchestrator.sinks)."""
 
     @property
     def run_dir(self) -> Path:
