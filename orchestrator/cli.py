@@ -2,6 +2,7 @@
 
     flotilla run CONFIG [--set key=value ...] [--steps N] [--mode async|sync] [--resume RUN_DIR]
     flotilla report RUN_DIR
+    flotilla compare RUN_DIR RUN_DIR ... [-o compare.html]
     flotilla hardware [CONFIG]
     flotilla host ...            (an actor host on another machine; see README)
 
@@ -30,8 +31,12 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
     r.add_argument("--quiet", action="store_true", help="no progress lines")
 
-    rep = sub.add_parser("report", help="print a run's cost report and rewrite its JSON/Markdown")
+    rep = sub.add_parser("report", help="print a run's cost report; rebuild its report.html")
     rep.add_argument("run_dir")
+
+    cmp = sub.add_parser("compare", help="one HTML page overlaying several runs' curves")
+    cmp.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    cmp.add_argument("-o", "--out", default="compare.html", help="output file (default: compare.html)")
 
     hw = sub.add_parser("hardware", help="the GPU catalog, and a config's pools with estimated cost")
     hw.add_argument("config", nargs="?")
@@ -63,6 +68,10 @@ def main(argv: list[str] | None = None) -> int:
         from orchestrator.reports import print_report
 
         return print_report(args.run_dir)
+    if args.command == "compare":
+        from orchestrator.reports import compare_runs
+
+        return compare_runs(args.run_dirs, args.out)
     if args.command == "hardware":
         from hardware import describe
 

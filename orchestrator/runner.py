@@ -23,8 +23,11 @@ import trio
 
 from orchestrator.config import ConfigError, RunConfig, load_config
 from orchestrator.controller import STATE_FILE, RunResult, _Counters, _Loop, _Pool, _write_json_atomic
+from orchestrator.live import make_progress
+from orchestrator.outputs import finish_outputs
 from orchestrator.progress import Progress
 from orchestrator.runtime import open_mesh, span
+from orchestrator.sinks import open_sinks
 from orchestrator.telemetry import MetricsLog, setup_run_telemetry
 
 __all__ = ["run", "run_async", "run_from_cli"]
@@ -115,7 +118,8 @@ async def run_async(cfg: RunConfig, *, resume: bool = False, progress: Progress 
 
     progress.message(f"flotilla: run {cfg.name} → {run_dir} ({cfg.mode}, {len(cfg.pools)} pools, "
                      f"{'resuming at step ' + str(counters.step) if resume else 'starting'})")
-    metrics = MetricsLog(run_dir / "metrics.jsonl")
+    sinks = open_sinks(cfg.telemetry, run_dir, cfg.name, json.loads(cfg.resolved_json()))
+    metrics = MetricsLog(run_dir / "metrics.jsonl", sinks=sinks)
     meshes: dict[str, Any] = {
         "trainer": open_mesh(TrainerActor, trainer_cfg, str(ckpt_dir) if resume else None,
                              procs=1, name="trainer", env=trainer_env),
@@ -146,7 +150,9 @@ async def run_async(cfg: RunConfig, *, resume: bool = False, progress: Progress 
         finally:
             metrics.close()
         actors.cancel_scope.cancel()  # leaves every mesh: its processes stop, in parallel
-    ledger.report().write(run_dir)
+    cost_report = ledger.report()
+    cost_report.write(run_dir)
+    finish_outputs(run_dir, sinks, cost_report, counters.step, progress)
     result = RunResult(run_dir, counters.step, loop.version, loop.interrupted, loop.buffer.counts(),
                        time.monotonic() - t0)
     progress.message(f"flotilla: {'interrupted' if result.interrupted else 'done'} at step "
@@ -207,7 +213,11 @@ def run(config: RunConfig | str | Path, *, overrides: list[str] | None = None,
         resume: bool = False, quiet: bool = False) -> RunResult:
     """Blocking entry point: `from orchestrator import run; run("examples/guess_number.toml")`."""
     cfg = config if isinstance(config, RunConfig) else load_config(config, overrides)
-    return trio.run(lambda: run_async(cfg, resume=resume, progress=Progress(cfg.steps, quiet=quiet)))
+    progress = make_progress(cfg.steps, quiet=quiet)
+    try:
+        return trio.run(lambda: run_async(cfg, resume=resume, progress=progress))
+    finally:
+        progress.close()
 
 
 def run_from_cli(config: str | None, *, overrides: list[str], steps: int | None, mode: str | None,

@@ -79,14 +79,15 @@ def render_report(data: RunData) -> str:
     return page(f"Flotilla run: {data.name}", head_rows(data), data.missing, run_charts(data), appendix)
 
 
-def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
+def write_report(run_dir: str | Path, out: str | Path | None = None, *, data: RunData | None = None) -> Path:
     """Build `run_dir/report.html` (or `out`) from the run directory's files; returns its path.
 
     Missing or damaged files do not fail it: the page lists them (see `load_run`). The file is
     written to a temporary name and renamed, so a reader never sees half a report. Raises
-    FileNotFoundError when `run_dir` is not a directory.
+    FileNotFoundError when `run_dir` is not a directory. `data`: the run as `load_run(run_dir)`
+    already read it.
     """
-    data = load_run(run_dir)
+    data = data if data is not None else load_run(run_dir)
     path = Path(out) if out is not None else Path(run_dir) / REPORT_FILE
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(render_report(data), encoding="utf-8")
