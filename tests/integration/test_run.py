@@ -120,6 +120,7 @@ def test_sigint_checkpoints_and_resume_continues_without_repeating_or_skipping(s
     assert 2 <= stopped_at < 6
     state = json.loads((run_dir / "checkpoint" / "controller_state.json").read_text())
     assert state["step"] == stopped_at and state["version"] == stopped_at
+    assert f"interrupted at step {stopped_at} of 6" in (run_dir / "report.html").read_text()
 
     proc = _flotilla("run", "--resume", str(run_dir), cwd=tmp_path)
     out, _ = proc.communicate(timeout=240)
@@ -128,3 +129,4 @@ def test_sigint_checkpoints_and_resume_continues_without_repeating_or_skipping(s
     assert [r["step"] for r in rows] == list(range(1, 7))
     assert [r["version"] for r in rows] == list(range(1, 7))
     assert (run_dir / "cost_report.json").is_file()
+    assert "finished: 6 of 6 steps" in (run_dir / "report.html").read_text()
