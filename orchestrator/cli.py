@@ -3,6 +3,7 @@
     flotilla run CONFIG [--set key=value ...] [--steps N] [--mode async|sync] [--resume RUN_DIR]
     flotilla report RUN_DIR
     flotilla compare RUN_DIR RUN_DIR ... [-o compare.html]
+    flotilla config [SECTION]    every config field with its type, default and meaning
     flotilla hardware [CONFIG]
     flotilla host ...            (an actor host on another machine; see README)
 
@@ -38,6 +39,10 @@ def _parser() -> argparse.ArgumentParser:
     cmp.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     cmp.add_argument("-o", "--out", default="compare.html", help="output file (default: compare.html)")
 
+    cf = sub.add_parser("config", help="every config field: type, default and what it does")
+    cf.add_argument("section", nargs="?", help="one section (model, task, rollout, recipe, "
+                    "trainer, placement, checkpoint, pools)")
+
     hw = sub.add_parser("hardware", help="the GPU catalog, and a config's pools with estimated cost")
     hw.add_argument("config", nargs="?")
 
@@ -56,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "run":
         from orchestrator.config import ConfigError
+        from orchestrator.controller import TrainerLost
         from orchestrator.runner import run_from_cli
 
         try:
@@ -64,6 +70,9 @@ def main(argv: list[str] | None = None) -> int:
         except ConfigError as e:
             print(f"flotilla: {e}", file=sys.stderr)
             return 2
+        except TrainerLost as e:
+            print(f"flotilla: {e}", file=sys.stderr)
+            return 1
     if args.command == "report":
         from orchestrator.reports import print_report
 
@@ -72,6 +81,16 @@ def main(argv: list[str] | None = None) -> int:
         from orchestrator.reports import compare_runs
 
         return compare_runs(args.run_dirs, args.out)
+    if args.command == "config":
+        from orchestrator.config import ConfigError
+        from orchestrator.confighelp import config_help
+
+        try:
+            print(config_help(args.section))
+        except ConfigError as e:
+            print(f"flotilla: {e}", file=sys.stderr)
+            return 2
+        return 0
     if args.command == "hardware":
         from hardware import describe
 

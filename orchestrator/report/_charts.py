@@ -131,6 +131,9 @@ def dropped(data: RunData) -> Chart:
                     name="over the staleness budget", line=dict(color="#cb181d"))
     fig.add_scatter(x=_col(rows, "step"), y=_col(rows, "dropped_failed"), mode="lines",
                     name="failed episodes", line=dict(color="#6a51a3"))
+    if _has(rows, "dropped_rollback"):
+        fig.add_scatter(x=_col(rows, "step"), y=_col(rows, "dropped_rollback"), mode="lines",
+                        name="rolled back with the trainer", line=dict(color="#636363"))
     return _layout(fig, "Dropped trajectories (cumulative; their prompts are retried)",
                    xaxis_title="step", yaxis_title="trajectories")
 

@@ -55,7 +55,9 @@ def head_rows(data: RunData) -> list[tuple[str, str]]:
                                  f"{first:.3f} at step {data.metrics[0]['step']} → {r10:.3f} "
                                  f"(10-step mean) at step {last['step']}"))
         rows.append(("dropped", f"{last.get('dropped_stale', 0)} over budget, "
-                                f"{last.get('dropped_failed', 0)} failed"))
+                                f"{last.get('dropped_failed', 0)} failed, "
+                                f"{last.get('dropped_rollback', 0)} rolled back; "
+                                f"trainer restarts {last.get('trainer_restarts', 0)}"))
     if data.cost:
         t = data.cost["totals"]
         line = (f"${t['cost_usd']:.4f} for {t['tokens']:,} tokens, {t['gpu_hours']:.4f} GPU-hours")
