@@ -30,7 +30,7 @@ __all__ = ["MetricSink", "Sinks", "TelemetrySection", "WandbSection", "flatten",
 
 
 class WandbSection(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     project: str = Field(min_length=1)
     """W&B project the run is logged to."""
@@ -42,10 +42,12 @@ class WandbSection(BaseModel):
 
 
 class TelemetrySection(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     wandb: WandbSection | None = None
-    """Log every metrics line and the cost report to Weights & Biases (extra `wandb`)."""
+    """Log every metrics line and the cost report to Weights & Biases (extra `wandb`):
+    `{ project = "...", mode = "offline" | "online", entity = "..." (optional) }`; offline runs
+    live in `runs/<name>/wandb/`."""
     tensorboard: bool = False
     """Write TensorBoard event files under `runs/<name>/tensorboard/` (extra `tensorboard`)."""
 
