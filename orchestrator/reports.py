@@ -14,13 +14,14 @@ import sys
 from pathlib import Path
 
 from hardware import CostReport
-from orchestrator.telemetry import MetricsLog
 
 __all__ = ["compare_runs", "print_report", "training_summary"]
 
 
 def training_summary(run_dir: Path) -> str:
-    rows = MetricsLog.read(run_dir / "metrics.jsonl")
+    from orchestrator.report import read_metrics
+
+    rows, _ = read_metrics(run_dir / "metrics.jsonl", [])  # training lines; damaged ones left out
     if not rows:
         return "no training steps recorded"
     k = min(5, len(rows))

@@ -10,7 +10,10 @@ watch. The run config's `[telemetry]` section turns them on:
 Both packages are optional extras (`pip install -e '.[wandb,tensorboard]'`); asking for a sink
 whose package is missing fails the run at start with a message naming the field and the extra.
 A metrics line is flattened for them: nested pools become `pools/<pool>/<key>`, None values and
-non-numbers are left out, booleans become 0/1, and the line's `step` is the sink's step.
+non-numbers are left out, booleans become 0/1, and the line's `step` is the x axis. Evaluation
+lines (`eval_reward` ..., written after their step, possibly after the next step's line) go
+the same way: TensorBoard takes any step per tag, and W&B plots every metric against the
+logged `step` (`define_metric`) rather than its own row counter, which refuses to go back.
 
 Crash/cancel: each sink writes through on every line (TensorBoard flushes, W&B appends to its
 own log), so a killed run keeps every step it logged; `close` finishes them (W&B's offline
@@ -99,10 +102,12 @@ class WandbSink:
             name=name, id=run_id, resume="allow", config=config,
             settings=wandb.Settings(console="off", silent=True, x_disable_stats=True,
                                     x_save_requirements=False, disable_git=True, save_code=False))
+        self._run.define_metric("step")
+        self._run.define_metric("*", step_metric="step")
         self.directory = Path(self._run.dir).parent
 
     def log(self, record: dict[str, Any]) -> None:
-        self._run.log(flatten(record), step=int(record["step"]))
+        self._run.log(flatten(record))
 
     def log_cost_report(self, report: dict[str, Any], step: int) -> None:
         self._run.summary.update(_cost_scalars(report))

@@ -8,7 +8,7 @@ bundle inlined), from the run directory's files only, so they can be rebuilt at 
 """
 
 from orchestrator.report._compare import write_compare
-from orchestrator.report._data import RunData, load_run
+from orchestrator.report._data import RunData, load_run, read_metrics
 from orchestrator.report._run import REPORT_FILE, render_report, write_report
 
-__all__ = ["REPORT_FILE", "RunData", "load_run", "render_report", "write_compare", "write_report"]
+__all__ = ["REPORT_FILE", "RunData", "load_run", "read_metrics", "render_report", "write_compare", "write_report"]

@@ -63,11 +63,10 @@ def reward(data: RunData, axis: str) -> Chart:
     fig.add_scatter(x=x, y=r, mode="lines", name="reward (batch mean)", line=dict(color="#9ecae1"))
     fig.add_scatter(x=x, y=rolling_mean(r), mode="lines", name=f"reward, {_MEAN_WINDOW}-step mean",
                     line=dict(color="#08519c", width=3))
-    if _has(rows, "eval_reward"):
-        ev = _col(rows, "eval_reward")
-        pts = [(xi, v) for xi, v in zip(x, ev) if v is not None]
+    pts = [(e.get(x_key), e["eval_reward"]) for e in data.evals if e.get(x_key) is not None]
+    if pts:
         fig.add_scatter(x=[p[0] for p in pts], y=[p[1] for p in pts], mode="lines+markers",
-                        name="eval reward", line=dict(color="#d94801", width=2))
+                        name="eval reward (held out)", line=dict(color="#d94801", width=2))
     _layout(fig, f"Reward vs {x_title}", xaxis_title=x_title, yaxis_title="reward")
     return fig
 

@@ -20,7 +20,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RunData", "Span", "load_run"]
+__all__ = ["RunData", "Span", "load_run", "read_metrics"]
 
 _ROLLOUT_MARK = '"name": "rollout"'
 _CONTROLLER_MARK = '"service": "controller"'
@@ -49,6 +49,8 @@ class RunData:
     name: str
     config: dict[str, Any] | None = None
     metrics: list[dict[str, Any]] = field(default_factory=list)
+    # Evaluation lines of metrics.jsonl ({"step", "eval_reward", ...}), each after its step.
+    evals: list[dict[str, Any]] = field(default_factory=list)
     cost: dict[str, Any] | None = None
     controller_state: dict[str, Any] | None = None
     model_params: int | None = None
@@ -104,13 +106,16 @@ def _read_json(path: Path, what: str, missing: list[str]) -> Any:
         return None
 
 
-def _read_metrics(path: Path, missing: list[str]) -> list[dict[str, Any]]:
+def read_metrics(path: Path, missing: list[str]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Training lines (those with `reward_mean`) and evaluation lines (`eval_reward`); what
+    could not be used is appended to `missing` (never raises for a damaged file)."""
     if not path.exists():
         missing.append("metrics.jsonl is missing: no per-step charts")
-        return []
+        return [], []
     text = path.read_text(errors="replace")
     lines = text.split("\n")
     rows: list[dict[str, Any]] = []
+    evals: list[dict[str, Any]] = []
     for i, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -127,12 +132,18 @@ def _read_metrics(path: Path, missing: list[str]) -> list[dict[str, Any]]:
         if not isinstance(row, dict) or "step" not in row:
             missing.append(f"metrics.jsonl: line {i} has no 'step'; it is left out")
             continue
-        rows.append(row)
+        if "reward_mean" in row:
+            rows.append(row)
+        elif "eval_reward" in row:
+            evals.append(row)
     if not rows:
         missing.append("metrics.jsonl has no training steps: the run stopped before its first "
                        "step (start-up failed or was interrupted), so there are no per-step charts")
     _continue_wall_time(rows)
-    return rows
+    wall = {r["step"]: r["wall_total_s"] for r in rows}
+    for e in evals:
+        e["wall_total_s"] = wall.get(e["step"])
+    return rows, evals
 
 
 def _continue_wall_time(rows: list[dict[str, Any]]) -> None:
@@ -264,7 +275,7 @@ def load_run(run_dir: str | Path) -> RunData:
                              "come from the cost report", data.missing)
     if data.config and data.config.get("name"):
         data.name = data.config["name"]
-    data.metrics = _read_metrics(run_dir / "metrics.jsonl", data.missing)
+    data.metrics, data.evals = read_metrics(run_dir / "metrics.jsonl", data.missing)
     data.cost = _read_json(run_dir / "cost_report.json", "the run has not written its reports "
                            "yet (still running, or killed): no counterfactual or saving; costs "
                            "come from metrics.jsonl", data.missing)

@@ -103,7 +103,7 @@ def test_wandb_offline_log_holds_the_metrics_lines(run_dir):
         kind = rec.WhichOneof("record_type")
         if kind == "history":
             items = {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in rec.history.item}
-            history[int(items["_step"])] = items
+            history[int(items["step"])] = items
         elif kind == "summary":
             summary.update({(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in rec.summary.update})
     metrics = read_jsonl(run_dir / "metrics.jsonl")

@@ -119,6 +119,29 @@ def test_complete_run_dir_draws_every_chart_and_picks_the_slowest_and_median_rol
     assert "https://" not in html.split("<body>")[1].split("<script")[0]  # head lines: no links out
 
 
+def test_eval_lines_are_drawn_against_step_and_wall_time(tmp_path):
+    run_dir, _ = make_run(tmp_path, steps=12)
+    rows = read_jsonl_lines(run_dir / "metrics.jsonl")
+    # As the controller writes them: an evaluation of step k lands after step k+1's line.
+    out = []
+    for r in rows:
+        out.append(r)
+        if r["step"] % 5 == 1 and r["step"] > 1:
+            out.append({"step": r["step"] - 1, "eval_reward": r["step"] / 20, "eval_version": r["step"] - 1,
+                        "eval_s": 0.1, "eval_episodes": 8, "eval_failed": 0})
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in out))
+    data = load_run(run_dir)
+    assert [r["step"] for r in data.metrics] == list(range(1, 13))
+    assert [(e["step"], e["wall_total_s"]) for e in data.evals] == [(5, 2.5), (10, 5.0)]
+    html = render_report(data)
+    assert html.count('"name":"eval reward (held out)"') == 2
+    assert '"x":[5,10],"y":[0.3,0.55]' in html and '"x":[2.5,5.0],"y":[0.3,0.55]' in html
+
+
+def read_jsonl_lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 def test_cost_curves_end_at_the_cost_reports_figures(tmp_path):
     run_dir, _ = make_run(tmp_path)
     data = load_run(run_dir)
