@@ -222,22 +222,22 @@ def _read_traces(data: RunData) -> None:
                 continue
             try:
                 obj = json.loads(line)
-            except json.JSONDecodeError:
+                if start is None or obj.get("name") == "startup":
+                    start = int(obj["start_ns"]) if start is None else min(start, int(obj["start_ns"]))
+                attrs = obj.get("attributes") or {}
+                if obj.get("name") == "rollout" and obj.get("service") == "controller" and "staleness" in attrs:
+                    s = _span(obj)
+                    staleness = int(attrs["staleness"])
+                    rollouts.append(s)
+                    data.rollout_staleness.setdefault(attrs.get("pool", "?"), []).append(staleness)
+                    end = s.end_ns if end is None else max(end, s.end_ns)
+                elif obj.get("name") == "rollout.dropped" and int(attrs.get("staleness", -1)) >= 0:
+                    data.dropped_staleness.setdefault(attrs.get("pool", "?"), []).append(int(attrs["staleness"]))
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError):
                 bad += 1
-                continue
-            if start is None or obj.get("name") == "startup":
-                start = int(obj["start_ns"]) if start is None else min(start, int(obj["start_ns"]))
-            attrs = obj.get("attributes") or {}
-            if obj.get("name") == "rollout" and obj.get("service") == "controller" and "staleness" in attrs:
-                s = _span(obj)
-                rollouts.append(s)
-                data.rollout_staleness.setdefault(attrs.get("pool", "?"), []).append(int(attrs["staleness"]))
-                end = s.end_ns if end is None else max(end, s.end_ns)
-            elif obj.get("name") == "rollout.dropped" and int(attrs.get("staleness", -1)) >= 0:
-                data.dropped_staleness.setdefault(attrs.get("pool", "?"), []).append(int(attrs["staleness"]))
     if bad:
-        data.missing.append(f"traces.jsonl: {bad} line(s) are not valid JSON (a span being written "
-                            f"when the run stopped); they are left out")
+        data.missing.append(f"traces.jsonl: {bad} line(s) are not valid spans (e.g. one being "
+                            f"written when the run stopped); they are left out")
     data.start_ns, data.end_ns = start, end
     if not rollouts:
         data.missing.append("traces.jsonl holds no finished controller rollout span: no waterfall")
@@ -252,10 +252,10 @@ def _read_traces(data: RunData) -> None:
                 continue
             try:
                 obj = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if obj.get("trace_id") in wanted:
-                traces.setdefault(obj["trace_id"], []).append(_span(obj))
+                if obj.get("trace_id") in wanted:
+                    traces.setdefault(obj["trace_id"], []).append(_span(obj))
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError):
+                continue  # counted in the first pass
     for label, s in chosen.items():
         family = traces.get(s.trace_id, [])
         if family:

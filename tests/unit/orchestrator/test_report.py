@@ -160,11 +160,16 @@ def test_truncated_last_metrics_line_is_left_out_and_named(tmp_path):
     run_dir, _ = make_run(tmp_path, steps=12)
     with open(run_dir / "metrics.jsonl", "a") as f:
         f.write('{"step": 13, "reward_mean": 0.')
+    with open(run_dir / "traces.jsonl", "a") as f:
+        f.write('{"name": "rollout", "service": "controller", "trace_id": "ab", "attributes": {"staleness": 1}}\n')
+        f.write('{"name": "rollout", "service": "controller", "trace_id": "cd", "span_id": "')
     path = write_report(run_dir)
     html = path.read_text()
     data = load_run(run_dir)
     assert [r["step"] for r in data.metrics] == list(range(1, 13))
     assert "the last line (13) is truncated" in html
+    assert "traces.jsonl: 2 line(s) are not valid spans" in html
+    assert len(data.waterfalls) == 2
     assert _charts(html) == 12
 
 
