@@ -72,9 +72,7 @@ def flatten(record: dict[str, Any], prefix: str = "") -> dict[str, float]:
         name = f"{prefix}{key}"
         if isinstance(value, dict):
             out.update(flatten(value, name + "/"))
-        elif isinstance(value, bool):
-            out[name] = float(value)
-        elif isinstance(value, (int, float)):
+        elif isinstance(value, (bool, int, float)):
             out[name] = float(value)
     return out
 

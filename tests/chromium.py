@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import fcntl
 import json
 import os
@@ -217,10 +218,8 @@ def check_page(html_path: str | Path, screenshot: str | Path | None = None, *, w
             path = Path(screenshot)
             path.write_bytes(base64.b64decode(shot["data"]))
             check.screenshot = path
-        try:
+        with contextlib.suppress(RuntimeError, TimeoutError):  # it is killed below either way
             cdp.call("Browser.close", timeout=5)
-        except (RuntimeError, TimeoutError):
-            pass  # it is killed below either way
         return check
     finally:
         os.close(to_chrome_w)

@@ -250,7 +250,7 @@ def stability(data: RunData) -> Chart:
                         horizontal_spacing=0.08, vertical_spacing=0.14)
     x = _col(rows, "step")
     colors = ["#e6550d", "#31a354", "#756bb1", "#636363"]
-    for i, (key, label, per_pool) in enumerate(panels):
+    for i, (key, _, per_pool) in enumerate(panels):
         r, c = divmod(i, 2)
         fig.add_scatter(x=x, y=_col(rows, key), mode="lines", name="overall", legendgroup="overall",
                         showlegend=i == 0, line=dict(color="black"), row=r + 1, col=c + 1)

@@ -13,6 +13,7 @@ JSON parsing), one over the spans of the chosen traces.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import struct
 from dataclasses import dataclass, field
@@ -189,10 +190,8 @@ def _model_info(data: RunData) -> None:
             data.model_params = sum(c for c in counts if c is not None)
             conf = d / "config.json"
             if conf.exists():
-                try:
+                with contextlib.suppress(json.JSONDecodeError):  # the size alone still shows
                     data.model_shape = json.loads(conf.read_text())
-                except json.JSONDecodeError:
-                    pass
             return
     data.missing.append("no model checkpoint (checkpoint/model/*.safetensors): model size unknown")
 
