@@ -14,6 +14,8 @@ non-numbers are left out, booleans become 0/1, and the line's `step` is the x ax
 lines (`eval_reward` ..., written after their step, possibly after the next step's line) go
 the same way: TensorBoard takes any step per tag, and W&B plots every metric against the
 logged `step` (`define_metric`) rather than its own row counter, which refuses to go back.
+When a trainer restore rolls metrics.jsonl back to a checkpoint and trains those steps again,
+the sinks get the new lines too and keep both values for such a step (they cannot unlog).
 
 Crash/cancel: each sink writes through on every line (TensorBoard flushes, W&B appends to its
 own log), so a killed run keeps every step it logged; `close` finishes them (W&B's offline
