@@ -26,8 +26,11 @@ from orchestrator.checkpoints import latest_checkpoint, repair_jsonl, save_check
 from orchestrator.config import ConfigError, RunConfig, check_runnable, load_config
 from orchestrator.controller import STATE_FILE, Controller, ControllerState, Links, TrainerLink
 from orchestrator.controller.meshes import MeshEnvs, MeshPool, MeshTrainer
+from orchestrator.live import make_progress
+from orchestrator.outputs import finish_outputs
 from orchestrator.progress import Progress
 from orchestrator.runtime import open_mesh, span
+from orchestrator.sinks import open_sinks
 from orchestrator.telemetry import MetricsLog, setup_run_telemetry
 
 __all__ = ["DiskCheckpoints", "RunHandles", "RunResult", "run", "run_async", "run_from_cli"]
@@ -168,7 +171,8 @@ async def run_async(cfg: RunConfig, *, resume: bool = False, progress: Progress 
 
     progress.message(f"flotilla: run {cfg.name} → {run_dir} ({cfg.mode}, {len(cfg.pools)} pools, "
                      f"{'resuming at step ' + str(state.step) if resume else 'starting'})")
-    metrics = MetricsLog(run_dir / "metrics.jsonl")
+    sinks = open_sinks(cfg.telemetry, run_dir, cfg.name, json.loads(cfg.resolved_json()))
+    metrics = MetricsLog(run_dir / "metrics.jsonl", sinks=sinks)
     # The trainer always names the checkpoint directory: a trainer respawned mid-run
     # restores from the newest checkpoint there (a fresh run's first trainer finds none).
     meshes: dict[str, Any] = {
@@ -207,7 +211,9 @@ async def run_async(cfg: RunConfig, *, resume: bool = False, progress: Progress 
         finally:
             metrics.close()
         actors.cancel_scope.cancel()  # leaves every mesh: its processes stop, in parallel
-    ledger.report().write(run_dir)
+    cost_report = ledger.report()
+    cost_report.write(run_dir)
+    finish_outputs(run_dir, sinks, cost_report, state.step, progress)
     result = RunResult(run_dir, state.step, state.version, controller.interrupted,
                        controller.counts(), time.monotonic() - t0)
     progress.message(f"flotilla: {'interrupted' if result.interrupted else 'done'} at step "
@@ -244,7 +250,11 @@ def run(config: RunConfig | str | Path, *, overrides: list[str] | None = None,
         resume: bool = False, quiet: bool = False) -> RunResult:
     """Blocking entry point: `from orchestrator import run; run("examples/guess_number.toml")`."""
     cfg = config if isinstance(config, RunConfig) else load_config(config, overrides)
-    return trio.run(lambda: run_async(cfg, resume=resume, progress=Progress(cfg.steps, quiet=quiet)))
+    progress = make_progress(cfg.steps, quiet=quiet)
+    try:
+        return trio.run(lambda: run_async(cfg, resume=resume, progress=progress))
+    finally:
+        progress.close()
 
 
 def run_from_cli(config: str | None, *, overrides: list[str], steps: int | None, mode: str | None,
