@@ -23,6 +23,7 @@ import trio
 
 from orchestrator.config import ConfigError, RunConfig, load_config
 from orchestrator.controller import STATE_FILE, RunResult, _Counters, _Loop, _Pool, _write_json_atomic
+from orchestrator.pool_mesh import check_hosts, gpu_warnings, identity_env, pool_mesh, pool_procs
 from orchestrator.progress import Progress
 from orchestrator.runtime import open_mesh, span
 from orchestrator.telemetry import MetricsLog, setup_run_telemetry
@@ -73,11 +74,11 @@ async def run_async(cfg: RunConfig, *, resume: bool = False, progress: Progress 
     progress, checkpoints and returns with `interrupted=True`.
     """
     from actors.env import EnvActor, EnvConfig
-    from actors.sampler import SamplerActor
     from actors.trainer import TrainerActor
     from hardware import CostLedger, Scheduler, ThroughputModel
 
     t0 = time.monotonic()
+    await check_hosts(cfg.pools)  # a pool's host that is down or refuses our key stops the run here
     run_dir = cfg.run_dir
     ckpt_dir = run_dir / "checkpoint"
     progress = progress or Progress(cfg.steps)
@@ -120,18 +121,16 @@ async def run_async(cfg: RunConfig, *, resume: bool = False, progress: Progress 
         "trainer": open_mesh(TrainerActor, trainer_cfg, str(ckpt_dir) if resume else None,
                              procs=1, name="trainer", env=trainer_env),
         "env": open_mesh(EnvActor, EnvConfig(step_timeout_s=cfg.task.episode_timeout_s),
-                         procs=cfg.task.env_actors, name="env", env=env),
+                         procs=cfg.task.env_actors, name="env", env={**env, **identity_env(cfg.pools)}),
     }
-    for pc in cfg.pools:
-        # No initial weights: each sampler waits for the trainer's keyframe (version -1 until
-        # then), so a resumed run samples from the resumed weights.
-        meshes[f"pool:{pc.name}"] = open_mesh(
-            SamplerActor, pc.name, pc.precision, model_cfg, pc.device,
-            init_seed=None, max_batch=pc.capacity, staleness_budget=pc.staleness_budget,
-            seed=cfg.seed, procs=_procs(pc), name=f"sampler-{pc.name}", env=env)
+    for pc in cfg.pools:  # samplers start without weights and wait for the trainer's keyframe
+        meshes[f"pool:{pc.name}"] = pool_mesh(pc, model_cfg, seed=cfg.seed, env=env)
     async with trio.open_nursery() as actors:
         with span("startup", pools=len(cfg.pools)):
             opened = await _open_all(actors, meshes)
+        for pc in cfg.pools:
+            for warning in await gpu_warnings(pc, opened[f"pool:{pc.name}"]):
+                progress.message(f"flotilla: warning: {warning}")
         trainer = opened["trainer"][0]
         pools = {pc.name: _Pool(pc, opened[f"pool:{pc.name}"], versions=[-1] * _procs(pc),
                                 in_flight=[0] * _procs(pc)) for pc in cfg.pools}
@@ -155,8 +154,7 @@ async def run_async(cfg: RunConfig, *, resume: bool = False, progress: Progress 
 
 
 def _procs(pool: Any) -> int:
-    """A CPU-emulated pool runs one sampler process (its `count` only prices it)."""
-    return 1 if pool.device == "cpu" else pool.count
+    return pool_procs(pool)
 
 
 async def _hold(mesh_cm: Any, *, task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED) -> None:
