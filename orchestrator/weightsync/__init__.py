@@ -40,6 +40,7 @@ from ._fp8 import (
 )
 from ._message import MessageMeta, Precision, TensorMeta, WeightMessage
 from ._protocol import WeightPublisher, WeightReceiver
+from ._stream import KeyframeAssembler, stream_keyframe
 
 __all__ = [
     "DEFAULT_FP8_SKIP",
@@ -48,6 +49,7 @@ __all__ = [
     "CorruptPayloadError",
     "DeltaError",
     "HashMismatchError",
+    "KeyframeAssembler",
     "MalformedMessageError",
     "MessageMeta",
     "Precision",
@@ -68,5 +70,6 @@ __all__ = [
     "fp8_wire_snapshot",
     "quantize_fp8",
     "snapshot_bytes",
+    "stream_keyframe",
     "wire_snapshot",
 ]
