@@ -16,7 +16,7 @@ from hardware.catalog import CATALOG, SOURCES, GpuSpec, canonical_gpu, catalog_m
 from hardware.describe import describe, model_spec_from_table
 from hardware.ledger import CostLedger, CostReport, CostTotals, Counterfactual, PoolCost
 from hardware.placement import SGLangLaunch, detected_gpu, gpu_mismatch
-from hardware.pools import DEFAULT_ROLLOUTS_PER_GPU, HardwareConfig, PoolConfig, PoolList
+from hardware.pools import DEFAULT_ROLLOUTS_PER_GPU, HardwareConfig, PoolConfig, PoolList, check_devices
 from hardware.scheduler import PoolState, Scheduler
 from hardware.simulate import FleetSim, SimPlacement, SimPoolStats, SimResult
 from hardware.throughput import (
@@ -56,6 +56,7 @@ __all__ = [
     "bytes_per_param",
     "canonical_gpu",
     "catalog_markdown",
+    "check_devices",
     "decode_step_seconds",
     "describe",
     "detected_gpu",
