@@ -28,6 +28,7 @@ from orchestrator.controller import STATE_FILE, Controller, ControllerState, Lin
 from orchestrator.controller.meshes import MeshEnvs, MeshPool, MeshTrainer
 from orchestrator.live import make_progress
 from orchestrator.outputs import finish_outputs
+from orchestrator.pool_mesh import check_hosts, gpu_warnings, identity_env, pool_mesh
 from orchestrator.progress import Progress
 from orchestrator.runtime import open_mesh, span
 from orchestrator.sinks import open_sinks
@@ -123,12 +124,12 @@ async def run_async(cfg: RunConfig, *, resume: bool = False, progress: Progress 
     beside the controller once the actors are up, and is cancelled when the run ends.
     """
     from actors.env import EnvActor, EnvConfig
-    from actors.sampler import SamplerActor
     from actors.trainer import TrainerActor
     from hardware import CostLedger, Scheduler, ThroughputModel
 
     t0 = time.monotonic()
     check_runnable(cfg)  # devices, task and params: one line naming the field, before any actor starts
+    await check_hosts(cfg.pools)  # a pool's host that is down or refuses our key stops the run here
     run_dir = cfg.run_dir
     ckpt_dir = run_dir / "checkpoint"
     progress = progress or Progress(cfg.steps)
@@ -180,19 +181,17 @@ async def run_async(cfg: RunConfig, *, resume: bool = False, progress: Progress 
                              procs=1, name="trainer", env=_actor_env(cfg, cfg.placement.trainer_cpus)),
         "env": open_mesh(EnvActor, EnvConfig(step_timeout_s=cfg.task.episode_timeout_s,
                                              task_modules=cfg.task.modules),
-                         procs=cfg.task.env_actors, name="env", env=env),
+                         procs=cfg.task.env_actors, name="env", env={**env, **identity_env(cfg.pools)}),
     }
-    for pc in cfg.pools:
-        # No initial weights: each sampler waits for the trainer's keyframe (version -1 until
-        # then), so a resumed run samples from the resumed weights.
-        meshes[f"pool:{pc.name}"] = open_mesh(
-            SamplerActor, pc.name, pc.precision, model_cfg, pc.device,
-            init_seed=None, max_batch=pc.capacity, staleness_budget=pc.staleness_budget,
-            seed=cfg.seed, procs=_procs(pc), name=f"sampler-{pc.name}", env=env)
+    for pc in cfg.pools:  # samplers start without weights and wait for the trainer's keyframe
+        meshes[f"pool:{pc.name}"] = pool_mesh(pc, model_cfg, seed=cfg.seed, env=env)
     checkpoints = DiskCheckpoints(ckpt_dir)
     async with trio.open_nursery() as actors:
         with span("startup", pools=len(cfg.pools)):
             opened = await _open_all(actors, meshes)
+        for pc in cfg.pools:
+            for warning in await gpu_warnings(pc, opened[f"pool:{pc.name}"]):
+                progress.message(f"flotilla: warning: {warning}")
         trainer = MeshTrainer(opened["trainer"])
         links = Links(trainer=trainer, envs=MeshEnvs(opened["env"]),
                       pools={pc.name: MeshPool(pc, opened[f"pool:{pc.name}"]) for pc in cfg.pools})
@@ -219,11 +218,6 @@ async def run_async(cfg: RunConfig, *, resume: bool = False, progress: Progress 
     progress.message(f"flotilla: {'interrupted' if result.interrupted else 'done'} at step "
                      f"{result.steps_done}, {result.wall_s:.0f}s; reports in {run_dir}")
     return result
-
-
-def _procs(pool: Any) -> int:
-    """A CPU-emulated pool runs one sampler process (its `count` only prices it)."""
-    return 1 if pool.device == "cpu" else pool.count
 
 
 async def _hold(mesh_cm: Any, *, task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED) -> None:
