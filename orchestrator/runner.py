@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -159,8 +160,11 @@ async def run_async(cfg: RunConfig, *, resume: bool = False, progress: Progress 
     metrics = MetricsLog(run_dir / "metrics.jsonl")
     # The trainer always names the checkpoint directory: a trainer respawned mid-run
     # restores from the newest checkpoint there (a fresh run's first trainer finds none).
+    # Weight messages are sealed with a key only this run's trainer and samplers hold (it
+    # travels in their constructor arguments: CurveZMQ-encrypted across machines).
+    weights_key = secrets.token_hex(32)
     meshes: dict[str, Any] = {
-        "trainer": open_mesh(TrainerActor, trainer_cfg, str(ckpt_dir), not resume,
+        "trainer": open_mesh(TrainerActor, trainer_cfg, str(ckpt_dir), not resume, weights_key=weights_key,
                              procs=1, name="trainer", env=_actor_env(cfg, cfg.placement.trainer_cpus)),
         "env": open_mesh(EnvActor, EnvConfig(step_timeout_s=cfg.task.episode_timeout_s,
                                              task_modules=cfg.task.modules),
@@ -172,7 +176,7 @@ async def run_async(cfg: RunConfig, *, resume: bool = False, progress: Progress 
         meshes[f"pool:{pc.name}"] = open_mesh(
             SamplerActor, pc.name, pc.precision, model_cfg, pc.device,
             init_seed=None, max_batch=pc.capacity, staleness_budget=pc.staleness_budget,
-            seed=cfg.seed, procs=_procs(pc), name=f"sampler-{pc.name}", env=env)
+            seed=cfg.seed, weights_key=weights_key, procs=_procs(pc), name=f"sampler-{pc.name}", env=env)
     checkpoints = DiskCheckpoints(ckpt_dir)
     async with trio.open_nursery() as actors:
         with span("startup", pools=len(cfg.pools)):

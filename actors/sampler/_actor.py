@@ -92,6 +92,8 @@ class SamplerActor(Actor):
         backend: "torch", or "sglang" (needs a CUDA GPU and a running server;
             untested here, see ``actors.sampler._sglang``).
         sglang_url / sglang_weights_dir: the SGLang server and a directory it reads.
+        weights_key: hex key shared with the trainer's publisher: weight messages must be
+            sealed with it (``weightsync.WeightReceiver(auth_key=...)``); None: unkeyed digests.
     """
 
     def __init__(
@@ -111,6 +113,7 @@ class SamplerActor(Actor):
         backend: str = "torch",
         sglang_url: str | None = None,
         sglang_weights_dir: str | None = None,
+        weights_key: str | None = None,
     ) -> None:
         from actors.models import build_model, default_model_config, model_weights
 
@@ -135,7 +138,8 @@ class SamplerActor(Actor):
         else:
             raise ValueError(f"backend must be 'torch' or 'sglang', got {backend!r}")
 
-        self._receiver = WeightReceiver(precision)  # type: ignore[arg-type]
+        self._key = bytes.fromhex(weights_key) if weights_key else None
+        self._receiver = WeightReceiver(precision, auth_key=self._key)  # type: ignore[arg-type]
         self._hashes: dict[str, str] = {}
         if initial_weights is not None:
             for msg in as_weight_messages(initial_weights):
@@ -143,7 +147,8 @@ class SamplerActor(Actor):
                 self._hashes = {t.name: t.hash for t in msg.meta.tensors}
         elif init_seed is not None:
             master = model_weights(build_model(config, seed=init_seed))
-            self._receiver = WeightReceiver(precision, wire_snapshot(master, precision), 0)  # type: ignore[arg-type]
+            self._receiver = WeightReceiver(precision, wire_snapshot(master, precision), 0,  # type: ignore[arg-type]
+                                            auth_key=self._key)
         self._lock = trio.Lock()
         self._updates = 0
 
@@ -214,7 +219,7 @@ class SamplerActor(Actor):
         longer exist. The weights stay in use until that keyframe arrives (the controller
         starts no rollout on them meanwhile). Waits for an apply in progress."""
         async with self._lock:
-            self._receiver = WeightReceiver(self.precision)  # type: ignore[arg-type]
+            self._receiver = WeightReceiver(self.precision, auth_key=self._key)  # type: ignore[arg-type]
             self._hashes = {}
 
     @endpoint
