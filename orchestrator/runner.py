@@ -16,6 +16,7 @@ import json
 import os
 import secrets
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ from orchestrator.progress import Progress
 from orchestrator.runtime import open_mesh, span
 from orchestrator.telemetry import MetricsLog, setup_run_telemetry
 
-__all__ = ["DiskCheckpoints", "RunResult", "run", "run_async", "run_from_cli"]
+__all__ = ["DiskCheckpoints", "RunHandles", "RunResult", "run", "run_async", "run_from_cli"]
 
 
 @dataclass
@@ -102,11 +103,22 @@ class DiskCheckpoints:
         return version, step
 
 
-async def run_async(cfg: RunConfig, *, resume: bool = False, progress: Progress | None = None) -> RunResult:
+@dataclass
+class RunHandles:
+    """A live run, for `run_async(observer=...)`: its controller and actor meshes (keys
+    `trainer`, `env`, `pool:<name>`), e.g. for fault injection or a custom dashboard."""
+
+    controller: Controller
+    meshes: dict[str, Any]
+
+
+async def run_async(cfg: RunConfig, *, resume: bool = False, progress: Progress | None = None,
+                    observer: Callable[[RunHandles], Awaitable[None]] | None = None) -> RunResult:
     """Run (or resume) training to `cfg.steps`; see the module docstring.
 
     Cancellation stops every actor process; an interrupt (SIGINT) finishes the step in
-    progress, checkpoints and returns with `interrupted=True`.
+    progress, checkpoints and returns with `interrupted=True`. `observer`, if given, runs
+    beside the controller once the actors are up, and is cancelled when the run ends.
     """
     from actors.env import EnvActor, EnvConfig
     from actors.sampler import SamplerActor
@@ -188,7 +200,11 @@ async def run_async(cfg: RunConfig, *, resume: bool = False, progress: Progress 
         controller = Controller(cfg, links, state, scheduler=scheduler, ledger=ledger,
                                 metrics=metrics, progress=progress, checkpoints=checkpoints)
         try:
-            await controller.run()
+            async with trio.open_nursery() as beside:
+                if observer is not None:
+                    beside.start_soon(observer, RunHandles(controller, opened))
+                await controller.run()
+                beside.cancel_scope.cancel()
             if not controller.abandoned:
                 with trio.CancelScope(shield=True):
                     await controller.checkpoint()
