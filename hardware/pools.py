@@ -181,11 +181,11 @@ class HardwareConfig(BaseModel):
 
 def check_devices(pools: list[PoolConfig], cuda_devices: int) -> None:
     """Refuse pools this machine cannot run: a `cuda` pool when it has `cuda_devices` == 0
-    CUDA GPUs (a pool placed on remote hosts is not checked here). Raises ValueError
-    naming the pool's index and field; the caller says how many GPUs it sees (the
-    registry itself never imports torch)."""
+    CUDA GPUs (every pool runs on this machine today; a pool placed on remote hosts must
+    be skipped here once pools can be). Raises ValueError naming the pool's index and
+    field; the caller says how many GPUs it sees (the registry never imports torch)."""
     for i, p in enumerate(pools):
-        if p.device == "cuda" and cuda_devices == 0 and not getattr(p, "hosts", None):
+        if p.device == "cuda" and cuda_devices == 0:
             how = "set" if "device" in p.model_fields_set else f"the default for gpu {p.gpu!r}"
             raise ValueError(f"pools.{i}.device: pool {p.name!r} needs CUDA (device 'cuda', {how}) but this "
                              f"machine has no CUDA GPU; use device = \"cpu\" to emulate the pool here")
