@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from actors.env._episode import EpisodeLimits, play_episode
 from actors.env._interface import registered_tasks
 from actors.sampler import GenerateRequest, GenerateResult
-from actors.tokenizer import default_chat_tokens
+from actors.chat import load_chat_format
 from actors.types import SamplingParams, TaskSpec, Trajectory
 from orchestrator.runtime import Actor, ActorRef, Mesh, endpoint, span
 
@@ -35,6 +35,9 @@ class EnvConfig(BaseModel):
     max_seq_len: int = Field(256, ge=2)
     """The episode ends (not failed) before a turn that could exceed this many tokens
     (the model's context)."""
+    model_path: str | None = None
+    """The model's checkpoint directory: its tokenizer and chat template render the turns.
+    None (or a directory without a tokenizer): the built-in word tokenizer."""
     task_modules: list[str] = Field(default_factory=list)
     """Modules imported at start-up so their ``@register_task`` environments exist in
     the actor's process (the built-in tasks are always there)."""
@@ -53,7 +56,7 @@ class EnvActor(Actor):
         self.config = config if config is not None else EnvConfig()
         for module in self.config.task_modules:
             importlib.import_module(module)
-        self.chat = default_chat_tokens()
+        self.chat = load_chat_format(self.config.model_path)
         self.limits = EpisodeLimits(self.config.step_timeout_s, self.config.generate_timeout_s,
                                     self.config.max_seq_len)
         self.episodes = 0
