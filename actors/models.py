@@ -26,6 +26,7 @@ __all__ = [
     "DEFAULT_VOCAB_SIZE",
     "SUPPORTED_MODEL_TYPES",
     "build_model",
+    "checkpoint_params",
     "default_model_config",
     "load_config",
     "model_weights",
@@ -159,6 +160,29 @@ def _load_checkpoint(model: PreTrainedModel, directory: Path) -> None:
             )
     model.load_state_dict({k: v.to(torch.float32) for k, v in state.items()},
                           strict=not model.config.tie_word_embeddings)
+
+
+def checkpoint_params(directory: str | Path) -> tuple[int, int]:
+    """(parameter count, bytes on disk) of a checkpoint's ``*.safetensors``, read from the
+    files' headers only (nothing is loaded, so this is cheap for any size)."""
+    import struct
+
+    files = sorted(Path(directory).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"model directory {directory} has no *.safetensors file")
+    count = size = 0
+    for f in files:
+        size += f.stat().st_size
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        for name, entry in header.items():
+            if name != "__metadata__":
+                numel = 1
+                for d in entry["shape"]:
+                    numel *= d
+                count += numel
+    return count, size
 
 
 def model_weights(model: PreTrainedModel) -> dict[str, torch.Tensor]:

@@ -8,13 +8,13 @@ task per call); environments are fresh instances per episode.
 """
 from __future__ import annotations
 
-import importlib
 import uuid
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from actors.env._episode import EpisodeLimits, play_episode
 from actors.env._interface import registered_tasks
+from actors.env._modules import import_task_modules
 from actors.sampler import GenerateRequest, GenerateResult
 from actors.chat import load_chat_format
 from actors.types import SamplingParams, TaskSpec, Trajectory
@@ -39,8 +39,9 @@ class EnvConfig(BaseModel):
     """The model's checkpoint directory: its tokenizer and chat template render the turns.
     None (or a directory without a tokenizer): the built-in word tokenizer."""
     task_modules: list[str] = Field(default_factory=list)
-    """Modules imported at start-up so their ``@register_task`` environments exist in
-    the actor's process (the built-in tasks are always there)."""
+    """Modules (dotted names or ``.py`` paths) imported at start-up so their
+    ``@register_task`` environments exist in the actor's process (the built-in tasks are
+    always there)."""
 
 
 class EnvActor(Actor):
@@ -54,8 +55,7 @@ class EnvActor(Actor):
 
     def __init__(self, config: EnvConfig | None = None) -> None:
         self.config = config if config is not None else EnvConfig()
-        for module in self.config.task_modules:
-            importlib.import_module(module)
+        import_task_modules(self.config.task_modules)
         self.chat = load_chat_format(self.config.model_path)
         self.limits = EpisodeLimits(self.config.step_timeout_s, self.config.generate_timeout_s,
                                     self.config.max_seq_len)
