@@ -119,7 +119,7 @@ def _check_memory(params: int, cfg: RunConfig) -> None:
             f"for the trainer and the CPU samplers on this machine; {_gib(available)} available")
 
 
-def _check_task(cfg: RunConfig, datasets: list[Any]) -> list[str]:
+def _check_task(cfg: RunConfig, dataset: Any, eval_dataset: Any) -> list[str]:
     from actors.env import TaskModuleError, import_task_modules, make_env, registered_tasks
     from actors.types import TaskSpec
 
@@ -132,7 +132,12 @@ def _check_task(cfg: RunConfig, datasets: list[Any]) -> list[str]:
     if cfg.task.name not in registered_tasks():
         raise ConfigError(f"task.name {cfg.task.name!r} is not a registered task; registered: "
                           f"{registered_tasks()} (add the module that registers it to task.modules)")
-    samples = [({}, "task.params")] + [(d.rows[0], f"{d.source} row 0") for d in datasets]
+    if cfg.eval.every and dataset is not None and eval_dataset is None:
+        raise ConfigError("eval: task.dataset is set but task.eval_dataset is not (evaluation "
+                          "plays held-out rows)")
+    samples = [(d.rows[0], f"{d.source} row 0") for d in (dataset, eval_dataset) if d is not None]
+    if dataset is None:   # the task's own params make the instances
+        samples.insert(0, ({}, "task.params"))
     for row, where in samples:
         params = {**cfg.task.params, **row}
         try:
@@ -166,6 +171,6 @@ def preflight(cfg: RunConfig) -> Preflight:
     params = _check_model(cfg)
     _check_memory(params, cfg)
     dataset, eval_dataset = _load_datasets(cfg)
-    modules = _check_task(cfg, [d for d in (dataset, eval_dataset) if d is not None])
+    modules = _check_task(cfg, dataset, eval_dataset)
     return Preflight(params=params, task_modules=modules, dataset=dataset,
                      eval_dataset=eval_dataset)
