@@ -39,7 +39,7 @@ EVAL_SEED_OFFSET = 7_777_777
 class EvalConfig(BaseModel):
     """The ``[eval]`` section."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     every: int = Field(default=0, ge=0)
     """Evaluate after every this many training steps; 0 turns evaluation off."""
