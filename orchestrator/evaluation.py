@@ -84,7 +84,11 @@ async def evaluate(ctx: RunContext, step: int) -> dict[str, Any]:
     with span("eval", step=step, version=version, pool=pool.name, episodes=len(tasks)) as sp:
         async def one(task: Any) -> None:
             nonlocal failed
-            rank = pool.pick_rank()
+            # Like a training rollout, an episode starts only on a rank that holds the
+            # weights (it holds no sampler slot while the weight sync catches up).
+            while not (ready := [r for r, v in enumerate(pool.versions) if v >= version]):
+                await ctx.wait_change()
+            rank = min(ready, key=lambda r: (pool.in_flight[r], r))
             pool.in_flight[rank] += 1
             try:
                 traj = await ctx.links.envs.run_episode(pool.link, rank, task, sampling, version)
@@ -107,9 +111,18 @@ async def evaluate(ctx: RunContext, step: int) -> dict[str, Any]:
             "eval_failed": failed}
 
 
-async def eval_loop(ctx: RunContext) -> None:
+async def eval_loop(ctx: RunContext, done: Any = None) -> None:
     """Evaluate after every ``[eval] every`` steps (see the module docstring); returns once
-    the run's last step is trained (after its evaluation, when one is due) or it stops."""
+    the run's last step is trained (after its evaluation, when one is due) or it stops,
+    and then sets the trio Event ``done`` (when given)."""
+    try:
+        await _evaluate_every(ctx)
+    finally:
+        if done is not None:
+            done.set()
+
+
+async def _evaluate_every(ctx: RunContext) -> None:
     every = ctx.cfg.eval.every
     next_step = (ctx.state.step // every + 1) * every
     while True:

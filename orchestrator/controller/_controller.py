@@ -114,10 +114,13 @@ class Controller:
             # Rollouts start in this same nursery: leaving it abandons the ones in flight,
             # whose slots stay counted as buffered.
             nursery.start_soon(produce, ctx, nursery)
-            async with trio.open_nursery() as evals:  # waited for: the last step's eval ends
-                if ctx.cfg.eval.every:
-                    evals.start_soon(eval_loop, ctx)
-                await train_loop(ctx)
+            evals_done = trio.Event()
+            if ctx.cfg.eval.every:
+                nursery.start_soon(eval_loop, ctx, evals_done)
+            else:
+                evals_done.set()
+            await train_loop(ctx)
+            await evals_done.wait()  # an evaluation due at the last step finishes first
             nursery.cancel_scope.cancel()
 
     async def _supervise(self) -> None:
