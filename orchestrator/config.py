@@ -52,6 +52,9 @@ class ModelSection(_Section):
     """Fields of the built-in model config to change (hidden_size, num_hidden_layers, ...)."""
     seed: int = 0
     """Seed of the random init when no path is given."""
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Extra variables for the checkpoint's chat template (e.g. `{ enable_thinking = false }`
+    for Qwen3)."""
     max_seq_len: int = Field(default=256, ge=8)
     """Context length of an episode (prompt, replies and observations, in tokens): an episode
     ends before a turn that could pass it, and samplers size their KV cache to it."""

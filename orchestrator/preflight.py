@@ -87,7 +87,7 @@ def _check_model(cfg: RunConfig) -> int:
             params, _ = checkpoint_params(path)
         except (ValueError, FileNotFoundError, TypeError) as e:
             raise ConfigError(f"model.path {path!r}: {e}") from None
-        _check_tokenizer(path, hf.vocab_size)
+        _check_tokenizer(path, hf.vocab_size, cfg.model.chat_template_kwargs)
     positions = getattr(hf, "max_position_embeddings", None)
     if positions is not None and cfg.model.max_seq_len > positions:
         raise ConfigError(f"model.max_seq_len={cfg.model.max_seq_len} exceeds the model's "
@@ -95,13 +95,16 @@ def _check_model(cfg: RunConfig) -> int:
     return params
 
 
-def _check_tokenizer(path: str, model_vocab: int) -> None:
+def _check_tokenizer(path: str, model_vocab: int, template_kwargs: dict[str, Any]) -> None:
     from actors.chat import HFChatFormat, load_chat_format
 
     try:
-        fmt = load_chat_format(path)
-    except (ValueError, OSError) as e:
-        raise ConfigError(f"model.path {path!r}: tokenizer: {e}") from None
+        fmt = load_chat_format(path, template_kwargs)
+        if isinstance(fmt, HFChatFormat):  # the template must render (Jinja errors surface here)
+            fmt.render([{"role": "user", "content": "hi"}], generation_prompt=True)
+    except Exception as e:  # noqa: BLE001 - tokenizer/Jinja errors of many types, one line
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"model.path {path!r}: tokenizer: {msg}") from None
     if isinstance(fmt, HFChatFormat) and fmt.vocab_size > model_vocab:
         raise ConfigError(f"model.path {path!r}: the tokenizer has {fmt.vocab_size} tokens but "
                           f"the model only {model_vocab} embedding rows")

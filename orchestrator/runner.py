@@ -162,6 +162,7 @@ async def run_async(cfg: RunConfig, *, resume: bool = False, progress: Progress 
         "env": open_mesh(EnvActor, EnvConfig(
                              step_timeout_s=cfg.task.episode_timeout_s, max_seq_len=cfg.model.max_seq_len,
                              model_path=model_cfg if isinstance(model_cfg, str) else None,
+                             chat_template_kwargs=cfg.model.chat_template_kwargs,
                              task_modules=checked.task_modules),
                          procs=cfg.task.env_actors, name="env", env=env),
     }

@@ -9,6 +9,7 @@ task per call); environments are fresh instances per episode.
 from __future__ import annotations
 
 import uuid
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -38,6 +39,8 @@ class EnvConfig(BaseModel):
     model_path: str | None = None
     """The model's checkpoint directory: its tokenizer and chat template render the turns.
     None (or a directory without a tokenizer): the built-in word tokenizer."""
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Extra variables for the chat template (e.g. ``{"enable_thinking": false}``)."""
     task_modules: list[str] = Field(default_factory=list)
     """Modules (dotted names or ``.py`` paths) imported at start-up so their
     ``@register_task`` environments exist in the actor's process (the built-in tasks are
@@ -56,7 +59,7 @@ class EnvActor(Actor):
     def __init__(self, config: EnvConfig | None = None) -> None:
         self.config = config if config is not None else EnvConfig()
         import_task_modules(self.config.task_modules)
-        self.chat = load_chat_format(self.config.model_path)
+        self.chat = load_chat_format(self.config.model_path, self.config.chat_template_kwargs)
         self.limits = EpisodeLimits(self.config.step_timeout_s, self.config.generate_timeout_s,
                                     self.config.max_seq_len)
         self.episodes = 0
