@@ -9,9 +9,9 @@
   keeps per parameter (the trainer's fp32 weights, gradients and AdamW moments plus
   its wire snapshots; each CPU sampler's compute copy and snapshot) fits in the
   memory available now -- otherwise the message gives both sizes;
-* the task: `[task] modules` import, `[task] name` is registered, and the task accepts
-  its parameters (built once with `[task] params` merged with the first row of each
-  dataset);
+* the task: `[task] modules` import (dotted names or `.py` paths), `[task] name` is
+  registered, and the task accepts its parameters (`actors.env.check_task` with
+  `[task] params` merged with the first row of each dataset);
 * the datasets load.
 
 GPU memory is not checked here (this check sees host memory only): a CUDA trainer or
@@ -123,33 +123,21 @@ def _check_memory(params: int, cfg: RunConfig) -> None:
 
 
 def _check_task(cfg: RunConfig, dataset: Any, eval_dataset: Any) -> list[str]:
-    from actors.env import TaskModuleError, import_task_modules, make_env, registered_tasks
-    from actors.types import TaskSpec
+    from actors.env import TaskCheckError, check_task
 
     modules = [str(Path(m).resolve()) if m.endswith(".py") or "/" in m else m
                for m in cfg.task.modules]
-    try:
-        import_task_modules(modules)
-    except TaskModuleError as e:
-        raise ConfigError(f"task.modules: {e}") from None
-    if cfg.task.name not in registered_tasks():
-        raise ConfigError(f"task.name {cfg.task.name!r} is not a registered task; registered: "
-                          f"{registered_tasks()} (add the module that registers it to task.modules)")
     if cfg.eval.every and dataset is not None and eval_dataset is None:
         raise ConfigError("eval: task.dataset is set but task.eval_dataset is not (evaluation "
                           "plays held-out rows)")
     samples = [(d.rows[0], f"{d.source} row 0") for d in (dataset, eval_dataset) if d is not None]
     if dataset is None:   # the task's own params make the instances
-        samples.insert(0, ({}, "task.params"))
+        samples.insert(0, ({}, ""))
     for row, where in samples:
-        params = {**cfg.task.params, **row}
         try:
-            make_env(TaskSpec(task=cfg.task.name, prompt_id="check", group_id="check",
-                              params=params))
-        except Exception as e:  # noqa: BLE001 - whatever the task's constructor raises
-            msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            raise ConfigError(f"task {cfg.task.name!r} rejected its parameters ({where}): "
-                              f"{type(e).__name__}: {msg}") from None
+            check_task(cfg.task.name, {**cfg.task.params, **row}, modules)
+        except TaskCheckError as e:
+            raise ConfigError(f"{e} (with {where})" if where else str(e)) from None
     return modules
 
 
