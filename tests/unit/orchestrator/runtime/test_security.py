@@ -84,7 +84,7 @@ def test_new_keys_are_private_and_exposed_ones_are_refused(tmp_path: Path) -> No
 def test_allowlist_matches_module_prefixes_only() -> None:
     allow = ("actors.", "tests.unit")
     assert allowed_class("actors.sampler:SamplerActor", allow)
-    assert allowed_class("tests.unit.runtime._actors:Counter", allow)
+    assert allowed_class("tests.unit.orchestrator.runtime._actors:Counter", allow)
     assert allowed_class("tests.unit:X", allow)
     for bad in ("actorsx.evil:X", "actors:X", "os:system", "tests.unitx:X", "actors.sampler",
                 "actors.sampler:Sampler Actor", "actors..x:Y", "subprocess:Popen"):
@@ -98,7 +98,7 @@ async def test_host_refuses_its_own_key_and_classes_outside_its_allowlist(tmp_pa
     (keys / "allowed" / "controller.key").write_text(
         f'metadata\ncurve\n    public-key = "{controller.public.decode()}"\n')
     own = None
-    for extra in ((), ("--trust-own-key", "--allow", "tests.unit.runtime.")):
+    for extra in ((), ("--trust-own-key", "--allow", "tests.unit.orchestrator.runtime.")):
         with trio.fail_after(60):
             host, spec = await _start_host(keys, *extra) if extra else await _start_host(keys, "--allow", "actors.")
             try:
@@ -106,7 +106,7 @@ async def test_host_refuses_its_own_key_and_classes_outside_its_allowlist(tmp_pa
                 if not extra:
                     # the default host: a class outside actors.* is refused, and so is its own key
                     await _refused(open_mesh(Counter, 0, hosts=[spec], curve=controller), ActorError,
-                                   "refuses to spawn 'tests.unit.runtime._actors:Counter'")
+                                   "refuses to spawn 'tests.unit.orchestrator.runtime._actors:Counter'")
                     await _own_key_refused(spec.address, spec.public_key, own)
                 else:
                     # configured to trust its own key and allow the test actors: both work
