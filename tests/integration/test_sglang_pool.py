@@ -31,6 +31,10 @@ async def test_a_run_with_an_sglang_pool_of_two_servers(small_raw, tmp_path) -> 
         with trio.fail_after(240):
             result = await run_async(cfg, progress=Progress(cfg.steps, quiet=True))
         assert result.steps_done == 2
+        # each rank writes its updates to its own directory, keeping only the loaded one
+        for rank in (0, 1):
+            kept = list((tmp_path / "weights" / f"sglang-h100-{rank}").iterdir())
+            assert len(kept) == 1 and (kept[0] / "model.safetensors").is_file()
         metrics = read_jsonl(cfg.run_dir / "metrics.jsonl")
         assert all(m["pools"]["sglang-h100"]["rollouts"] > 0 for m in metrics)
         assert all(m["loss"] == m["loss"] for m in metrics)  # trained on the servers' rows (not NaN)
