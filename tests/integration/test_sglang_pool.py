@@ -31,10 +31,11 @@ async def test_a_run_with_an_sglang_pool_of_two_servers(small_raw, tmp_path) -> 
         with trio.fail_after(240):
             result = await run_async(cfg, progress=Progress(cfg.steps, quiet=True))
         assert result.steps_done == 2
-        # each rank writes its updates to its own directory, keeping only the loaded one
+        # each rank writes its updates to its own directory and keeps only the loaded one (and
+        # the next, if the run ended while it was being loaded)
         for rank in (0, 1):
             kept = list((tmp_path / "weights" / f"sglang-h100-{rank}").iterdir())
-            assert len(kept) == 1 and (kept[0] / "model.safetensors").is_file()
+            assert 1 <= len(kept) <= 2 and any((k / "model.safetensors").is_file() for k in kept), kept
         metrics = read_jsonl(cfg.run_dir / "metrics.jsonl")
         assert all(m["pools"]["sglang-h100"]["rollouts"] > 0 for m in metrics)
         assert all(m["loss"] == m["loss"] for m in metrics)  # trained on the servers' rows (not NaN)
@@ -55,7 +56,8 @@ async def test_a_run_with_an_sglang_pool_of_two_servers(small_raw, tmp_path) -> 
                     paused = False
                 elif p == "/update_weights_from_disk":
                     assert paused
-            assert not paused
+            # (a run may end while its last update is being loaded)
+            assert not paused or paths[-1] in ("/pause_generation", "/update_weights_from_disk"), paths[-4:]
             gen = next(e["body"] for e in state.log if e["path"] == "/generate")
             assert gen["return_sampling_mask"] is True and gen["sampling_params"]["top_k"] == cfg.recipe.top_k
     finally:
