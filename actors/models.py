@@ -28,7 +28,7 @@ __all__ = [
     "build_model",
     "checkpoint_params",
     "default_model_config",
-    "load_config",
+    "load_model_config",
     "model_weights",
     "round_vocab",
 ]
@@ -89,7 +89,7 @@ def _read_fields(config: dict[str, Any] | str | Path) -> dict[str, Any]:
     return dict(config)
 
 
-def load_config(config: dict[str, Any] | str | Path) -> PretrainedConfig:
+def load_model_config(config: dict[str, Any] | str | Path) -> PretrainedConfig:
     """The transformers config of a dict or of a checkpoint directory's config.json.
 
     Raises ``ValueError`` naming the supported families for any other ``model_type``,
@@ -121,7 +121,7 @@ def build_model(config: dict[str, Any] | str | Path, seed: int = 0) -> PreTraine
     import torch
     from transformers import AutoModelForCausalLM
 
-    hf_config = load_config(config)
+    hf_config = load_model_config(config)
     # The global RNG is borrowed for the init and restored, so building a model
     # does not perturb the caller's random stream.
     with torch.random.fork_rng(devices=[]):

@@ -66,7 +66,7 @@ def _check_model(cfg: RunConfig) -> int:
         build_model,
         checkpoint_params,
         default_model_config,
-        load_config,
+        load_model_config,
     )
     from actors.tokenizer import VOCAB_SIZE
 
@@ -74,7 +74,7 @@ def _check_model(cfg: RunConfig) -> int:
     if path is None:
         conf = default_model_config(vocab_size=VOCAB_SIZE)
         conf.update(cfg.model.overrides)
-        hf = load_config(conf)
+        hf = load_model_config(conf)
         params = sum(p.numel() for p in build_model(conf, seed=0).parameters())
     else:
         if not Path(path).is_dir():
@@ -83,7 +83,7 @@ def _check_model(cfg: RunConfig) -> int:
             raise ConfigError("model.overrides: only for the built-in model (a checkpoint's "
                               "config.json is its own)")
         try:
-            hf = load_config(path)
+            hf = load_model_config(path)
             params, _ = checkpoint_params(path)
         except (ValueError, FileNotFoundError, TypeError) as e:
             raise ConfigError(f"model.path {path!r}: {e}") from None

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from actors.models import load_config
+from actors.models import load_model_config
 from orchestrator.weightsync import dequantize_fp8
 
 from ._fp8mm import Fp8Weight, fp8_matmul_available, linear
@@ -150,7 +150,7 @@ class DecoderEngine:
         compute_dtype: torch.dtype | None = None,
         fp8_matmul: bool | None = None,
     ) -> None:
-        cfg = load_config(config)
+        cfg = load_model_config(config)
         inv_freq, rope_scale = _rope_frequencies(cfg)
         if cfg.hidden_act != "silu":
             raise ValueError(f"model config: hidden_act {cfg.hidden_act!r} is not supported (only 'silu')")

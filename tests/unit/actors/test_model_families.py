@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from actors.models import SUPPORTED_MODEL_TYPES, build_model, load_config, model_weights
+from actors.models import SUPPORTED_MODEL_TYPES, build_model, load_model_config, model_weights
 from actors.sampler import DecoderEngine
 from actors.tiny import family_config
 
@@ -81,7 +81,7 @@ def test_other_architectures_are_refused_by_name(tmp_path) -> None:
     for source in (tmp_path, {"model_type": "gemma2"}):
         with pytest.raises(ValueError, match="model_type '(gpt2|gemma2)' is not supported; "
                                              "supported: qwen3 .*qwen2 .*llama .*mistral"):
-            load_config(source)
+            load_model_config(source)
     with pytest.raises(ValueError, match="rope_type 'yarn' is not supported by the torch engine"):
         DecoderEngine(family_config("llama", 96, rope_parameters={
             "rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0,
