@@ -114,6 +114,7 @@ class _Loop:
         self._TaskSpec = TaskSpec
         self.sampling = SamplingParams(
             temperature=cfg.recipe.temperature, top_k=cfg.recipe.top_k, top_p=cfg.recipe.top_p,
+            min_keep=cfg.recipe.min_keep,
             max_new_tokens=cfg.task.max_new_tokens)
         self._changed = trio.Event()
         self._version_bumped = trio.Event()

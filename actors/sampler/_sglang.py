@@ -145,7 +145,14 @@ class SGLangBackend:
 
         Cancellation: abandons the HTTP call (the thread finishes in the
         background and its answer is dropped) and asks the server to abort.
+
+        Raises ValueError for ``min_keep > 1`` with ``top_p < 1``: SGLang's top-p has no
+        minimum support size, so the recorded rows would not be the set asked for.
         """
+        if req.min_keep > 1 and req.top_p < 1.0:
+            raise ValueError(
+                f"sglang backend: min_keep={req.min_keep} with top_p={req.top_p} is not supported "
+                "(SGLang's top-p has no min_tokens_to_keep); set recipe.min_keep = 1 or top_p = 1")
         while self._version < req.min_version:
             await self._new_version.wait()
         payload = {
