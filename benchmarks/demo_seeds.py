@@ -10,7 +10,8 @@ the controller's first step, measured here), the final 10-step mean and the fina
 entropy. The last line is JSON with `seeds`, `seeds_reaching` (seeds whose 10-step
 mean reached 0.8), `worst_time_to_0_8_s` (run clock; null when a seed never reached
 it), `worst_time_to_0_8_with_startup_s` and `worst_final` (lowest final 10-step
-mean), plus the load average before and after.
+mean), plus the load average before and after and each run's CPU seconds (this
+process and its actor processes: a load-independent measure of the run's cost).
 
 Why: issue 11 asks that the demo and examples/arithmetic.toml reach a 10-step mean
 reward >= 0.8 within 300 s on every seed 0-4 and end with their last 10 steps >= 0.8.
@@ -20,13 +21,15 @@ average.
 Run:  .venv/bin/python benchmarks/demo_seeds.py examples/guess_number.toml
       .venv/bin/python benchmarks/demo_seeds.py examples/arithmetic.toml --quick   (seed 0, 30 steps)
 Options: --seeds 0,1,2 (a subset), --steps N, --set KEY=VALUE (repeatable, like
-`flotilla run --set`).
+`flotilla run --set`), --jobs N (seeds in N processes at once: the reward figures are
+the same kind, but each seed's wall time then includes the others' load).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import sys
 import time
@@ -63,6 +66,12 @@ def reward_figures(metrics: list[dict[str, Any]], target: float = TARGET, window
     }
 
 
+def _cpu_s() -> float:
+    """CPU seconds of this process and of its waited-for children (the run's actors)."""
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
 def _parse_set(items: list[str]) -> list[tuple[list[str], Any]]:
     out = []
     for item in items:
@@ -95,6 +104,25 @@ def build_raw(base: dict[str, Any], seed: int, steps: int | None, sets: list[tup
     return raw
 
 
+def run_seed(raw: dict[str, Any]) -> dict[str, Any]:
+    """Run one config to completion; its reward figures, wall and CPU seconds, load."""
+    import torch
+
+    torch.set_num_threads(1)
+    t0, cpu0 = time.monotonic(), _cpu_s()
+    out = run_raw(raw, keep_spans=False)
+    total, cpu = time.monotonic() - t0, _cpu_s() - cpu0
+    fig = reward_figures(out.metrics)
+    # Start-up: launch to the controller's clock zero; the run's own clock (wall_s)
+    # ends at its last step, shutdown follows. total - last wall_s bounds both.
+    last_wall = out.metrics[-1]["wall_s"] if out.metrics else 0.0
+    fig["startup_and_shutdown_s"] = round(total - last_wall, 1)
+    fig["total_s"] = round(total, 1)
+    fig["cpu_s"] = round(cpu, 1)
+    fig["load_avg"] = load_average()
+    return fig
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("config", type=Path, help="run config (TOML)")
@@ -102,6 +130,8 @@ def main() -> None:
     p.add_argument("--seeds", help="comma-separated seeds (default 0,1,2,3,4)")
     p.add_argument("--steps", type=int, help="override the config's steps")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="seeds run at once (default 1; more inflates each seed's wall time)")
     args = p.parse_args()
     try:
         with open(args.config, "rb") as f:
@@ -112,31 +142,29 @@ def main() -> None:
     steps = args.steps or (30 if args.quick else None)
     sets = _parse_set(args.set)
 
-    import torch
-
-    torch.set_num_threads(1)
+    if args.jobs < 1:
+        p.error(f"--jobs must be >= 1, got {args.jobs}")
     load_before = load_average()
     rows: dict[int, dict[str, Any]] = {}
-    for seed in seeds:
-        raw = build_raw(base, seed, steps, sets)
-        t0 = time.monotonic()
-        out = run_raw(raw, keep_spans=False)
-        total = time.monotonic() - t0
-        fig = reward_figures(out.metrics)
-        # Start-up: launch to the controller's clock zero; the run's own clock (wall_s)
-        # ends at its last step, shutdown follows. total - last wall_s bounds both.
-        last_wall = out.metrics[-1]["wall_s"] if out.metrics else 0.0
-        fig["startup_and_shutdown_s"] = round(total - last_wall, 1)
-        fig["total_s"] = round(total, 1)
-        fig["load_avg"] = load_average()
+    raws = [build_raw(base, seed, steps, sets) for seed in seeds]
+    if args.jobs == 1:
+        results = map(run_seed, raws)
+    else:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        pool = ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn"))
+        results = pool.map(run_seed, raws)
+    for seed, fig in zip(seeds, results, strict=True):
         rows[seed] = fig
+        total, cpu = fig["total_s"], fig["cpu_s"]
         reach = (f"step {fig['step_to_target']} at {fig['wall_to_target_s']:.0f} s "
                  f"(+{fig['startup_and_shutdown_s']:.0f} s start-up/shutdown)"
                  if fig["step_to_target"] is not None else "never")
         ent = fig["final_entropy"]
         print(f"seed {seed}: 10-step mean >= {TARGET}: {reach}; final 10-step mean {fig['final']:.3f} "
               f"(peak {fig['peak']:.3f}); final entropy {ent if ent is None else round(ent, 3)}; "
-              f"{fig['steps']} steps in {total:.0f} s; load {fig['load_avg']}", flush=True)
+              f"{fig['steps']} steps in {total:.0f} s ({cpu:.0f} CPU-s); load {fig['load_avg']}", flush=True)
     load_after = load_average()
     reached = [s for s, r in rows.items() if r["step_to_target"] is not None]
     times = [rows[s]["wall_to_target_s"] for s in seeds]
@@ -150,7 +178,7 @@ def main() -> None:
         "worst_final": round(min(r["final"] for r in rows.values()), 4),
         "per_seed": {s: {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}
                      for s, r in rows.items()},
-        "load_avg_before": load_before, "load_avg_after": load_after,
+        "jobs": args.jobs, "load_avg_before": load_before, "load_avg_after": load_after,
     }))
 
 
