@@ -17,19 +17,19 @@ version (an in-flight update), and running sequences keep their KV cache.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, get_args
 
 import trio
 
 from orchestrator.runtime import Actor, endpoint, span
-from orchestrator.weightsync import WeightMessage, WeightReceiver, wire_snapshot
+from orchestrator.weightsync import Precision, WeightMessage, WeightReceiver, wire_snapshot
 
 from ._backend import GenerationBackend, TorchBackend
 from ._types import GenerateRequest, GenerateResult, SamplerStats
 
 __all__ = ["SamplerActor", "as_weight_messages"]
 
-_PRECISIONS = ("bf16", "fp8", "fp32")
+_PRECISIONS = get_args(Precision)
 
 
 def as_weight_messages(update: Any) -> list[WeightMessage]:
@@ -190,10 +190,12 @@ class SamplerActor(Actor):
                 from_version=self._backend.version, wire_bytes=sum(m.nbytes for m in messages),
             ) as s:
                 for msg in messages:
-                    before = self._receiver.snapshot
+                    before, held = self._receiver.snapshot, self._receiver.version
                     version = await trio.to_thread.run_sync(self._receiver.apply, msg)
                     snapshot = self._receiver.snapshot
-                    assert snapshot is not None
+                    if version == held and snapshot is before:
+                        continue  # staged: a keyframe path still below the held version
+                    assert snapshot is not None and version is not None
                     new_hashes = {t.name: t.hash for t in msg.meta.tensors}
                     changed = None
                     if snapshot is before and new_hashes.keys() == self._hashes.keys():
@@ -204,6 +206,16 @@ class SamplerActor(Actor):
                     self._updates += 1
                 s.set_attribute("to_version", self._backend.version)
         return self._backend.version
+
+    @endpoint
+    async def reset_weights(self) -> None:
+        """Forget the held weights' version, so that the next keyframe is accepted whatever
+        its version: the trainer went back to a checkpoint, and the versions after it no
+        longer exist. The weights stay in use until that keyframe arrives (the controller
+        starts no rollout on them meanwhile). Waits for an apply in progress."""
+        async with self._lock:
+            self._receiver = WeightReceiver(self.precision)  # type: ignore[arg-type]
+            self._hashes = {}
 
     @endpoint
     def version(self) -> int:

@@ -15,20 +15,20 @@ actor's trio thread.
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Any
 
 import trio
 
+from actors.trainer._checkpoint import is_complete
 from actors.trainer._config import StepResult, TrainerConfig
 from actors.trainer._core import Trainer
 from actors.types import Trajectory
 from orchestrator.runtime import Actor, endpoint, span
-from orchestrator.weightsync import WeightMessage, WeightPublisher
+from orchestrator.weightsync import Precision, WeightMessage, WeightPublisher
 from policies import RecipeConfig
 
 __all__ = ["TrainerActor"]
 
-WirePrecision = Literal["bf16", "fp8"]
 
 
 def _frames(msg: WeightMessage) -> list[bytes]:
@@ -42,14 +42,20 @@ class TrainerActor(Actor):
         config: trainer settings (None: defaults, the embedded tiny model).
         resume_from: a checkpoint directory written by ``save_checkpoint``; the
             model, optimizer state, version and RNG state come from it.
+        missing_ok: start from the initial weights when ``resume_from`` holds no complete
+            checkpoint (yet): a trainer respawned mid-run restores from whatever checkpoint
+            the run has written by then.
 
     Weight messages travel as their ``WeightMessage.to_frames()`` lists (metadata
     JSON + compressed chunks, raw frames on the wire); ``SamplerActor.apply_weights``
     takes them as they are.
     """
 
-    def __init__(self, config: TrainerConfig | None = None, resume_from: str | None = None) -> None:
+    def __init__(self, config: TrainerConfig | None = None, resume_from: str | None = None,
+                 missing_ok: bool = False) -> None:
         self.config = config if config is not None else TrainerConfig()
+        if missing_ok and resume_from is not None and not is_complete(resume_from):
+            resume_from = None
         self.trainer = Trainer(self.config, resume_from=resume_from)
         self.publisher = WeightPublisher(keyframe_interval=self.config.keyframe_interval,
                                          precisions=tuple(self.config.precisions))
@@ -83,7 +89,7 @@ class TrainerActor(Actor):
         update is all-or-nothing); a cancelled caller only loses the result.
         """
         async with self._lock:
-            oldest = min((int(t.versions.min()) for t in batch if t.num_generated), default=None)
+            oldest = min((t.oldest_version for t in batch if t.num_generated), default=None)
             with span("train_step", batch=len(batch),
                       staleness_max=-1 if oldest is None else self.trainer.version - oldest) as sp:
                 res = await trio.to_thread.run_sync(self.trainer.train_step, batch)
@@ -117,7 +123,7 @@ class TrainerActor(Actor):
 
     @endpoint
     def updates_for(self, receiver: str, have_version: int | None,
-                    precision: WirePrecision) -> list[list[bytes]]:
+                    precision: Precision) -> list[list[bytes]]:
         """Weight messages taking ``receiver`` from ``have_version`` (None or < 0: it holds
         nothing trustworthy) to the latest version: the delta chain or the newest keyframe
         plus the deltas after it, whichever is fewer bytes. Registers the receiver."""
@@ -130,12 +136,7 @@ class TrainerActor(Actor):
         self.publisher.ack(receiver, version)
 
     @endpoint
-    def forget(self, receiver: str) -> None:
-        """Stop keeping history for ``receiver`` (it died or left)."""
-        self.publisher.forget(receiver)
-
-    @endpoint
-    def keyframe(self, precision: WirePrecision) -> list[bytes]:
+    def keyframe(self, precision: Precision) -> list[bytes]:
         """The newest keyframe of ``precision`` (a new sampler's initial weights)."""
         return _frames(self.publisher.keyframe(precision))
 
