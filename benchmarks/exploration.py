@@ -27,8 +27,9 @@ was exactly zero. It runs each variant at top_p 0.97 (the recipe's default) and 
 Why: issue 11 asks to choose the fix on evidence; full runs of the demo cost minutes of
 CPU each on this shared machine, this costs seconds, with the same sampler and loss code.
 
-Run:  .venv/bin/python benchmarks/exploration.py           (20 seeds x 300 steps per variant, a few minutes)
-      .venv/bin/python benchmarks/exploration.py --quick   (4 seeds x 60 steps, < 1 min)
+Run:  .venv/bin/python benchmarks/exploration.py           (20 seeds x 300 steps per variant; ~15 ms of CPU a step)
+      .venv/bin/python benchmarks/exploration.py --quick   (4 seeds x 60 steps: too short to learn, a smoke test)
+Options: --seeds, --steps, --lr, --top-p 0.97,0.99, --variants a,b, --prompts, --group.
 Last line: JSON with per-variant figures.
 """
 
@@ -129,9 +130,11 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="4 seeds x 60 steps (< 1 min)")
     p.add_argument("--seeds", type=int, help="seeds per variant (default 20; quick 4)")
     p.add_argument("--steps", type=int, help="steps per run (default 300; quick 60)")
-    p.add_argument("--lr", type=float, default=0.05, help="AdamW learning rate of the logit table (default 0.05)")
+    p.add_argument("--lr", type=float, default=0.1, help="AdamW learning rate of the logit table (default 0.1)")
     p.add_argument("--prompts", type=int, default=8, help="prompts per step (default 8)")
     p.add_argument("--group", type=int, default=8, help="rollouts per prompt (default 8)")
+    p.add_argument("--top-p", default="0.97,0.99", help="comma-separated top_p values (default 0.97,0.99)")
+    p.add_argument("--variants", help=f"comma-separated subset of {','.join(VARIANTS)}")
     args = p.parse_args()
     seeds = args.seeds or (4 if args.quick else 20)
     steps = args.steps or (60 if args.quick else 300)
@@ -143,8 +146,13 @@ def main() -> None:
     torch.set_num_threads(1)
     load_before, t0 = load_average(), time.monotonic()
     results: dict[str, Any] = {}
-    for top_p in (0.97, 0.99):
-        for name, variant in VARIANTS.items():
+    names = args.variants.split(",") if args.variants else list(VARIANTS)
+    unknown = [v for v in names if v not in VARIANTS]
+    if unknown:
+        p.error(f"--variants: unknown {unknown}; choose from {list(VARIANTS)}")
+    for top_p in (float(x) for x in args.top_p.split(",")):
+        for name in names:
+            variant = VARIANTS[name]
             runs = [train(variant, top_p, s, steps, args.prompts, args.group, args.lr) for s in range(seeds)]
             finals = [r["final"] for r in runs]
             results[f"{name}@{top_p}"] = {
