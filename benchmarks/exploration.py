@@ -19,6 +19,10 @@ Variants (policies.RecipeConfig switches + the trainer's LR schedule):
 * entropy      min_keep 1 + entropy bonus over the replayed support (coef 0.01)
 * lr_decay     min_keep 1 + linear LR decay to 0.1x over the run
 * min_keep+decay   both of the above
+* min_keep+floor   min_keep 2 + entropy floor 0.1 nats (coef 0.1): with two ids in every
+               support the entropy term has a gradient everywhere, and the floor stops the
+               runner-up's probability from vanishing (at the price of a policy that never
+               becomes fully greedy: q(runner-up) stays near 2% where H would fall below 0.1)
 
 Per variant: mean final reward (last 10 steps), how many seeds end >= 0.8 and >= 0.95,
 the mean fraction of one-token supports over the last 10 steps, and steps whose gradient
@@ -53,6 +57,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "entropy": {"min_keep": 1, "entropy_coef": 0.01},
     "lr_decay": {"min_keep": 1, "decay": True},
     "min_keep+decay": {"min_keep": 2, "decay": True},
+    "min_keep+floor": {"min_keep": 2, "entropy_coef": 0.1, "entropy_floor": 0.1},
 }
 
 
@@ -63,7 +68,8 @@ def train(variant: dict[str, Any], top_p: float, seed: int, steps: int, prompts:
 
     from policies import RecipeConfig, SupportRecord, grpo_advantages, recipe_loss, replay_logprobs, sample_with_support
 
-    cfg = RecipeConfig(top_p=top_p, min_keep=variant["min_keep"], entropy_coef=variant.get("entropy_coef", 0.0))
+    cfg = RecipeConfig(top_p=top_p, min_keep=variant["min_keep"], entropy_coef=variant.get("entropy_coef", 0.0),
+                       entropy_floor=variant.get("entropy_floor"))
     gen = torch.Generator().manual_seed(seed)
     table = torch.nn.Parameter(torch.randn(4096, VOCAB, generator=gen))
     opt = torch.optim.AdamW([table], lr=lr, betas=(0.9, 0.99), weight_decay=0.0)
