@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from actors.trainer import TrainerConfig
 from hardware import PoolList
+from orchestrator.sinks import TelemetrySection
 from policies import RecipeConfig
 
 __all__ = [
@@ -80,8 +81,8 @@ class TaskSection(_Section):
     params: dict[str, Any] = Field(default_factory=dict)
     """Task parameters (for guess_number: n, max_turns)."""
     modules: list[str] = Field(default_factory=list)
-    """Modules that register tasks (`@register_task`), imported in every env actor and,
-    before any actor starts, to check the task and its params."""
+    """Modules that register tasks (`@register_task`): dotted names or paths of `.py` files,
+    imported in every env actor and, before any actor starts, to check the task and its params."""
     env_actors: int = Field(default=1, ge=1)
     """Environment actor processes; each runs many episodes concurrently."""
     episode_timeout_s: float = Field(default=60.0, gt=0)
@@ -150,6 +151,8 @@ class RunConfig(_Section):
     """Periodic checkpoints and trainer restarts."""
     pools: PoolList = Field(min_length=1)
     """Sampler pools ([[pools]] tables, hardware.PoolConfig), names unique."""
+    telemetry: TelemetrySection = Field(default_factory=TelemetrySection)
+    """Metric sinks besides metrics.jsonl: W&B and TensorBoard (orchestrator.sinks)."""
 
     @field_validator("name")
     @classmethod
