@@ -50,6 +50,8 @@ def reward_figures(metrics: list[dict[str, Any]], target: float = TARGET, window
     """First step whose trailing `window`-step mean reward is >= target (with its run clock),
     the final `window`-step mean, and the final step's entropy."""
     rewards = [m["reward_mean"] for m in metrics]
+    if not rewards:
+        raise SystemExit("demo_seeds: a run ended without a single step in metrics.jsonl")
     first_step = first_wall = None
     for i in range(window - 1, len(rewards)):
         if statistics.fmean(rewards[i - window + 1 : i + 1]) >= target:
@@ -59,10 +61,10 @@ def reward_figures(metrics: list[dict[str, Any]], target: float = TARGET, window
         "steps": len(metrics),
         "step_to_target": first_step,
         "wall_to_target_s": first_wall,
-        "final": statistics.fmean(rewards[-window:]) if rewards else float("nan"),
+        "final": statistics.fmean(rewards[-window:]),
         "peak": max((statistics.fmean(rewards[i - window + 1 : i + 1]) for i in range(window - 1, len(rewards))),
-                    default=float("nan")),
-        "final_entropy": metrics[-1].get("entropy") if metrics else None,
+                    default=statistics.fmean(rewards)),
+        "final_entropy": metrics[-1].get("entropy"),
     }
 
 
