@@ -112,7 +112,7 @@ def summarize(per_seed: list[dict[str, float]]) -> dict[str, Any]:
         elif key == "collapsed":
             out["collapses"] = int(sum(vals))
         else:
-            out[key] = round(statistics.fmean(vals), 5)
+            out[key] = float(f"{statistics.fmean(vals):.4g}")  # 4 significant digits (KL can be ~1e-7)
     finals = [r["final_reward"] for r in per_seed]
     out["final_reward_min"], out["final_reward_max"] = round(min(finals), 4), round(max(finals), 4)
     out["final_reward_per_seed"] = [round(f, 4) for f in finals]
