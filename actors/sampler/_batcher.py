@@ -1,4 +1,4 @@
-"""Continuous batching on top of ``Qwen3Engine``: requests, slots, sampling, records.
+"""Continuous batching on top of ``DecoderEngine``: requests, slots, sampling, records.
 
 ``ContinuousBatcher.step()`` is one scheduler tick:
 
@@ -34,7 +34,7 @@ import torch
 
 from policies.sampling import sample_with_support
 
-from ._engine import Qwen3Engine
+from ._engine import DecoderEngine
 from ._types import FinishReason, GenerateRequest, GenerateResult
 
 __all__ = ["ContinuousBatcher"]
@@ -66,7 +66,7 @@ class ContinuousBatcher:
         seed: seeds the shared generator used by requests without their own seed.
     """
 
-    def __init__(self, engine: Qwen3Engine, *, pool: str, seed: int = 0) -> None:
+    def __init__(self, engine: DecoderEngine, *, pool: str, seed: int = 0) -> None:
         self.engine = engine
         self.pool = pool
         self.version = -1

@@ -107,8 +107,8 @@ async def test_protocol_generate_update_with_versions_and_rows_unchanged(stub, t
     gen = next(c["body"] for c in state.log if c["path"] == "/generate")
     assert gen["return_sampling_mask"] and gen["rid"] == "a" and gen["sampling_params"]["top_k"] == 3
     # Only the loaded snapshot stays on disk; it holds what the server was told to load.
-    kept = sorted(p.name for p in (tmp_path / "h100-30000").iterdir())
-    assert kept == ["v2"] and (tmp_path / "h100-30000" / "v2" / "model.safetensors").is_file()
+    kept = sorted(p.name for p in (tmp_path / "h100-0").iterdir())
+    assert kept == ["v2"] and (tmp_path / "h100-0" / "v2" / "model.safetensors").is_file()
 
 
 async def test_protocol_request_waits_for_min_version_and_refuses_infinite_top_k(stub, tmp_path) -> None:
