@@ -76,7 +76,8 @@ async def evaluate(ctx: RunContext, step: int) -> dict[str, Any]:
     pool = ctx.pools[ev.pool or next(iter(ctx.pools))]
     version = ctx.version
     sampling = SamplingParams(temperature=ev.temperature, top_k=ctx.cfg.recipe.top_k,
-                              top_p=ctx.cfg.recipe.top_p, max_new_tokens=ctx.cfg.task.max_new_tokens)
+                              top_p=ctx.cfg.recipe.top_p, min_keep=ctx.cfg.recipe.min_keep,
+                              max_new_tokens=ctx.cfg.task.max_new_tokens)
     tasks = eval_tasks(ctx.cfg, ctx.eval_dataset, ev.episodes)
     rewards: list[float] = []
     failed = 0

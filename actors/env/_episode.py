@@ -205,7 +205,8 @@ async def play_episode(
                     request_id=f"{request_prefix}/{turns}", prompt_ids=list(builder.ids),
                     max_new_tokens=max_new, stop_token_ids=chat.stop_ids,
                     temperature=sampling.temperature, top_k=sampling.top_k,
-                    top_p=sampling.top_p, seed=None, min_version=min_version)
+                    top_p=sampling.top_p, min_keep=sampling.min_keep, seed=None,
+                    min_version=min_version)
                 with span("generate", task=task.task, pool=pool, turn=turns) as gsp:
                     with trio.move_on_after(limits.generate_timeout_s) as cs:
                         result = await generate(request)

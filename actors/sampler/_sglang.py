@@ -210,12 +210,19 @@ class SGLangBackend:
         """POST /generate once weights of at least ``req.min_version`` are loaded.
 
         Raises ValueError for a request SGLang cannot record supports for (top_k 0 with
-        sampling) or a malformed answer, RuntimeError for an HTTP failure. Cancellation
-        closes the HTTP request at once and sends ``/abort_request`` from the backend's
-        task; the event loop is never blocked.
+        sampling, or ``min_keep > 1`` with ``top_p < 1``: SGLang's top-p has no minimum
+        support size, so the recorded rows would not be the set asked for) or a malformed
+        answer, RuntimeError for an HTTP failure. Cancellation closes the HTTP request at
+        once and sends ``/abort_request`` from the backend's task; the event loop is never
+        blocked.
         """
         if req.temperature > 0 and req.top_k <= 0:
             raise ValueError(f"request {req.request_id!r}: SGLang's sampling mask needs a finite top_k")
+        if req.temperature > 0 and req.min_keep > 1 and req.top_p < 1.0:
+            raise ValueError(
+                f"request {req.request_id!r}: min_keep={req.min_keep} with top_p={req.top_p} is not "
+                "supported by the SGLang backend (its top-p has no min_tokens_to_keep); set "
+                "recipe.min_keep = 1 or recipe.top_p = 1 for SGLang pools")
         while self._version < req.min_version:
             self._counters["waiting"] += 1
             try:

@@ -118,6 +118,8 @@ async def test_protocol_request_waits_for_min_version_and_refuses_infinite_top_k
         await nursery.start(be.run)
         with pytest.raises(ValueError, match="finite top_k"):
             await be.generate(GenerateRequest(request_id="x", prompt_ids=[1], max_new_tokens=1, top_k=0))
+        with pytest.raises(ValueError, match="min_keep=2 with top_p=0.97 is not supported"):
+            await be.generate(_req("m", min_keep=2, top_p=0.97))
         with trio.move_on_after(0.3) as waited:  # no weights yet: the request waits, sends nothing
             await be.generate(_req("b", min_version=0))
         assert waited.cancelled_caught and not any(c["path"] == "/generate" for c in state.log)
