@@ -17,6 +17,7 @@ import tempfile
 import threading
 import time
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,8 @@ if not sys.path or sys.path[0] != str(ROOT):
 
 DEMO = ROOT / "examples" / "guess_number.toml"
 
-__all__ = ["DEMO", "ROOT", "CpuWatch", "RunOutput", "demo_raw", "intervals_union", "load_average", "run_raw"]
+__all__ = ["DEMO", "ROOT", "CpuWatch", "RunOutput", "demo_raw", "intervals_union", "load_average", "run_raw",
+           "run_variants"]
 
 
 def demo_raw() -> dict[str, Any]:
@@ -213,3 +215,21 @@ class CpuWatch:
         return {"seconds": (last[0] - first[0]) / 1e9, "cpu_s": cpu, "wait_s": wait,
                 "machine_busy_s": machine_busy, "steal_s": (last[2] - first[2]) / 1e9,
                 "others_cpu_s": max(0.0, machine_busy - ours)}
+
+
+def run_variants(names: list[str], n_seeds: int, steps: int,
+                 build: Callable[[str, int], dict[str, Any]],
+                 figures: Callable[[list[dict[str, Any]]], dict[str, float]]) -> dict[str, list[dict[str, float]]]:
+    """Run every variant in `names` over seeds 0..n_seeds-1 (`build(name, seed)` gives the
+    raw config), one after another; each run's `figures(metrics)`, per variant, in seed
+    order. Progress goes to stderr with the load average after each run."""
+    out: dict[str, list[dict[str, float]]] = {}
+    for name in names:
+        per_seed = out.setdefault(name, [])
+        for seed in range(n_seeds):
+            print(f"running {name} seed {seed}: {steps} steps ...", file=sys.stderr, flush=True)
+            run = run_raw(build(name, seed), keep_spans=False)
+            per_seed.append(figures(run.metrics))
+            print(f"  {name} seed {seed}: " + ", ".join(f"{k} {v:.4g}" for k, v in per_seed[-1].items())
+                  + f" ({run.total_s:.0f}s, load {load_average()})", file=sys.stderr, flush=True)
+    return out

@@ -45,7 +45,7 @@ from typing import Any
 # The repository root first: benchmarks/actors.py must not shadow the `actors` package.
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
-from _runs import demo_raw, load_average, run_raw  # noqa: E402
+from _runs import demo_raw, load_average, run_variants  # noqa: E402
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "full": {"mask_replay": True, "importance": "mis", "score_centering": True},
@@ -120,16 +120,10 @@ def main() -> None:
     torch.set_num_threads(1)
     load_before = load_average()
     t0 = time.monotonic()
-    results: dict[str, dict[str, Any]] = {}
-    for name in names:
-        per_seed = []
-        for seed in range(n_seeds):
-            print(f"running {name} seed {seed}: {steps} steps ...", file=sys.stderr, flush=True)
-            out = run_raw(build_raw(name, seed, steps, args.with_bf16), keep_spans=False)
-            per_seed.append(run_figures(out.metrics, last))
-            print(f"  {name} seed {seed}: " + ", ".join(f"{k} {v:.4g}" for k, v in per_seed[-1].items())
-                  + f" ({out.total_s:.0f}s)", file=sys.stderr, flush=True)
-        results[name] = {**VARIANTS[name], **summarize(per_seed)}
+    runs = run_variants(names, n_seeds, steps, lambda name, seed: build_raw(name, seed, steps, args.with_bf16),
+                        lambda metrics: run_figures(metrics, last))
+    results: dict[str, dict[str, Any]] = {name: {**VARIANTS[name], **summarize(per_seed)}
+                                          for name, per_seed in runs.items()}
     total = time.monotonic() - t0
     load_after = load_average()
 

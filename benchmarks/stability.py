@@ -48,7 +48,7 @@ from typing import Any
 # The repository root first: benchmarks/actors.py must not shadow the `actors` package.
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
-from _runs import demo_raw, load_average, run_raw  # noqa: E402
+from _runs import demo_raw, load_average, run_variants  # noqa: E402
 from ablation import FP8_BUDGET, VARIANTS  # noqa: E402
 from ablation import build_raw as ablation_raw  # noqa: E402
 
@@ -151,16 +151,9 @@ def main() -> None:
     torch.set_num_threads(1)
     load_before = load_average()
     t0 = time.monotonic()
-    results: dict[str, dict[str, Any]] = {}
-    for name in names:
-        per_seed = []
-        for seed in range(n_seeds):
-            print(f"running {name} seed {seed}: {steps} steps ...", file=sys.stderr, flush=True)
-            out = run_raw(build_raw(name, seed, steps, args.budget), keep_spans=False)
-            per_seed.append(run_figures(out.metrics))
-            print(f"  {name} seed {seed}: " + ", ".join(f"{k} {v:.4g}" for k, v in per_seed[-1].items())
-                  + f" ({out.total_s:.0f}s, load {load_average()})", file=sys.stderr, flush=True)
-        results[name] = summarize(per_seed)
+    runs = run_variants(names, n_seeds, steps, lambda name, seed: build_raw(name, seed, steps, args.budget),
+                        run_figures)
+    results: dict[str, dict[str, Any]] = {name: summarize(per_seed) for name, per_seed in runs.items()}
     total = time.monotonic() - t0
     load_after = load_average()
 
