@@ -109,7 +109,7 @@ async def run_async(cfg: RunConfig, *, resume: bool = False, progress: Progress 
     """
     from actors.env import EnvActor, EnvConfig
     from actors.sampler import SamplerActor
-    from actors.trainer import TrainerActor
+    from actors.trainer import TrainerGroup, trainer_mesh
     from hardware import CostLedger, Scheduler, ThroughputModel
 
     t0 = time.monotonic()
@@ -157,8 +157,8 @@ async def run_async(cfg: RunConfig, *, resume: bool = False, progress: Progress 
     # The trainer always names the checkpoint directory: a trainer respawned mid-run
     # restores from the newest checkpoint there (a fresh run's first trainer finds none).
     meshes: dict[str, Any] = {
-        "trainer": open_mesh(TrainerActor, trainer_cfg, str(ckpt_dir), not resume,
-                             procs=1, name="trainer", env=_actor_env(cfg, cfg.placement.trainer_cpus)),
+        "trainer": trainer_mesh(trainer_cfg, str(ckpt_dir), not resume, name="trainer",
+                                env=_actor_env(cfg, cfg.placement.trainer_cpus)),
         "env": open_mesh(EnvActor, EnvConfig(step_timeout_s=cfg.task.episode_timeout_s),
                          procs=cfg.task.env_actors, name="env", env=env),
     }
@@ -173,7 +173,9 @@ async def run_async(cfg: RunConfig, *, resume: bool = False, progress: Progress 
     async with trio.open_nursery() as actors:
         with span("startup", pools=len(cfg.pools)):
             opened = await _open_all(actors, meshes)
-        trainer = MeshTrainer(opened["trainer"])
+        # Several trainer ranks (FSDP2) are one link too; the controller cannot tell.
+        trainer = (MeshTrainer(opened["trainer"]) if opened["trainer"].size == 1
+                   else TrainerGroup(opened["trainer"]))
         links = Links(trainer=trainer, envs=MeshEnvs(opened["env"]),
                       pools={pc.name: MeshPool(pc, opened[f"pool:{pc.name}"]) for pc in cfg.pools})
         state.version = await trainer.version()

@@ -52,14 +52,11 @@ class TrainerActor(Actor):
         config: trainer settings (None: defaults, the embedded tiny model).
         resume_from: a checkpoint directory written by ``save_checkpoint``; the
             model, optimizer state, version and RNG state come from it.
-<<<<<<< HEAD
-        rendezvous: ``host:port`` of the group's rank 0 when ``config.procs`` > 1
-            (``TrainerGroup`` chooses it; see ``actors.trainer._dist``).
-=======
         missing_ok: start from the initial weights when ``resume_from`` holds no complete
             checkpoint (yet): a trainer respawned mid-run restores from whatever checkpoint
             the run has written by then.
->>>>>>> main
+        rendezvous: ``host:port`` of the group's rank 0 when ``config.procs`` > 1
+            (``trainer_mesh`` chooses it; see ``actors.trainer._dist``).
 
     Weight messages travel as their ``WeightMessage.to_frames()`` lists (metadata
     JSON + compressed chunks, raw frames on the wire); ``SamplerActor.apply_weights``
@@ -67,9 +64,10 @@ class TrainerActor(Actor):
     """
 
     def __init__(self, config: TrainerConfig | None = None, resume_from: str | None = None,
-<<<<<<< HEAD
-                 rendezvous: str | None = None) -> None:
+                 missing_ok: bool = False, rendezvous: str | None = None) -> None:
         self.config = config if config is not None else TrainerConfig()
+        if missing_ok and resume_from is not None and not is_complete(resume_from):
+            resume_from = None
         self.world = World(current_rank(), self.config.procs)
         if self.config.procs > 1:
             if rendezvous is None:
@@ -79,15 +77,6 @@ class TrainerActor(Actor):
         self.publisher = (WeightPublisher(keyframe_interval=self.config.keyframe_interval,
                                           precisions=tuple(self.config.precisions))
                           if self.world.is_main else None)
-=======
-                 missing_ok: bool = False) -> None:
-        self.config = config if config is not None else TrainerConfig()
-        if missing_ok and resume_from is not None and not is_complete(resume_from):
-            resume_from = None
-        self.trainer = Trainer(self.config, resume_from=resume_from)
-        self.publisher = WeightPublisher(keyframe_interval=self.config.keyframe_interval,
-                                         precisions=tuple(self.config.precisions))
->>>>>>> main
         self._lock = trio.Lock()
         self._stepped = False
         self._publish()

@@ -1,33 +1,36 @@
 """``TrainerGroup``: a trainer mesh of N ranks presented as the one trainer the controller drives.
 
 The controller knows nothing of FSDP (DESIGN §9): it calls ``version``,
-``train_step``, ``updates_for``, ``ack``, ``forget``, ``keyframe`` and
-``save_checkpoint`` on one trainer link, each as ``link.<name>.call_one(...)``.
-``TrainerGroup`` keeps that shape: the collective calls (``train_step``,
-``evaluate``, ``save_checkpoint``, ``digest``) go to every rank at once and return
+``train_step``, ``updates_for``, ``ack``, ``save_checkpoint`` and ``restart`` on one
+trainer link (``orchestrator.controller.TrainerLink``). ``TrainerGroup`` is that link
+over an N-rank mesh: the collective calls (``train_step``, ``evaluate``,
+``save_checkpoint``, ``digest``, ``full_weights``) go to every rank at once and return
 rank 0's answer; the others go to rank 0 alone, which holds the publisher.
 
 Failure: when any rank dies (crash, kill, OOM) a collective call raises
-``TrainerRankDied`` naming the rank, within the runtime's death detection (seconds);
-the surviving ranks may be stuck in a collective, which is harmless: leaving
-``open_trainer`` stops (SIGTERM, then SIGKILL) every rank. A group cannot continue
-with a rank missing; the run resumes from its last checkpoint (``--resume``).
+``TrainerRankDied`` naming the rank, within the runtime's death detection (seconds).
+It is not an ``ActorDied``: the controller's in-place trainer restart does not apply
+(a group cannot continue with a rank missing), so the run fails; the surviving ranks
+may be stuck in a collective, which is harmless: leaving the mesh stops (SIGTERM, then
+SIGKILL) every rank. ``flotilla run --resume`` continues from the last checkpoint.
 Cancellation: cancelling a call abandons it at the caller; the ranks finish the step.
 """
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
 import trio
 
 from actors.trainer._actor import TrainerActor
-from actors.trainer._config import TrainerConfig
+from actors.trainer._config import StepResult, TrainerConfig
 from actors.trainer._dist import rendezvous_address
-from orchestrator.runtime import ActorDied, ActorError, EndpointRef, Mesh, open_mesh
+from actors.types import Trajectory
+from orchestrator.runtime import ActorDied, ActorError, Mesh, open_mesh
+from policies import RecipeConfig
 
-__all__ = ["TrainerGroup", "TrainerRankDied", "open_trainer"]
+__all__ = ["TrainerGroup", "TrainerRankDied", "open_trainer", "trainer_mesh"]
 
 ERROR_WAIT_S = 10.0
 """After one rank raises, how long the others may take to finish or fail."""
@@ -87,32 +90,77 @@ class _AllRanks:
 
 
 class TrainerGroup:
-    """The trainer link over ``mesh`` (see the module docstring). ``size``: ranks."""
+    """The trainer link over a trainer mesh (see the module docstring); the controller's
+    ``TrainerLink`` protocol plus the other endpoints tests and tools use."""
 
     def __init__(self, mesh: Mesh[TrainerActor]) -> None:
         self.mesh = mesh
         self.size = len(mesh)
-
-    def __getattr__(self, name: str) -> _AllRanks | EndpointRef[Any, Any]:
-        if name.startswith("_"):
-            raise AttributeError(name)
-        if name in COLLECTIVE:
-            return _AllRanks(self.mesh, name)
-        return getattr(self.mesh[0], name)
+        self._main = mesh[0]
 
     def __repr__(self) -> str:
         return f"TrainerGroup({self.mesh!r}, ranks={self.size})"
+
+    async def _all(self, name: str, *args: Any) -> Any:
+        return await _AllRanks(self.mesh, name).call_one(*args)
+
+    # -- collectives: every rank, rank 0's answer
+    async def train_step(self, batch: list[Trajectory]) -> StepResult:
+        return await self._all("train_step", batch)
+
+    async def evaluate(self, batch: list[Trajectory], recipe: RecipeConfig | None = None) -> StepResult:
+        return await self._all("evaluate", batch, recipe)
+
+    async def save_checkpoint(self, directory: str) -> str:
+        return await self._all("save_checkpoint", directory)
+
+    async def digest(self) -> str:
+        return await self._all("digest")
+
+    async def full_weights(self) -> dict[str, Any]:
+        return await self._all("full_weights")
+
+    # -- rank 0 alone
+    async def version(self) -> int:
+        return await self._main.version.call_one()
+
+    async def updates_for(self, receiver: str, have: int, precision: str) -> list[list[bytes]]:
+        return await self._main.updates_for.call_one(receiver, have, precision)
+
+    async def ack(self, receiver: str, version: int) -> None:
+        await self._main.ack.call_one(receiver, version)
+
+    async def keyframe(self, precision: str) -> list[bytes]:
+        return await self._main.keyframe.call_one(precision)
+
+    async def size_report(self) -> dict[str, Any]:
+        return await self._main.size_report.call_one()
+
+    async def restart(self) -> int:
+        """A group cannot replace one rank in place (the survivors' process group is
+        broken); raises ``TrainerRankDied`` for the dead rank: the run stops and resumes
+        from its last checkpoint with ``--resume``."""
+        dead = self.mesh.dead_ranks
+        raise TrainerRankDied(dead[0] if dead else -1, "restart",
+                              f"a {self.size}-rank trainer group does not restart in place")
+
+
+def trainer_mesh(config: TrainerConfig, resume_from: str | None = None, missing_ok: bool = False,
+                 *, name: str = "trainer", env: Mapping[str, str] | None = None,
+                 grace: float = 5.0) -> AbstractAsyncContextManager[Mesh[TrainerActor]]:
+    """``open_mesh`` of ``config.procs`` trainer ranks (one process each). With several
+    ranks they meet at ``config.rendezvous``, torchrun's ``MASTER_ADDR``/``MASTER_PORT``,
+    or a free loopback port (``_dist.rendezvous_address``). Leaving the block stops every
+    rank, also on error and cancellation."""
+    address = rendezvous_address(config.rendezvous) if config.procs > 1 else None
+    return open_mesh(TrainerActor, config, resume_from, missing_ok, address, procs=config.procs,
+                     name=name, env=env, grace=grace)
 
 
 @asynccontextmanager
 async def open_trainer(config: TrainerConfig, resume_from: str | None = None, *,
                        name: str = "trainer", env: Mapping[str, str] | None = None,
                        grace: float = 5.0) -> AsyncIterator[TrainerGroup]:
-    """Spawn ``config.procs`` trainer ranks (one process each) and yield them as one
-    ``TrainerGroup``. With several ranks they meet at ``config.rendezvous``, torchrun's
-    ``MASTER_ADDR``/``MASTER_PORT``, or a free loopback port (``_dist.rendezvous_address``).
-    Leaving the block stops every rank, also on error and cancellation."""
-    address = rendezvous_address(config.rendezvous) if config.procs > 1 else None
-    async with open_mesh(TrainerActor, config, resume_from, address, procs=config.procs,
-                         name=name, env=env, grace=grace) as mesh:
+    """``trainer_mesh`` as a ``TrainerGroup``."""
+    async with trainer_mesh(config, resume_from, name=name, env=env, grace=grace) as mesh:
         yield TrainerGroup(mesh)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-__all__ = ["peak_rss_mb", "size_report"]
+__all__ = ["memory_line", "peak_rss_mb", "size_report"]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -52,3 +52,16 @@ def size_report(model: torch.nn.Module, trained: dict[str, torch.Tensor],
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         report["peak_cuda_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
     return report
+
+
+def memory_line(report: dict[str, Any]) -> str:
+    """One human line of a ``size_report``."""
+    mb = 2**20
+    line = (f"trainer: {report['params']:,} parameters ({report['trainable_params']:,} trained), "
+            f"{report['ranks']} rank(s); per rank: parameters {report['param_bytes'] / mb:.1f} MiB, "
+            f"gradients {report['grad_bytes'] / mb:.1f} MiB, optimizer "
+            f"{report['optimizer_bytes'] / mb:.1f} MiB; peak RSS after the first step "
+            f"{report['peak_rss_mb']:.0f} MiB")
+    if "peak_cuda_mb" in report:
+        line += f", peak CUDA {report['peak_cuda_mb']:.0f} MiB"
+    return line
