@@ -9,6 +9,7 @@ which includes the interpreter, libraries and allocator slack) and, on CUDA,
 """
 from __future__ import annotations
 
+import os
 import resource
 from collections.abc import Iterable
 from typing import Any
@@ -41,7 +42,7 @@ def size_report(model: torch.nn.Module, trained: dict[str, torch.Tensor],
                                if isinstance(v, torch.Tensor)]
     fp32 = 4
     report: dict[str, Any] = {
-        "rank": rank, "ranks": ranks,
+        "rank": rank, "ranks": ranks, "pid": os.getpid(),
         "params": sum(p.numel() for p in params),
         "trainable_params": sum(p.numel() for p in trained.values()),
         "param_bytes": _bytes(params),
