@@ -137,8 +137,8 @@ def _warm_up() -> None:
     net peak is the configuration's own memory, not library start-up."""
     import peft  # noqa: F401
     import torch
-    import torch.distributed.checkpoint  # noqa: F401
-    import torch.distributed.fsdp  # noqa: F401
+    import torch.distributed.checkpoint
+    import torch.distributed.fsdp
     from torch.distributed._composable import checkpoint  # noqa: F401
 
     from actors.models import build_model, default_model_config

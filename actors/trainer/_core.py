@@ -31,7 +31,14 @@ from actors.models import build_model, default_model_config
 from actors.tokenizer import VOCAB_SIZE
 from actors.trainer import _checkpoint, _dcp
 from actors.trainer._config import StepResult, TrainerConfig
-from actors.trainer._dist import World, all_max, gather_json, init_group, rendezvous_address, token_shares
+from actors.trainer._dist import (
+    World,
+    all_max,
+    gather_json,
+    init_group,
+    rendezvous_address,
+    token_shares,
+)
 from actors.trainer._packing import MicroBatch, pack
 from actors.trainer._shard import hf_name, is_sharded, lora_merge_plan, prepare
 from actors.types import Trajectory

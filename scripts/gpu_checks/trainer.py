@@ -30,8 +30,8 @@ import trio
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from actors.trainer import Trainer, TrainerConfig, open_trainer  # noqa: E402
-from benchmarks.trainer import model, synthetic_batch  # noqa: E402
+from actors.trainer import Trainer, TrainerConfig, open_trainer
+from benchmarks.trainer import model, synthetic_batch
 
 
 def report(part: str, ok: bool, **fields: object) -> bool:

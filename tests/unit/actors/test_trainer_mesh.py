@@ -14,7 +14,13 @@ import pytest
 import torch
 import trio
 
-from actors.trainer import LoraConfig, Trainer, TrainerConfig, TrainerRankDied, open_trainer
+from actors.trainer import (
+    LoraConfig,
+    Trainer,
+    TrainerConfig,
+    TrainerRankDied,
+    open_trainer,
+)
 from actors.trainer._dist import rendezvous_address, token_shares
 from orchestrator.weightsync import WeightMessage, WeightReceiver, wire_snapshot
 from tests.unit.actors.trainer_batches import on_policy_batch
