@@ -205,6 +205,13 @@ class TrainerActor(Actor):
             return dict(await trio.to_thread.run_sync(self.trainer.master_weights))
 
     @endpoint
+    async def adapter_weights(self) -> dict[str, Any]:
+        """The LoRA adapter tensors alone (``peft`` names), for exporting an adapter; {}
+        without LoRA. A collective like ``full_weights``."""
+        async with self._lock:
+            return dict(await trio.to_thread.run_sync(self.trainer.adapter_weights))
+
+    @endpoint
     def size_report(self) -> dict[str, Any]:
         """This rank's parameter count, bytes (parameters, gradients, optimizer) and peak
         memory so far (see ``actors.trainer._memory``)."""

@@ -281,6 +281,18 @@ class Trainer:
             full[name] = full.pop(base) + scale * (full.pop(b) @ full.pop(a))
         return {hf_name(n): t for n, t in full.items()}
 
+    def adapter_weights(self) -> dict[str, torch.Tensor]:
+        """The LoRA adapter tensors alone, by their ``peft`` names (``...q_proj.lora_A.default
+        .weight``), fp32 on CPU, for exporting an adapter; {} without LoRA. A collective on
+        the FSDP2 path (rank 0 gets the tensors, the others {})."""
+        out = {}
+        for name, p in self.params.items():
+            if ".lora_A." in name or ".lora_B." in name:
+                full = _full(p).detach().to("cpu")
+                if self.world.is_main:
+                    out[name] = full
+        return out
+
     def _gathered(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, full fp32 tensor on CPU) for each parameter and buffer, in order; a
         collective. Non-zero ranks get each tensor too and drop it at once."""

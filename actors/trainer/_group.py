@@ -34,7 +34,8 @@ __all__ = ["TrainerGroup", "TrainerRankDied", "open_trainer", "trainer_mesh"]
 
 ERROR_WAIT_S = 10.0
 """After one rank raises, how long the others may take to finish or fail."""
-COLLECTIVE = ("train_step", "evaluate", "save_checkpoint", "digest", "full_weights")
+COLLECTIVE = ("train_step", "evaluate", "save_checkpoint", "digest", "full_weights",
+              "adapter_weights")
 """Endpoints every rank must take together."""
 
 
@@ -118,7 +119,12 @@ class TrainerGroup:
         return await self._all("digest")
 
     async def full_weights(self) -> dict[str, Any]:
+        """The weights samplers use (LoRA: merged), fp32, by HF name: what export writes."""
         return await self._all("full_weights")
+
+    async def adapter_weights(self) -> dict[str, Any]:
+        """The LoRA adapter tensors alone ({} without LoRA): what an adapter export writes."""
+        return await self._all("adapter_weights")
 
     # -- rank 0 alone
     async def version(self) -> int:

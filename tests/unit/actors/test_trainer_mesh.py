@@ -109,6 +109,7 @@ async def test_lora_receiver_ends_bit_identical_to_merged_weights() -> None:
                 receiver.apply_all(msgs)
                 await group.ack("s0", receiver.version)
             merged = await group.full_weights()
+            adapters = await group.adapter_weights()
             report = await group.size_report()
     assert receiver.version == 2
     # only adapters train: r·(in + out) per adapted projection
@@ -120,6 +121,12 @@ async def test_lora_receiver_ends_bit_identical_to_merged_weights() -> None:
     assert set(held) == set(expected) == set(initial)
     for name, t in expected.items():
         assert torch.equal(held[name].view(torch.int16), t.view(torch.int16)), name
+    # the adapter alone (for export) is what the merged weights add to the frozen base
+    a = adapters["model.layers.0.self_attn.q_proj.lora_A.default.weight"]
+    b = adapters["model.layers.0.self_attn.q_proj.lora_B.default.weight"]
+    q = "model.layers.0.self_attn.q_proj.weight"
+    torch.testing.assert_close(merged[q], initial[q] + (8 / 4) * (b @ a), rtol=0, atol=1e-6)
+    assert sum(t.numel() for t in adapters.values()) == report["trainable_params"]
     # merged weights changed only where adapters sit
     changed = {n for n in merged if not torch.equal(merged[n], initial[n])}
     assert changed and all(n.split(".")[-2] in targets for n in changed), changed
