@@ -13,6 +13,13 @@ One step on a batch of trajectories:
    [T, V] logits tensor (``replay_logprobs_from_hidden``), and the recipe loss with
    the GLOBAL token count, so the accumulated gradient equals the whole batch's;
 4. clip, AdamW step, version += 1.
+
+On the FSDP2 path (``TrainerConfig.procs`` > 1, bf16 or LoRA; see ``_shard``) every rank
+runs the same ``train_step`` on the whole batch: steps 1 and the global token count are
+computed everywhere, each rank packs and trains only its token share (``_dist``), ranks
+with fewer micro-batches take zero-loss passes (FSDP2's collectives need every rank),
+gradients are summed across ranks, the clip norm is global, and the metrics of all
+ranks are merged on every rank.
 """
 from __future__ import annotations
 
