@@ -66,6 +66,11 @@ __all__ = ["Trainer"]
 class Trainer:
     """fp32 master weights + AdamW + the recipe loss (see the module docstring).
 
+    ``world`` is this process's rank in the trainer group (default: rank 0 of 1). A
+    multi-rank Trainer needs the process group joined first (``_dist.init_group``, as
+    ``TrainerActor`` does); a one-rank Trainer on the FSDP2 path (bf16 or LoRA) joins a
+    group of one on a free loopback port itself, in the calling process.
+
     ``resume_from`` is a directory written by :meth:`save_checkpoint`; the model,
     optimizer state, version and RNG state come from it, hyperparameters from
     ``config`` (keep them equal for a bit-exact continuation).
