@@ -2,6 +2,7 @@
 
     flotilla run CONFIG [--set key=value ...] [--steps N] [--mode async|sync] [--resume RUN_DIR]
     flotilla report RUN_DIR
+    flotilla config [SECTION]    every config field with its type, default and meaning
     flotilla hardware [CONFIG]
     flotilla host ...            (an actor host on another machine; see README)
 
@@ -32,6 +33,10 @@ def _parser() -> argparse.ArgumentParser:
 
     rep = sub.add_parser("report", help="print a run's cost report and rewrite its JSON/Markdown")
     rep.add_argument("run_dir")
+
+    cf = sub.add_parser("config", help="every config field: type, default and what it does")
+    cf.add_argument("section", nargs="?", help="one section (model, task, rollout, recipe, "
+                    "trainer, placement, checkpoint, pools)")
 
     hw = sub.add_parser("hardware", help="the GPU catalog, and a config's pools with estimated cost")
     hw.add_argument("config", nargs="?")
@@ -67,6 +72,16 @@ def main(argv: list[str] | None = None) -> int:
         from orchestrator.reports import print_report
 
         return print_report(args.run_dir)
+    if args.command == "config":
+        from orchestrator.config import ConfigError
+        from orchestrator.confighelp import config_help
+
+        try:
+            print(config_help(args.section))
+        except ConfigError as e:
+            print(f"flotilla: {e}", file=sys.stderr)
+            return 2
+        return 0
     if args.command == "hardware":
         from hardware import describe
 

@@ -5,6 +5,7 @@ Implement ``Environment.reset(task)`` and ``Environment.step(action_text, action
 plays episodes of it against a sampler, returning ``Trajectory`` objects.
 """
 from actors.env._actor import EnvActor, EnvConfig
+from actors.env._check import TaskCheckError, check_task
 from actors.env._episode import EpisodeBuilder
 from actors.env._interface import (
     Environment,
@@ -14,6 +15,7 @@ from actors.env._interface import (
     make_task_specs,
     register_task,
     registered_tasks,
+    task_factory,
 )
 from actors.env._tasks import Arithmetic, GuessNumber, first_int, guess_number_optimal
 
@@ -26,10 +28,13 @@ __all__ = [
     "GuessNumber",
     "Observation",
     "StepOutcome",
+    "TaskCheckError",
+    "check_task",
     "first_int",
     "guess_number_optimal",
     "make_env",
     "make_task_specs",
     "register_task",
     "registered_tasks",
+    "task_factory",
 ]

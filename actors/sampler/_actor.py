@@ -17,19 +17,19 @@ version (an in-flight update), and running sequences keep their KV cache.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, get_args
 
 import trio
 
 from orchestrator.runtime import Actor, endpoint, span
-from orchestrator.weightsync import WeightMessage, WeightReceiver, wire_snapshot
+from orchestrator.weightsync import Precision, WeightMessage, WeightReceiver, wire_snapshot
 
 from ._backend import GenerationBackend, TorchBackend
 from ._types import GenerateRequest, GenerateResult, SamplerStats
 
 __all__ = ["SamplerActor", "as_weight_messages"]
 
-_PRECISIONS = ("bf16", "fp8", "fp32")
+_PRECISIONS = get_args(Precision)
 
 
 def as_weight_messages(update: Any) -> list[WeightMessage]:
@@ -190,10 +190,12 @@ class SamplerActor(Actor):
                 from_version=self._backend.version, wire_bytes=sum(m.nbytes for m in messages),
             ) as s:
                 for msg in messages:
-                    before = self._receiver.snapshot
+                    before, held = self._receiver.snapshot, self._receiver.version
                     version = await trio.to_thread.run_sync(self._receiver.apply, msg)
                     snapshot = self._receiver.snapshot
-                    assert snapshot is not None
+                    if version == held and snapshot is before:
+                        continue  # staged: a keyframe path still below the held version
+                    assert snapshot is not None and version is not None
                     new_hashes = {t.name: t.hash for t in msg.meta.tensors}
                     changed = None
                     if snapshot is before and new_hashes.keys() == self._hashes.keys():

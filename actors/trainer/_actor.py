@@ -10,7 +10,7 @@ A trainer mesh (``TrainerConfig.procs`` > 1) runs one ``TrainerActor`` per rank;
 ranks form a ``torch.distributed`` group in their constructors and shard the model
 with FSDP2. Every rank takes every ``train_step``, ``evaluate``, ``save_checkpoint`` and
 ``digest`` call (they are collectives); only rank 0 holds a publisher and answers
-``updates_for``/``ack``/``forget``/``keyframe``. ``TrainerGroup`` presents such a mesh
+``updates_for``/``ack``/``keyframe``. ``TrainerGroup`` presents such a mesh
 to the controller as one trainer.
 
 Concurrency: the step's compute runs in a worker thread, so while the trainer
@@ -22,7 +22,7 @@ actor's trio thread.
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Any
 
 import trio
 
@@ -33,12 +33,11 @@ from actors.trainer._dist import World, init_group
 from actors.trainer._memory import size_report
 from actors.types import Trajectory
 from orchestrator.runtime import Actor, current_rank, endpoint, span
-from orchestrator.weightsync import WeightMessage, WeightPublisher
+from orchestrator.weightsync import Precision, WeightMessage, WeightPublisher
 from policies import RecipeConfig
 
 __all__ = ["TrainerActor"]
 
-WirePrecision = Literal["bf16", "fp8"]
 
 
 def _frames(msg: WeightMessage) -> list[bytes]:
@@ -161,7 +160,7 @@ class TrainerActor(Actor):
 
     @endpoint
     def updates_for(self, receiver: str, have_version: int | None,
-                    precision: WirePrecision) -> list[list[bytes]]:
+                    precision: Precision) -> list[list[bytes]]:
         """Weight messages taking ``receiver`` from ``have_version`` (None or < 0: it holds
         nothing trustworthy) to the latest version: the delta chain or the newest keyframe
         plus the deltas after it, whichever is fewer bytes. Registers the receiver."""
@@ -175,12 +174,7 @@ class TrainerActor(Actor):
         self._main_publisher("ack").ack(receiver, version)
 
     @endpoint
-    def forget(self, receiver: str) -> None:
-        """Stop keeping history for ``receiver`` (it died or left)."""
-        self._main_publisher("forget").forget(receiver)
-
-    @endpoint
-    def keyframe(self, precision: WirePrecision) -> list[bytes]:
+    def keyframe(self, precision: Precision) -> list[bytes]:
         """The newest keyframe of ``precision`` (a new sampler's initial weights)."""
         return _frames(self._main_publisher("keyframe").keyframe(precision))
 

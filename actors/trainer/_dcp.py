@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.state_dict import (
 from actors.trainer._checkpoint import FORMAT as SINGLE_FORMAT
 from actors.trainer._checkpoint import SHARDED_FORMAT as FORMAT
 from actors.trainer._checkpoint import _read_meta
+from orchestrator.checkpoints import write_file_atomic
 
 if TYPE_CHECKING:
     from actors.trainer._core import Trainer
@@ -62,8 +63,8 @@ def save(trainer: Trainer, directory: str) -> str:
         (root / "model").mkdir(parents=True, exist_ok=True)
         if (root / "trainer.json").exists():
             (root / "trainer.json").unlink()   # incomplete until the new one lands
-        (root / "model" / "config.json").write_text(
-            json.dumps(trainer.model_config, indent=1, sort_keys=True))
+        write_file_atomic(root / "model" / "config.json",
+                          json.dumps(trainer.model_config, indent=1, sort_keys=True).encode())
     _barrier()
     osd = get_optimizer_state_dict(trainer.model, trainer.optimizer)
     state = {"model": get_model_state_dict(trainer.model), "optim": osd["state"]}
@@ -74,9 +75,7 @@ def save(trainer: Trainer, directory: str) -> str:
         os.replace(tmp, root / "rng.safetensors")
         meta = {"format": FORMAT, "version": trainer.version, "params": list(trainer.params),
                 "ranks": trainer.world.size, "config": trainer.config.model_dump(mode="json")}
-        tmp = root / "trainer.json.tmp"
-        tmp.write_text(json.dumps(meta, indent=1))
-        os.replace(tmp, root / "trainer.json")
+        write_file_atomic(root / "trainer.json", json.dumps(meta, indent=1).encode())
     _barrier()
     return str(root)
 

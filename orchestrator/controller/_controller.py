@@ -78,6 +78,11 @@ class Controller:
     def abandoned(self) -> bool:
         return self.ctx.abandoned
 
+    @property
+    def restoring_trainer(self) -> bool:
+        """A dead trainer is being restored from the last checkpoint now."""
+        return not self.ctx.trainer_alive.is_set()
+
     def counts(self) -> dict[str, int]:
         return self.ctx.buffer.counts()
 
@@ -90,6 +95,16 @@ class Controller:
         await checkpoint(self.ctx)
 
     async def run(self) -> None:
+        try:
+            await self._run()
+        except BaseExceptionGroup as group:
+            # One failure from a task of the run (the usual case): raise it as itself, so a
+            # caller can catch TrainerLost or ActorError.
+            if len(group.exceptions) == 1 and not isinstance(group.exceptions[0], BaseExceptionGroup):
+                raise group.exceptions[0] from None
+            raise
+
+    async def _run(self) -> None:
         ctx = self.ctx
         async with trio.open_nursery() as nursery:
             if self._handle_sigint:
