@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from actors.trainer import TrainerConfig
 from hardware import PoolList
+from orchestrator.sinks import TelemetrySection
 from policies import RecipeConfig
 
 __all__ = [
@@ -150,6 +151,8 @@ class RunConfig(_Section):
     """Periodic checkpoints and trainer restarts."""
     pools: PoolList = Field(min_length=1)
     """Sampler pools ([[pools]] tables, hardware.PoolConfig), names unique."""
+    telemetry: TelemetrySection = Field(default_factory=TelemetrySection)
+    """Metric sinks besides metrics.jsonl: W&B and TensorBoard (orchestrator.sinks)."""
 
     @field_validator("name")
     @classmethod

@@ -26,8 +26,12 @@ from orchestrator.checkpoints import latest_checkpoint, repair_jsonl, save_check
 from orchestrator.config import ConfigError, RunConfig, check_runnable, load_config
 from orchestrator.controller import STATE_FILE, Controller, ControllerState, Links, TrainerLink
 from orchestrator.controller.meshes import MeshEnvs, MeshPool, MeshTrainer
+from orchestrator.live import make_progress
+from orchestrator.outputs import finish_outputs
+from orchestrator.pool_mesh import check_hosts, gpu_warnings, identity_env, pool_mesh
 from orchestrator.progress import Progress
 from orchestrator.runtime import open_mesh, span
+from orchestrator.sinks import open_sinks
 from orchestrator.telemetry import MetricsLog, setup_run_telemetry
 
 __all__ = ["DiskCheckpoints", "RunHandles", "RunResult", "run", "run_async", "run_from_cli"]
@@ -120,12 +124,12 @@ async def run_async(cfg: RunConfig, *, resume: bool = False, progress: Progress 
     beside the controller once the actors are up, and is cancelled when the run ends.
     """
     from actors.env import EnvActor, EnvConfig
-    from actors.sampler import SamplerActor
     from actors.trainer import TrainerGroup, trainer_mesh
     from hardware import CostLedger, Scheduler, ThroughputModel
 
     t0 = time.monotonic()
     check_runnable(cfg)  # devices, task and params: one line naming the field, before any actor starts
+    await check_hosts(cfg.pools)  # a pool's host that is down or refuses our key stops the run here
     run_dir = cfg.run_dir
     ckpt_dir = run_dir / "checkpoint"
     progress = progress or Progress(cfg.steps)
@@ -168,7 +172,8 @@ async def run_async(cfg: RunConfig, *, resume: bool = False, progress: Progress 
 
     progress.message(f"flotilla: run {cfg.name} → {run_dir} ({cfg.mode}, {len(cfg.pools)} pools, "
                      f"{'resuming at step ' + str(state.step) if resume else 'starting'})")
-    metrics = MetricsLog(run_dir / "metrics.jsonl")
+    sinks = open_sinks(cfg.telemetry, run_dir, cfg.name, json.loads(cfg.resolved_json()))
+    metrics = MetricsLog(run_dir / "metrics.jsonl", sinks=sinks)
     # The trainer always names the checkpoint directory: a trainer respawned mid-run
     # restores from the newest checkpoint there (a fresh run's first trainer finds none).
     meshes: dict[str, Any] = {
@@ -176,19 +181,17 @@ async def run_async(cfg: RunConfig, *, resume: bool = False, progress: Progress 
                                 env=_actor_env(cfg, cfg.placement.trainer_cpus)),
         "env": open_mesh(EnvActor, EnvConfig(step_timeout_s=cfg.task.episode_timeout_s,
                                              task_modules=cfg.task.modules),
-                         procs=cfg.task.env_actors, name="env", env=env),
+                         procs=cfg.task.env_actors, name="env", env={**env, **identity_env(cfg.pools)}),
     }
-    for pc in cfg.pools:
-        # No initial weights: each sampler waits for the trainer's keyframe (version -1 until
-        # then), so a resumed run samples from the resumed weights.
-        meshes[f"pool:{pc.name}"] = open_mesh(
-            SamplerActor, pc.name, pc.precision, model_cfg, pc.device,
-            init_seed=None, max_batch=pc.capacity, staleness_budget=pc.staleness_budget,
-            seed=cfg.seed, procs=_procs(pc), name=f"sampler-{pc.name}", env=env)
+    for pc in cfg.pools:  # samplers start without weights and wait for the trainer's keyframe
+        meshes[f"pool:{pc.name}"] = pool_mesh(pc, model_cfg, seed=cfg.seed, env=env)
     checkpoints = DiskCheckpoints(ckpt_dir)
     async with trio.open_nursery() as actors:
         with span("startup", pools=len(cfg.pools)):
             opened = await _open_all(actors, meshes)
+        for pc in cfg.pools:
+            for warning in await gpu_warnings(pc, opened[f"pool:{pc.name}"]):
+                progress.message(f"flotilla: warning: {warning}")
         # Several trainer ranks (FSDP2) are one link too; the controller cannot tell.
         trainer = (MeshTrainer(opened["trainer"]) if opened["trainer"].size == 1
                    else TrainerGroup(opened["trainer"]))
@@ -209,17 +212,14 @@ async def run_async(cfg: RunConfig, *, resume: bool = False, progress: Progress 
         finally:
             metrics.close()
         actors.cancel_scope.cancel()  # leaves every mesh: its processes stop, in parallel
-    ledger.report().write(run_dir)
+    cost_report = ledger.report()
+    cost_report.write(run_dir)
+    finish_outputs(run_dir, sinks, cost_report, state.step, progress)
     result = RunResult(run_dir, state.step, state.version, controller.interrupted,
                        controller.counts(), time.monotonic() - t0)
     progress.message(f"flotilla: {'interrupted' if result.interrupted else 'done'} at step "
                      f"{result.steps_done}, {result.wall_s:.0f}s; reports in {run_dir}")
     return result
-
-
-def _procs(pool: Any) -> int:
-    """A CPU-emulated pool runs one sampler process (its `count` only prices it)."""
-    return 1 if pool.device == "cpu" else pool.count
 
 
 async def _hold(mesh_cm: Any, *, task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED) -> None:
@@ -246,7 +246,11 @@ def run(config: RunConfig | str | Path, *, overrides: list[str] | None = None,
         resume: bool = False, quiet: bool = False) -> RunResult:
     """Blocking entry point: `from orchestrator import run; run("examples/guess_number.toml")`."""
     cfg = config if isinstance(config, RunConfig) else load_config(config, overrides)
-    return trio.run(lambda: run_async(cfg, resume=resume, progress=Progress(cfg.steps, quiet=quiet)))
+    progress = make_progress(cfg.steps, quiet=quiet)
+    try:
+        return trio.run(lambda: run_async(cfg, resume=resume, progress=progress))
+    finally:
+        progress.close()
 
 
 def run_from_cli(config: str | None, *, overrides: list[str], steps: int | None, mode: str | None,

@@ -21,10 +21,11 @@ from typing import Any, get_args
 
 import trio
 
-from orchestrator.runtime import Actor, endpoint, span
+from orchestrator.runtime import Actor, current_rank, endpoint, span
 from orchestrator.weightsync import Precision, WeightMessage, WeightReceiver, wire_snapshot
 
 from ._backend import GenerationBackend, TorchBackend
+from ._placement import rank_device, sglang_backend
 from ._types import GenerateRequest, GenerateResult, SamplerStats
 
 __all__ = ["SamplerActor", "as_weight_messages"]
@@ -89,9 +90,13 @@ class SamplerActor(Actor):
         seed: seeds sampling for requests that carry no seed.
         batch_window_s: torch backend: how long an idle sampler waits for more
             requests before a prefill (see ``TorchBackend``); 0: no wait.
-        backend: "torch", or "sglang" (needs a CUDA GPU and a running server;
-            untested here, see ``actors.sampler._sglang``).
-        sglang_url / sglang_weights_dir: the SGLang server and a directory it reads.
+        backend: "torch", or "sglang" (needs a CUDA GPU; never run against a real
+            server here, see ``actors.sampler._sglang``).
+        sglang: backend "sglang": ``{"urls": [...]}`` (one running server per rank) or
+            ``{"launch": SGLangLaunch dict}`` (this rank starts its own), plus optional
+            ``weights_dir`` and ``pause_mode``.
+        gpus: device "cuda": the CUDA index of each rank (rank r uses ``gpus[r]``); None:
+            rank r uses device r modulo the visible GPUs. Ignored for "cpu" and "cuda:i".
     """
 
     def __init__(
@@ -109,8 +114,8 @@ class SamplerActor(Actor):
         seed: int = 0,
         batch_window_s: float = 0.005,
         backend: str = "torch",
-        sglang_url: str | None = None,
-        sglang_weights_dir: str | None = None,
+        sglang: dict[str, Any] | None = None,
+        gpus: list[int] | None = None,
     ) -> None:
         from actors.models import build_model, default_model_config, model_weights
 
@@ -122,18 +127,17 @@ class SamplerActor(Actor):
         self.precision = precision
         self.staleness_budget = staleness_budget
         config = model_config if model_config is not None else default_model_config()
+        rank = current_rank()
         self._backend: GenerationBackend
         if backend == "torch":
+            device = rank_device(device, rank, gpus)
             self._backend = TorchBackend(config, pool=pool, max_batch=max_batch, max_len=max_len, device=device,
                                          seed=seed, batch_window_s=batch_window_s)
         elif backend == "sglang":
-            from ._sglang import SGLangBackend
-
-            if not sglang_url or not sglang_weights_dir or not isinstance(config, dict):
-                raise ValueError("backend 'sglang' needs sglang_url, sglang_weights_dir and a model_config dict")
-            self._backend = SGLangBackend(sglang_url, pool=pool, weights_dir=sglang_weights_dir, model_config=config)
+            self._backend = sglang_backend(pool, config, rank, gpus, sglang or {})
         else:
             raise ValueError(f"backend must be 'torch' or 'sglang', got {backend!r}")
+        self.device = device
 
         self._receiver = WeightReceiver(precision)  # type: ignore[arg-type]
         self._hashes: dict[str, str] = {}
@@ -206,6 +210,16 @@ class SamplerActor(Actor):
                     self._updates += 1
                 s.set_attribute("to_version", self._backend.version)
         return self._backend.version
+
+    @endpoint
+    def device_names(self) -> list[str]:
+        """Names of the CUDA devices this rank computes on (empty on CPU and for SGLang,
+        whose server owns the GPU); the controller checks them against the pool's label."""
+        if self._backend.name != "torch" or not self.device.startswith("cuda"):
+            return []
+        import torch
+
+        return [torch.cuda.get_device_name(torch.device(self.device))]
 
     @endpoint
     async def reset_weights(self) -> None:
