@@ -91,6 +91,9 @@ async def test_two_ranks_equal_one_and_resume_across_rank_counts(tmp_path: Path)
             again = await group.train_step(second)
             assert (again.loss, again.grad_norm) == (after_two.loss, after_two.grad_norm)
             assert _max_diff(await group.full_weights(), weights_two) == 0.0
+            # one trajectory for two ranks: rank 1 takes zero-loss passes alongside
+            solo = await group.train_step([first[0]])
+            assert solo.applied and solo.trajectories == 1 and solo.tokens == first[0].num_generated
 
 
 @pytest.mark.slow
