@@ -81,8 +81,8 @@ class TaskSection(_Section):
     params: dict[str, Any] = Field(default_factory=dict)
     """Task parameters (for guess_number: n, max_turns)."""
     modules: list[str] = Field(default_factory=list)
-    """Modules that register tasks (`@register_task`), imported in every env actor and,
-    before any actor starts, to check the task and its params."""
+    """Modules that register tasks (`@register_task`): dotted names or paths of `.py` files,
+    imported in every env actor and, before any actor starts, to check the task and its params."""
     env_actors: int = Field(default=1, ge=1)
     """Environment actor processes; each runs many episodes concurrently."""
     episode_timeout_s: float = Field(default=60.0, gt=0)

@@ -125,10 +125,11 @@ async def check_hosts(pools: list[Any], timeout_s: float = HOST_TIMEOUT_S) -> No
 
 
 def pool_mesh(pool: Any, model_config: dict[str, Any] | str, *, seed: int,
-              env: dict[str, str]) -> AbstractAsyncContextManager[Mesh[Any]]:
+              env: dict[str, str], weights_key: str | None = None) -> AbstractAsyncContextManager[Mesh[Any]]:
     """The ``open_mesh`` context of the pool's samplers (see the module docstring).
 
-    Samplers start with no weights (version -1) and wait for the trainer's keyframe.
+    Samplers start with no weights (version -1) and wait for the trainer's keyframe;
+    `weights_key` is the run's key that sealed weight messages must carry.
     """
     from actors.sampler import SamplerActor
 
@@ -143,7 +144,7 @@ def pool_mesh(pool: Any, model_config: dict[str, Any] | str, *, seed: int,
     return open_mesh(
         SamplerActor, pool.name, pool.precision, model_config, pool.device,
         init_seed=None, max_batch=pool.capacity, staleness_budget=pool.staleness_budget,
-        seed=seed, backend=pool.backend, sglang=sglang, gpus=pool_gpus(pool),
+        seed=seed, backend=pool.backend, sglang=sglang, gpus=pool_gpus(pool), weights_key=weights_key,
         procs=pool_procs(pool), name=f"sampler-{pool.name}", env=env, **placement)
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -176,15 +177,18 @@ async def run_async(cfg: RunConfig, *, resume: bool = False, progress: Progress 
     metrics = MetricsLog(run_dir / "metrics.jsonl", sinks=sinks)
     # The trainer always names the checkpoint directory: a trainer respawned mid-run
     # restores from the newest checkpoint there (a fresh run's first trainer finds none).
+    # Weight messages are sealed with a key only this run's trainer and samplers hold (it
+    # travels in their constructor arguments: CurveZMQ-encrypted across machines).
+    weights_key = secrets.token_hex(32)
     meshes: dict[str, Any] = {
-        "trainer": trainer_mesh(trainer_cfg, str(ckpt_dir), not resume, name="trainer",
-                                env=_actor_env(cfg, cfg.placement.trainer_cpus)),
+        "trainer": trainer_mesh(trainer_cfg, str(ckpt_dir), not resume, weights_key=weights_key,
+                                name="trainer", env=_actor_env(cfg, cfg.placement.trainer_cpus)),
         "env": open_mesh(EnvActor, EnvConfig(step_timeout_s=cfg.task.episode_timeout_s,
                                              task_modules=cfg.task.modules),
                          procs=cfg.task.env_actors, name="env", env={**env, **identity_env(cfg.pools)}),
     }
     for pc in cfg.pools:  # samplers start without weights and wait for the trainer's keyframe
-        meshes[f"pool:{pc.name}"] = pool_mesh(pc, model_cfg, seed=cfg.seed, env=env)
+        meshes[f"pool:{pc.name}"] = pool_mesh(pc, model_cfg, seed=cfg.seed, env=env, weights_key=weights_key)
     checkpoints = DiskCheckpoints(ckpt_dir)
     async with trio.open_nursery() as actors:
         with span("startup", pools=len(cfg.pools)):

@@ -8,7 +8,6 @@ task per call); environments are fresh instances per episode.
 """
 from __future__ import annotations
 
-import importlib
 import sys
 import uuid
 from typing import Any
@@ -17,7 +16,7 @@ import trio
 from pydantic import BaseModel, ConfigDict, Field
 
 from actors.env._episode import EnvCalls, EpisodeLimits, play_episode
-from actors.env._interface import registered_tasks
+from actors.env._interface import import_task_module, registered_tasks
 from actors.env._threads import EnvThreads
 from actors.env._watchdog import LoopWatchdog
 from actors.sampler import GenerateRequest, GenerateResult
@@ -42,7 +41,8 @@ class EnvConfig(BaseModel):
     (the model's context)."""
     task_modules: list[str] = Field(default_factory=list)
     """Modules imported at start-up so their ``@register_task`` environments exist in
-    the actor's process (the built-in tasks are always there)."""
+    the actor's process (the built-in tasks are always there): dotted names or paths of
+    ``.py`` files."""
     env_threads: int = Field(16, ge=1)
     """Worker threads per task for plain environment methods. A call stuck past its
     timeout keeps its thread until it returns; once all are stuck, further calls of that
@@ -67,7 +67,7 @@ class EnvActor(Actor):
     def __init__(self, config: EnvConfig | None = None) -> None:
         self.config = config if config is not None else EnvConfig()
         for module in self.config.task_modules:
-            importlib.import_module(module)
+            import_task_module(module)
         self.chat = default_chat_tokens()
         self.limits = EpisodeLimits(self.config.step_timeout_s, self.config.generate_timeout_s,
                                     self.config.max_seq_len)

@@ -9,12 +9,11 @@ a bad param is one line naming the field, not a failure in every episode.
 """
 from __future__ import annotations
 
-import importlib
 import inspect
 from collections.abc import Iterable
 from typing import Any
 
-from actors.env._interface import registered_tasks, task_factory
+from actors.env._interface import import_task_module, registered_tasks, task_factory
 
 __all__ = ["TaskCheckError", "check_task"]
 
@@ -29,7 +28,7 @@ def check_task(name: str, params: dict[str, Any] | None = None, modules: Iterabl
     params = dict(params or {})
     for module in modules:
         try:
-            importlib.import_module(module)
+            import_task_module(module)
         except Exception as e:  # the user's module: any error is theirs to see, in one line
             raise TaskCheckError(f"task.modules: cannot import {module!r}: {type(e).__name__}: {e}") from None
     factory = task_factory(name)

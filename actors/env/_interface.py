@@ -15,7 +15,11 @@ instances need no locking and no reset-between-episodes hygiene.
 """
 from __future__ import annotations
 
+import importlib
+import importlib.util
+import sys
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
@@ -26,6 +30,7 @@ __all__ = [
     "Environment",
     "Observation",
     "StepOutcome",
+    "import_task_module",
     "make_env",
     "make_task_specs",
     "register_task",
@@ -118,6 +123,31 @@ def _qualname(f: Any) -> str:
 def registered_tasks() -> list[str]:
     """Names of the registered tasks, sorted."""
     return sorted(_REGISTRY)
+
+
+def import_task_module(module: str) -> None:
+    """Import a module that registers tasks: a dotted name (``mytasks.games``) or the path
+    of a ``.py`` file (loaded once, as module ``flotilla_tasks.<stem>``). Errors propagate
+    (ModuleNotFoundError, FileNotFoundError, the module's own)."""
+    if not module.endswith(".py"):
+        importlib.import_module(module)
+        return
+    path = Path(module).resolve()
+    name = f"flotilla_tasks.{path.stem}"
+    if name in sys.modules:
+        return
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path} as a module")
+    if not path.is_file():
+        raise FileNotFoundError(f"no such task module file: {path}")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    try:
+        spec.loader.exec_module(mod)
+    except BaseException:
+        del sys.modules[name]
+        raise
 
 
 def task_factory(name: str) -> EnvFactory | None:

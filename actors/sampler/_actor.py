@@ -97,6 +97,8 @@ class SamplerActor(Actor):
             ``weights_dir`` and ``pause_mode``.
         gpus: device "cuda": the CUDA index of each rank (rank r uses ``gpus[r]``); None:
             rank r uses device r modulo the visible GPUs. Ignored for "cpu" and "cuda:i".
+        weights_key: hex key shared with the trainer's publisher: weight messages must be
+            sealed with it (``weightsync.WeightReceiver(auth_key=...)``); None: unkeyed digests.
     """
 
     def __init__(
@@ -116,6 +118,7 @@ class SamplerActor(Actor):
         backend: str = "torch",
         sglang: dict[str, Any] | None = None,
         gpus: list[int] | None = None,
+        weights_key: str | None = None,
     ) -> None:
         from actors.models import build_model, default_model_config, model_weights
 
@@ -139,7 +142,8 @@ class SamplerActor(Actor):
             raise ValueError(f"backend must be 'torch' or 'sglang', got {backend!r}")
         self.device = device
 
-        self._receiver = WeightReceiver(precision)  # type: ignore[arg-type]
+        self._key = bytes.fromhex(weights_key) if weights_key else None
+        self._receiver = WeightReceiver(precision, auth_key=self._key)  # type: ignore[arg-type]
         self._hashes: dict[str, str] = {}
         if initial_weights is not None:
             for msg in as_weight_messages(initial_weights):
@@ -147,7 +151,8 @@ class SamplerActor(Actor):
                 self._hashes = {t.name: t.hash for t in msg.meta.tensors}
         elif init_seed is not None:
             master = model_weights(build_model(config, seed=init_seed))
-            self._receiver = WeightReceiver(precision, wire_snapshot(master, precision), 0)  # type: ignore[arg-type]
+            self._receiver = WeightReceiver(precision, wire_snapshot(master, precision), 0,  # type: ignore[arg-type]
+                                            auth_key=self._key)
         self._lock = trio.Lock()
         self._updates = 0
 
@@ -228,7 +233,7 @@ class SamplerActor(Actor):
         longer exist. The weights stay in use until that keyframe arrives (the controller
         starts no rollout on them meanwhile). Waits for an apply in progress."""
         async with self._lock:
-            self._receiver = WeightReceiver(self.precision)  # type: ignore[arg-type]
+            self._receiver = WeightReceiver(self.precision, auth_key=self._key)  # type: ignore[arg-type]
             self._hashes = {}
 
     @endpoint

@@ -152,15 +152,17 @@ class TrainerGroup:
 
 
 def trainer_mesh(config: TrainerConfig, resume_from: str | None = None, missing_ok: bool = False,
-                 *, name: str = "trainer", env: Mapping[str, str] | None = None,
+                 *, weights_key: str | None = None, name: str = "trainer",
+                 env: Mapping[str, str] | None = None,
                  grace: float = 5.0) -> AbstractAsyncContextManager[Mesh[TrainerActor]]:
     """``open_mesh`` of ``config.procs`` trainer ranks (one process each). With several
     ranks they meet at ``config.rendezvous``, torchrun's ``MASTER_ADDR``/``MASTER_PORT``,
     or a free loopback port (``_dist.rendezvous_address``). Leaving the block stops every
-    rank, also on error and cancellation."""
+    rank, also on error and cancellation. ``weights_key`` seals rank 0's weight messages
+    (see ``TrainerActor``)."""
     address = rendezvous_address(config.rendezvous) if config.procs > 1 else None
-    return open_mesh(TrainerActor, config, resume_from, missing_ok, address, procs=config.procs,
-                     name=name, env=env, grace=grace)
+    return open_mesh(TrainerActor, config, resume_from, missing_ok, weights_key, address,
+                     procs=config.procs, name=name, env=env, grace=grace)
 
 
 @asynccontextmanager
