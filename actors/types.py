@@ -44,6 +44,8 @@ class SamplingParams(BaseModel):
     """Keep at most this many candidates before top-p (0 = no cap)."""
     top_p: float = Field(0.97, gt=0.0, le=1.0)
     """Nucleus mass kept after top-k."""
+    min_keep: int = Field(2, ge=1)
+    """Top-p keeps at least this many ids (the recipe's ``min_keep``; 1 = plain nucleus)."""
     max_new_tokens: int = Field(16, ge=1)
     """Per-turn generation limit, used when the environment sets none of its own."""
 

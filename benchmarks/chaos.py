@@ -15,7 +15,8 @@ processes, and, while it trains:
 It ends with one JSON line: `run_completed`, `prompts_lost` (prompts that entered and were
 neither trained, still buffered, nor counted as skipped), `prompts_skipped`,
 `steps_repeated_after_trainer_kill`, `recover_s_max` (fault -> next trained step),
-`bad_weight_messages_accepted`, `controller_cpu_while_trainer_dead` (cores).
+`bad_weight_messages_accepted` (a corrupted or forged message applied, or a replayed
+old keyframe that rolled the sampler back), `controller_cpu_while_trainer_dead` (cores).
 
     python benchmarks/chaos.py            # 120 steps
     python benchmarks/chaos.py --quick    # 40 steps
@@ -114,11 +115,16 @@ class Schedule:
                 current = await meshes["trainer"][0].keyframe.call_one("bf16")
                 for kind, frames in _forgeries(self.keyframe, current, self.rng, 100):
                     self.bad_sent += 1
+                    held = await pool[0].version.call_one()
                     try:
-                        await pool[0].apply_weights.call_one([frames])
-                        self.bad_accepted += 1
+                        now = await pool[0].apply_weights.call_one([frames])
                     except ActorError:
-                        pass
+                        continue  # refused
+                    # A corrupted or forged message must be refused outright. An old keyframe
+                    # may be kept aside by a sampler that waits for one (never used unless
+                    # deltas bring it past what it holds): accepted only if it rolled back.
+                    if kind != "replay" or now < held:
+                        self.bad_accepted += 1
             if step >= self.stop_at and not self.stopped:
                 self.stopped = True
                 ctl.stop()

@@ -72,10 +72,11 @@ class PoolConfig(BaseModel):
     keys: str = "~/.flotilla/keys"
     """With `hosts`: the controller's CurveZMQ key directory (`id.key_secret`; each host's
     public key in `hosts/<ip>_<port>.key`, else the controller's own when all machines share
-    one keypair)."""
+    one key pair -- those hosts run with `--trust-own-key`)."""
     gpus: list[int] | None = None
     """device `cuda`: the CUDA device index of each rank (`count` of them; rank r uses
-    `gpus[r]`); None: rank r uses device r modulo the GPUs visible on its machine."""
+    `gpus[r]`); None: each rank takes the next GPU of its own machine (with n hosts, rank r
+    is on host r mod n and takes GPU r // n)."""
 
     @field_validator("gpu")
     @classmethod

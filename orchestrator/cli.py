@@ -2,6 +2,7 @@
 
     flotilla run CONFIG [--set key=value ...] [--steps N] [--mode async|sync] [--resume RUN_DIR]
     flotilla report RUN_DIR
+    flotilla export RUN_DIR OUT_DIR [--step N] [--dtype bfloat16|float32|float16]
     flotilla compare RUN_DIR RUN_DIR ... [-o compare.html]
     flotilla config [SECTION]    every config field with its type, default and meaning
     flotilla hardware [CONFIG]
@@ -35,13 +36,18 @@ def _parser() -> argparse.ArgumentParser:
     rep = sub.add_parser("report", help="print a run's cost report; rebuild its report.html")
     rep.add_argument("run_dir")
 
+    ex = sub.add_parser("export", help="write a run's policy as a Hugging Face model directory")
+    ex.add_argument("run_dir")
+    ex.add_argument("out_dir")
+    ex.add_argument("--step", type=int, help="the checkpoint's step (a run keeps its latest)")
+    ex.add_argument("--dtype", default="bfloat16", help="bfloat16 (default), float32 or float16")
     cmp = sub.add_parser("compare", help="one HTML page overlaying several runs' curves")
     cmp.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     cmp.add_argument("-o", "--out", default="compare.html", help="output file (default: compare.html)")
 
     cf = sub.add_parser("config", help="every config field: type, default and what it does")
     cf.add_argument("section", nargs="?", help="one section (model, task, rollout, recipe, "
-                    "trainer, placement, checkpoint, pools)")
+                    "trainer, placement, checkpoint, eval, pools)")
 
     hw = sub.add_parser("hardware", help="the GPU catalog, and a config's pools with estimated cost")
     hw.add_argument("config", nargs="?")
@@ -77,6 +83,16 @@ def main(argv: list[str] | None = None) -> int:
         from orchestrator.reports import print_report
 
         return print_report(args.run_dir)
+    if args.command == "export":
+        from orchestrator.export import ExportError, export_run
+
+        try:
+            out = export_run(args.run_dir, args.out_dir, step=args.step, dtype=args.dtype)
+        except (ExportError, ValueError, FileNotFoundError) as e:
+            print(f"flotilla: {e}", file=sys.stderr)
+            return 2
+        print(f"flotilla: exported {args.run_dir} -> {out}")
+        return 0
     if args.command == "compare":
         from orchestrator.reports import compare_runs
 

@@ -14,10 +14,11 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from actors.trainer import TrainerConfig
 from hardware import PoolList
+from orchestrator.evaluation import EvalConfig
 from orchestrator.sinks import TelemetrySection
 from policies import RecipeConfig
 
@@ -45,12 +46,20 @@ class _Section(BaseModel):
 
 class ModelSection(_Section):
     path: str | None = None
-    """A local checkpoint directory (config.json + safetensors). None: the tiny built-in
-    Qwen3-style model with random init, sized to the task tokenizer."""
+    """A local Hugging Face checkpoint directory: config.json (qwen3, qwen2, llama or mistral),
+    *.safetensors (sharded or not), and tokenizer.json/tokenizer_config.json with a chat
+    template, which then renders every episode's turns. None: the tiny built-in Qwen3-style
+    model with random init and the built-in word tokenizer."""
     overrides: dict[str, Any] = Field(default_factory=dict)
     """Fields of the built-in model config to change (hidden_size, num_hidden_layers, ...)."""
     seed: int = 0
     """Seed of the random init when no path is given."""
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Extra variables for the checkpoint's chat template (e.g. `{ enable_thinking = false }`
+    for Qwen3)."""
+    max_seq_len: int = Field(default=256, ge=8)
+    """Context length of an episode (prompt, replies and observations, in tokens): an episode
+    ends before a turn that could pass it, and samplers size their KV cache to it."""
 
     @field_validator("overrides")
     @classmethod
@@ -80,15 +89,21 @@ class TaskSection(_Section):
     """A registered task: `guess_number`, `arithmetic`, or one a user registered."""
     params: dict[str, Any] = Field(default_factory=dict)
     """Task parameters (for guess_number: n, max_turns)."""
-    modules: list[str] = Field(default_factory=list)
-    """Modules that register tasks (`@register_task`): dotted names or paths of `.py` files,
-    imported in every env actor and, before any actor starts, to check the task and its params."""
     env_actors: int = Field(default=1, ge=1)
     """Environment actor processes; each runs many episodes concurrently."""
     episode_timeout_s: float = Field(default=60.0, gt=0)
     """An episode that takes longer ends as a failed trajectory."""
     max_new_tokens: int = Field(default=1, ge=1)
     """Tokens the policy may generate per turn."""
+    modules: list[str] = Field(default_factory=list)
+    """Modules that register tasks (`@register_task`): dotted names (`my_pkg.tasks`) or `.py`
+    paths (`path/to/tasks.py`), imported in every environment process before its first
+    episode, and checked before any actor starts."""
+    dataset: str | None = None
+    """A local `.jsonl`/`.json`/`.parquet` file: one task instance per row, merged over
+    `params` (rows shuffled per epoch with the run's seed)."""
+    eval_dataset: str | None = None
+    """Held-out rows for `[eval]` (never trained on); None: fresh seeds of the task."""
 
 
 class RolloutSection(_Section):
@@ -149,6 +164,8 @@ class RunConfig(_Section):
     """Threads and CPU pinning of the actor processes."""
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     """Periodic checkpoints and trainer restarts."""
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    """Held-out evaluation during training (orchestrator.evaluation.EvalConfig)."""
     pools: PoolList = Field(min_length=1)
     """Sampler pools ([[pools]] tables, hardware.PoolConfig), names unique."""
     telemetry: TelemetrySection = Field(default_factory=TelemetrySection)
@@ -166,6 +183,13 @@ class RunConfig(_Section):
     @property
     def run_dir(self) -> Path:
         return Path(self.run_root) / self.name
+
+    @model_validator(mode="after")
+    def _eval_pool(self) -> RunConfig:
+        names = [p.name for p in self.pools]
+        if self.eval.pool is not None and self.eval.pool not in names:
+            raise ValueError(f"eval.pool {self.eval.pool!r} is not a pool; pools: {names}")
+        return self
 
     def resolved_json(self) -> str:
         return json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=True)
@@ -258,6 +282,8 @@ def check_runnable(cfg: RunConfig) -> None:
         raise ConfigError(str(e)) from None
     if cfg.trainer.device == "cuda" and cuda == 0:
         raise ConfigError("trainer.device: 'cuda' but this machine has no CUDA GPU; use \"cpu\"")
+    if cfg.task.dataset is not None:
+        return  # the rows complete the params: orchestrator.preflight checks the task on them
     try:
         check_task(cfg.task.name, cfg.task.params, cfg.task.modules)
     except TaskCheckError as e:

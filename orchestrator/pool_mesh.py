@@ -125,11 +125,13 @@ async def check_hosts(pools: list[Any], timeout_s: float = HOST_TIMEOUT_S) -> No
 
 
 def pool_mesh(pool: Any, model_config: dict[str, Any] | str, *, seed: int,
-              env: dict[str, str], weights_key: str | None = None) -> AbstractAsyncContextManager[Mesh[Any]]:
+              env: dict[str, str], max_len: int | None = None,
+              weights_key: str | None = None) -> AbstractAsyncContextManager[Mesh[Any]]:
     """The ``open_mesh`` context of the pool's samplers (see the module docstring).
 
-    Samplers start with no weights (version -1) and wait for the trainer's keyframe;
-    `weights_key` is the run's key that sealed weight messages must carry.
+    Samplers start with no weights (version -1) and wait for the trainer's keyframe.
+    ``max_len``: tokens per KV-cache slot (the run's ``[model] max_seq_len``);
+    ``weights_key``: the run's key that sealed weight messages must carry.
     """
     from actors.sampler import SamplerActor
 
@@ -143,8 +145,9 @@ def pool_mesh(pool: Any, model_config: dict[str, Any] | str, *, seed: int,
                   "launch": pool.launch.model_dump() if pool.launch is not None else None}
     return open_mesh(
         SamplerActor, pool.name, pool.precision, model_config, pool.device,
-        init_seed=None, max_batch=pool.capacity, staleness_budget=pool.staleness_budget,
-        seed=seed, backend=pool.backend, sglang=sglang, gpus=pool_gpus(pool), weights_key=weights_key,
+        init_seed=None, max_batch=pool.capacity, max_len=max_len,
+        staleness_budget=pool.staleness_budget, weights_key=weights_key,
+        seed=seed, backend=pool.backend, sglang=sglang, gpus=pool_gpus(pool),
         procs=pool_procs(pool), name=f"sampler-{pool.name}", env=env, **placement)
 
 

@@ -27,6 +27,7 @@ from orchestrator.checkpoints import latest_checkpoint, repair_jsonl, save_check
 from orchestrator.config import ConfigError, RunConfig, check_runnable, load_config
 from orchestrator.controller import STATE_FILE, Controller, ControllerState, Links, TrainerLink
 from orchestrator.controller.meshes import MeshEnvs, MeshPool, MeshTrainer
+from orchestrator.preflight import preflight
 from orchestrator.live import make_progress
 from orchestrator.outputs import finish_outputs
 from orchestrator.pool_mesh import check_hosts, gpu_warnings, identity_env, pool_mesh
@@ -61,19 +62,17 @@ def _model_config(cfg: RunConfig) -> dict[str, Any] | str:
     from actors.tokenizer import VOCAB_SIZE
 
     if cfg.model.path:
-        return cfg.model.path
+        return str(Path(cfg.model.path).resolve())  # actor processes may run elsewhere
     conf = default_model_config(vocab_size=VOCAB_SIZE)
     conf.update(cfg.model.overrides)
     return conf
 
 
-def _model_spec(model_cfg: dict[str, Any] | str) -> Any:
-    """Parameter count for the throughput model (dense: every parameter is active)."""
-    from actors.models import build_model
+def _model_spec(params: int) -> Any:
+    """The throughput model's view of the model (dense: every parameter is active)."""
     from hardware import ModelSpec
 
-    n = sum(p.numel() for p in build_model(model_cfg, seed=0).parameters())
-    return ModelSpec(total_params=n, active_params=n)
+    return ModelSpec(total_params=params, active_params=params)
 
 
 def _truncate_metrics(path: Path, last_step: int) -> None:
@@ -131,6 +130,7 @@ async def run_async(cfg: RunConfig, *, resume: bool = False, progress: Progress 
     t0 = time.monotonic()
     check_runnable(cfg)  # devices, task and params: one line naming the field, before any actor starts
     await check_hosts(cfg.pools)  # a pool's host that is down or refuses our key stops the run here
+    checked = preflight(cfg)  # model, memory, task modules, datasets: before any process
     run_dir = cfg.run_dir
     ckpt_dir = run_dir / "checkpoint"
     progress = progress or Progress(cfg.steps)
@@ -160,7 +160,7 @@ async def run_async(cfg: RunConfig, *, resume: bool = False, progress: Progress 
     trainer_cfg = cfg.trainer.model_copy(update={
         "recipe": cfg.recipe, "seed": cfg.model.seed, "model": model_cfg, "precisions": precisions})
     env = _actor_env(cfg, cfg.placement.sampler_cpus)
-    scheduler = Scheduler(cfg.pools, ThroughputModel(cfg.pools, _model_spec(model_cfg)))
+    scheduler = Scheduler(cfg.pools, ThroughputModel(cfg.pools, _model_spec(checked.params)))
     # Emulated pools are billed their measured busy seconds at the labelled GPU's price
     # (no throughput model given to the ledger), so the report reflects the run that happened.
     ledger = CostLedger(cfg.pools)
@@ -183,12 +183,16 @@ async def run_async(cfg: RunConfig, *, resume: bool = False, progress: Progress 
     meshes: dict[str, Any] = {
         "trainer": trainer_mesh(trainer_cfg, str(ckpt_dir), not resume, weights_key=weights_key,
                                 name="trainer", env=_actor_env(cfg, cfg.placement.trainer_cpus)),
-        "env": open_mesh(EnvActor, EnvConfig(step_timeout_s=cfg.task.episode_timeout_s,
-                                             task_modules=cfg.task.modules),
+        "env": open_mesh(EnvActor, EnvConfig(
+                             step_timeout_s=cfg.task.episode_timeout_s, max_seq_len=cfg.model.max_seq_len,
+                             model_path=model_cfg if isinstance(model_cfg, str) else None,
+                             chat_template_kwargs=cfg.model.chat_template_kwargs,
+                             task_modules=checked.task_modules),
                          procs=cfg.task.env_actors, name="env", env={**env, **identity_env(cfg.pools)}),
     }
     for pc in cfg.pools:  # samplers start without weights and wait for the trainer's keyframe
-        meshes[f"pool:{pc.name}"] = pool_mesh(pc, model_cfg, seed=cfg.seed, env=env, weights_key=weights_key)
+        meshes[f"pool:{pc.name}"] = pool_mesh(pc, model_cfg, seed=cfg.seed, env=env,
+                                              max_len=cfg.model.max_seq_len, weights_key=weights_key)
     checkpoints = DiskCheckpoints(ckpt_dir)
     async with trio.open_nursery() as actors:
         with span("startup", pools=len(cfg.pools)):
@@ -203,7 +207,8 @@ async def run_async(cfg: RunConfig, *, resume: bool = False, progress: Progress 
                       pools={pc.name: MeshPool(pc, opened[f"pool:{pc.name}"]) for pc in cfg.pools})
         state.version = await trainer.version()
         controller = Controller(cfg, links, state, scheduler=scheduler, ledger=ledger,
-                                metrics=metrics, progress=progress, checkpoints=checkpoints)
+                                metrics=metrics, progress=progress, checkpoints=checkpoints,
+                                dataset=checked.dataset, eval_dataset=checked.eval_dataset)
         try:
             async with trio.open_nursery() as beside:
                 if observer is not None:

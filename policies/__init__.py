@@ -3,6 +3,13 @@
 Sampler side: `sample_with_support` draws tokens after temperature / top-k / top-p and
 records each token's kept support as a `SupportRecord` (CSR ids + offsets + log q).
 
+Exploration under top-p: a plain nucleus shrinks to one token once the top token alone
+holds top_p of the mass; with replay that state is sampled deterministically and its
+log p^S is exactly 0, so no gradient moves it again. `RecipeConfig.min_keep` (default 2)
+keeps the runner-up in every support (the trade-off is in `policies.sampling`);
+`entropy_coef` / `entropy_floor` add an entropy term over the replayed support, which
+slows the collapse but cannot undo a one-token support (its entropy is 0 for any weights).
+
 Trainer side: `replay_logprobs_from_hidden` (or `replay_logprobs` on full logits) gives
 log p^S over each recorded support; `recipe_loss` applies masked importance weights and
 the score-centred token loss, token-mean over the global batch; `grpo_advantages` gives

@@ -30,6 +30,27 @@ class RecipeConfig(BaseModel):
     """Nucleus mass in (0, 1]: keep the shortest rank-ordered prefix whose probability
     (renormalised over the top-k set) reaches top_p; 1 keeps the whole top-k set."""
 
+    min_keep: int = Field(default=2, ge=1)
+    """Top-p never cuts the support below this many ids (transformers' `min_tokens_to_keep`).
+    1 is the plain nucleus, under which a state whose top token alone passes top_p gets a
+    one-token support: sampled deterministically, replayed log p^S = 0, so no gradient ever
+    reaches it again (an absorbing state). 2 (the default) keeps the runner-up sampled with
+    its renormalised probability and gives both ids a gradient; the sampler is slightly less
+    greedy and the record holds one more id per such row. Sampler and trainer see the same
+    set (the sampler records it), so replay stays exact. README "Exploration under top-p"
+    has the measurements behind the default."""
+
+    entropy_coef: float = Field(default=0.0, ge=0.0)
+    """Weight β of an entropy term on the replayed support, H_t = −Σ_{v∈S_t} p^S log p^S:
+    with entropy_floor None the loss gets −β·H_t per token (a bonus), otherwise
+    β·max(0, entropy_floor − H_t) (a floor: only low-entropy rows are pushed). 0 disables it.
+    It cannot unfreeze a one-token support (H is 0 there for any weights, so its gradient
+    is 0); it slows the collapse towards one, at the cost of a biased objective. Needs
+    mask_replay (the sum runs over the recorded support)."""
+
+    entropy_floor: float | None = Field(default=None, ge=0.0)
+    """Target entropy (nats) of the entropy term; None makes it a plain bonus."""
+
     mask_replay: bool = True
     """Replay the sampler's recorded support on the trainer: log p^S over S_t only.
     False is the ablation that scores sampled tokens with the full-vocabulary softmax."""
@@ -98,6 +119,11 @@ class RecipeConfig(BaseModel):
         if self.mis_low > self.mis_high:
             raise ValueError(
                 f"mis_low ({self.mis_low}) must not exceed mis_high ({self.mis_high})"
+            )
+        if self.entropy_coef > 0.0 and not self.mask_replay:
+            raise ValueError(
+                "entropy_coef > 0 needs mask_replay=True: the entropy runs over the replayed "
+                "support (set entropy_coef=0 for the no-replay ablation)"
             )
         if self.score_centering and not self.mask_replay:
             raise ValueError(

@@ -8,6 +8,15 @@ Per generated token t with advantage A_t, detached weights w_y and c_v (see
 
     loss = Σ_t m_t ℓ_t / N,   N = loss-token count of the WHOLE global batch,
 
+optionally plus an entropy term over the replayed support (`entropy_coef` β > 0),
+H_t = −Σ_{v∈S_t} p^S_t(v) log p^S_t(v):
+
+    bonus (entropy_floor None):   ℓ_t += −β · H_t
+    floor (entropy_floor = h):    ℓ_t +=  β · max(0, h − H_t)
+
+A one-token support has H_t = 0 for any weights, so this term never moves such a state;
+that is the job of `RecipeConfig.min_keep` (see policies.sampling).
+
 so summing the losses (and gradients) of micro-batches, each called with the same N,
 gives exactly the loss (and gradient) of the batch processed at once.
 
@@ -141,7 +150,17 @@ def recipe_loss(
         term = term - torch.zeros(n, dtype=contrib.dtype, device=dev).index_add(
             0, replay.row, contrib
         )
-    per_token = torch.where(mask, -adv.to(term.dtype) * term, 0.0)
+    per_token = -adv.to(term.dtype) * term
+    if config.entropy_coef > 0.0:
+        assert replay is not None
+        keep_s = mask[replay.row]
+        lp = torch.where(keep_s, logp_s, 0.0)
+        h = torch.zeros(n, dtype=lp.dtype, device=dev).index_add(0, replay.row, -torch.exp(lp) * lp)
+        if config.entropy_floor is None:
+            per_token = per_token - config.entropy_coef * h
+        else:
+            per_token = per_token + config.entropy_coef * torch.clamp(config.entropy_floor - h, min=0.0)
+    per_token = torch.where(mask, per_token, 0.0)
     loss = per_token.sum() / n_global
 
     metrics = compute_metrics(

@@ -7,13 +7,23 @@ For each row of logits z ∈ R^V:
     K      = first k ids of rank            (top-k cap; k <= 0 means no cap, K = all ids)
     p_K    = softmax(x restricted to K)     (renormalised over the capped set)
     S      = shortest prefix of K (in rank order) whose cumulative p_K mass >= top_p,
-             i.e. entry j is kept iff  sum_{i<j} p_K(i) < top_p  (so |S| >= 1),
-             dropping entries whose probability underflows to 0
+             i.e. entry j (0-based) is kept iff  sum_{i<j} p_K(i) < top_p  or  j < min_keep
+             (so |S| >= min(min_keep, |K|)), dropping entries whose probability
+             underflows to 0
     q      = p_K restricted to S, renormalised:  log q(v) = x_v − logsumexp_{u∈S} x_u
     y      ~ q   (inverse CDF with one uniform per row from the torch generator)
 
 top_p = 1 keeps every id of K with non-zero probability. temperature = 0 is greedy:
 y = argmax z (lowest id among equal maxima), S = {y}, log q = 0.
+
+min_keep (as `min_tokens_to_keep` of transformers' TopPLogitsWarper): with min_keep = 1,
+a state whose top token alone passes top_p gets the one-token support S = {y}; it is
+sampled deterministically and its replayed log p^S(y) is exactly 0 whatever the
+weights, so no policy gradient reaches it again (an absorbing state: a wrong choice
+there is never corrected). min_keep = 2 keeps the runner-up in S with its renormalised
+probability q = p_K(2nd) / (p_K(1st) + p_K(2nd)): it is still sampled now and then and
+both entries get a gradient. The price is a slightly less greedy sampler (at most the
+runner-up's share of mass is added) and one more id per row in the record.
 
 Ties are resolved by the total order (−x, id) everywhere: in the top-k cap and at the
 top-p cutoff, an id with a lower index ranks first among equal processed logits, so the
@@ -65,7 +75,7 @@ def _top_ranked(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
     return ids.gather(-1, order), vals.gather(-1, order)
 
 
-def _check_args(logits: Tensor, temperature: float, top_k: int, top_p: float) -> None:
+def _check_args(logits: Tensor, temperature: float, top_k: int, top_p: float, min_keep: int) -> None:
     if logits.dim() != 2 or logits.shape[0] == 0 or logits.shape[1] == 0:
         raise ValueError(f"logits must have shape [B, V] with B, V >= 1, got {tuple(logits.shape)}")
     if not logits.is_floating_point():
@@ -78,6 +88,8 @@ def _check_args(logits: Tensor, temperature: float, top_k: int, top_p: float) ->
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     if not isinstance(top_k, int):
         raise ValueError(f"top_k must be an int (<= 0 for no cap), got {top_k!r}")
+    if not (isinstance(min_keep, int) and min_keep >= 1):
+        raise ValueError(f"min_keep must be an int >= 1, got {min_keep!r}")
 
 
 def _greedy(logits: Tensor) -> tuple[Tensor, SupportRecord]:
@@ -99,6 +111,7 @@ def sample_with_support(
     temperature: float,
     top_k: int,
     top_p: float,
+    min_keep: int = 1,
     generator: torch.Generator | None = None,
 ) -> tuple[Tensor, SupportRecord]:
     """Sample one token per row and record the kept support (see the module docstring).
@@ -108,6 +121,8 @@ def sample_with_support(
         temperature: T >= 0; 0 means greedy.
         top_k: cap on the candidate set; <= 0 means no cap.
         top_p: nucleus mass in (0, 1].
+        min_keep: top-p never cuts below this many ids (capped by top-k and by ids whose
+            probability underflows to 0); 1 is the plain nucleus.
         generator: torch generator on the logits' device (None: torch's default).
 
     Returns:
@@ -118,7 +133,7 @@ def sample_with_support(
         ValueError: bad shape/dtype/argument, or a row whose processed logits are NaN,
             +inf, or all −inf (no distribution to sample from).
     """
-    _check_args(logits, temperature, top_k, top_p)
+    _check_args(logits, temperature, top_k, top_p, min_keep)
     if temperature == 0.0:
         return _greedy(logits)
     b, v = logits.shape
@@ -137,7 +152,7 @@ def sample_with_support(
         # row's nucleus fits (top_p = 1 needs every id).
         lse = torch.logsumexp(x, dim=-1, keepdim=True)
         for k in (*_UNCAPPED_TRIES, v):
-            if k < v and top_p >= 1.0:
+            if k < v and (top_p >= 1.0 or k < min_keep):
                 continue
             ids, vals = _top_ranked(x, min(k, v))
             logp = vals - lse
@@ -150,7 +165,10 @@ def sample_with_support(
     else:
         cum = torch.cumsum(p, dim=-1)
         exclusive = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=-1)
-        keep = (exclusive < top_p) & (p > 0)
+        keep = exclusive < top_p
+        if min_keep > 1:
+            keep[:, :min_keep] = True
+        keep &= p > 0
     keep[:, 0] = True  # the top-ranked id always stays (its p can only underflow if all do)
 
     masked = vals.masked_fill(~keep, float("-inf"))

@@ -16,11 +16,12 @@ import trio
 from pydantic import BaseModel, ConfigDict, Field
 
 from actors.env._episode import EnvCalls, EpisodeLimits, play_episode
-from actors.env._interface import import_task_module, registered_tasks
+from actors.env._interface import registered_tasks
+from actors.env._modules import import_task_modules
 from actors.env._threads import EnvThreads
 from actors.env._watchdog import LoopWatchdog
 from actors.sampler import GenerateRequest, GenerateResult
-from actors.tokenizer import default_chat_tokens
+from actors.chat import load_chat_format
 from actors.types import SamplingParams, TaskSpec, Trajectory
 from orchestrator.runtime import Actor, ActorRef, Mesh, endpoint, span
 
@@ -39,10 +40,15 @@ class EnvConfig(BaseModel):
     max_seq_len: int = Field(256, ge=2)
     """The episode ends (not failed) before a turn that could exceed this many tokens
     (the model's context)."""
+    model_path: str | None = None
+    """The model's checkpoint directory: its tokenizer and chat template render the turns.
+    None (or a directory without a tokenizer): the built-in word tokenizer."""
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Extra variables for the chat template (e.g. ``{"enable_thinking": false}``)."""
     task_modules: list[str] = Field(default_factory=list)
-    """Modules imported at start-up so their ``@register_task`` environments exist in
-    the actor's process (the built-in tasks are always there): dotted names or paths of
-    ``.py`` files."""
+    """Modules (dotted names or ``.py`` paths) imported at start-up so their
+    ``@register_task`` environments exist in the actor's process (the built-in tasks are
+    always there)."""
     env_threads: int = Field(16, ge=1)
     """Worker threads per task for plain environment methods. A call stuck past its
     timeout keeps its thread until it returns; once all are stuck, further calls of that
@@ -66,9 +72,8 @@ class EnvActor(Actor):
 
     def __init__(self, config: EnvConfig | None = None) -> None:
         self.config = config if config is not None else EnvConfig()
-        for module in self.config.task_modules:
-            import_task_module(module)
-        self.chat = default_chat_tokens()
+        import_task_modules(self.config.task_modules)
+        self.chat = load_chat_format(self.config.model_path, self.config.chat_template_kwargs)
         self.limits = EpisodeLimits(self.config.step_timeout_s, self.config.generate_timeout_s,
                                     self.config.max_seq_len)
         self.threads = EnvThreads(self.config.env_threads)

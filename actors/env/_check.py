@@ -13,7 +13,8 @@ import inspect
 from collections.abc import Iterable
 from typing import Any
 
-from actors.env._interface import import_task_module, registered_tasks, task_factory
+from actors.env._interface import registered_tasks, task_factory
+from actors.env._modules import TaskModuleError, import_task_module
 
 __all__ = ["TaskCheckError", "check_task"]
 
@@ -22,15 +23,22 @@ class TaskCheckError(ValueError):
     """The task cannot be played: the message names the field (task.name, .params, .modules)."""
 
 
+def _first_line(e: BaseException | None) -> str:
+    text = str(e).strip() if e is not None else ""
+    return text.splitlines()[0] if text else ""
+
+
 def check_task(name: str, params: dict[str, Any] | None = None, modules: Iterable[str] = ()) -> None:
     """Raise TaskCheckError unless task `name` exists (after importing `modules`) and
     accepts `params`."""
     params = dict(params or {})
-    for module in modules:
+    for module in modules:  # dotted names or .py paths, as the env actors import them
         try:
             import_task_module(module)
-        except Exception as e:  # the user's module: any error is theirs to see, in one line
-            raise TaskCheckError(f"task.modules: cannot import {module!r}: {type(e).__name__}: {e}") from None
+        except TaskModuleError as e:  # the user's module: any error is theirs to see, in one line
+            cause = e.__cause__
+            raise TaskCheckError(f"task.modules: cannot import {module!r}: "
+                                 f"{type(cause).__name__}: {_first_line(cause)}") from None
     factory = task_factory(name)
     if factory is None:
         raise TaskCheckError(f"task.name: unknown task {name!r} (registered: {', '.join(registered_tasks())})")

@@ -2,9 +2,10 @@
 
 An environment plays one episode: ``reset`` gives the first observation, each
 ``step`` takes the assistant's reply and returns the next observation, a reward
-and whether the episode is over. Observations are text (tokenised with the chat
-tokenizer) or token ids (used as they are); either way they become a user turn
-whose tokens are never trained on. Methods may be plain or ``async``; plain ones
+and whether the episode is over. Observations are text or token ids (one user
+turn), or chat messages (a dict or a list of dicts, e.g. ``tool`` results); the
+run's chat format renders them (``actors.chat``) and their tokens are never
+trained on. Methods may be plain or ``async``; plain ones
 always run in a worker thread (bounded per task, see ``_threads``), async ones on the
 actor's event loop, where they must never call blocking code (a watchdog names an
 async environment that does).
@@ -15,11 +16,7 @@ instances need no locking and no reset-between-episodes hygiene.
 """
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import sys
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
@@ -30,7 +27,6 @@ __all__ = [
     "Environment",
     "Observation",
     "StepOutcome",
-    "import_task_module",
     "make_env",
     "make_task_specs",
     "register_task",
@@ -38,8 +34,8 @@ __all__ = [
     "task_factory",
 ]
 
-Observation = str | list[int]
-"""Text (tokenised by the chat tokenizer) or token ids (appended as they are)."""
+Observation = str | list[int] | dict[str, Any] | list[dict[str, Any]]
+"""Text or token ids (one user turn), or chat messages (``{"role", "content", ...}``)."""
 
 
 class StepOutcome(BaseModel):
@@ -47,8 +43,9 @@ class StepOutcome(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    observation: str | list[int]
-    """Next user-turn content (ignored when ``done``: the model never sees it)."""
+    observation: str | list[int] | dict[str, Any] | list[dict[str, Any]]
+    """Next turn: user text or ids, or messages such as ``{"role": "tool", "content": ...}``
+    (ignored when ``done``: the model never sees it)."""
     reward: float = 0.0
     """Reward for this step; the episode's return is the sum over steps."""
     done: bool = False
@@ -61,6 +58,8 @@ class Environment:
     ``reset(task) -> Observation`` and ``step(action_text, action_ids) -> StepOutcome``
     may be plain or ``async def``. ``action_ids`` are the generated ids of the reply
     (including a generated stop token), ``action_text`` their decoding without specials.
+    A ``step`` with a third parameter (``message``) also gets the reply as a parsed
+    assistant message (``content`` and, for templates with tools, ``tool_calls``).
 
     Class attributes the episode runner reads:
 
@@ -68,6 +67,8 @@ class Environment:
       even if the environment never says done.
     - ``max_new_tokens``: per-turn generation limit; ``None`` uses the sampling
       params' limit.
+    - ``tools``: OpenAI-style function schemas handed to the chat template (None: no
+      tools); the reply's tool calls arrive in ``message["tool_calls"]``.
 
     Plain (non-async) methods, and the constructor, always run in a worker thread,
     so a slow or stuck environment cannot block the actor and its timeout fires; the
@@ -87,6 +88,7 @@ class Environment:
 
     max_turns: int = 1
     max_new_tokens: int | None = None
+    tools: list[dict[str, Any]] | None = None
 
     def reset(self, task: TaskSpec) -> Observation | Awaitable[Observation]:
         raise NotImplementedError(f"{type(self).__name__}.reset")
@@ -123,31 +125,6 @@ def _qualname(f: Any) -> str:
 def registered_tasks() -> list[str]:
     """Names of the registered tasks, sorted."""
     return sorted(_REGISTRY)
-
-
-def import_task_module(module: str) -> None:
-    """Import a module that registers tasks: a dotted name (``mytasks.games``) or the path
-    of a ``.py`` file (loaded once, as module ``flotilla_tasks.<stem>``). Errors propagate
-    (ModuleNotFoundError, FileNotFoundError, the module's own)."""
-    if not module.endswith(".py"):
-        importlib.import_module(module)
-        return
-    path = Path(module).resolve()
-    name = f"flotilla_tasks.{path.stem}"
-    if name in sys.modules:
-        return
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot load {path} as a module")
-    if not path.is_file():
-        raise FileNotFoundError(f"no such task module file: {path}")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    try:
-        spec.loader.exec_module(mod)
-    except BaseException:
-        del sys.modules[name]
-        raise
 
 
 def task_factory(name: str) -> EnvFactory | None:

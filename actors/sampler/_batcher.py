@@ -1,4 +1,4 @@
-"""Continuous batching on top of ``Qwen3Engine``: requests, slots, sampling, records.
+"""Continuous batching on top of ``DecoderEngine``: requests, slots, sampling, records.
 
 ``ContinuousBatcher.step()`` is one scheduler tick:
 
@@ -34,7 +34,7 @@ import torch
 
 from policies.sampling import sample_with_support
 
-from ._engine import Qwen3Engine
+from ._engine import DecoderEngine
 from ._types import FinishReason, GenerateRequest, GenerateResult
 
 __all__ = ["ContinuousBatcher"]
@@ -66,7 +66,7 @@ class ContinuousBatcher:
         seed: seeds the shared generator used by requests without their own seed.
     """
 
-    def __init__(self, engine: Qwen3Engine, *, pool: str, seed: int = 0) -> None:
+    def __init__(self, engine: DecoderEngine, *, pool: str, seed: int = 0) -> None:
         self.engine = engine
         self.pool = pool
         self.version = -1
@@ -201,20 +201,21 @@ class ContinuousBatcher:
         return finished
 
     def _sample(self, seqs: list[_Sequence], logits: torch.Tensor) -> None:
-        groups: dict[tuple[float, int, float], list[int]] = {}
+        groups: dict[tuple[float, int, float, int], list[int]] = {}
         for row, seq in enumerate(seqs):
             r = seq.req
             if seq.generator is not None:
                 tokens, support = sample_with_support(
                     logits[row : row + 1], temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
-                    generator=seq.generator)
+                    min_keep=r.min_keep, generator=seq.generator)
                 self._append(seq, int(tokens[0]), array("i", support.ids.tolist()), array("f", support.logq.tolist()))
             else:
-                groups.setdefault((r.temperature, r.top_k, r.top_p), []).append(row)
-        for (temperature, top_k, top_p), rows in groups.items():
+                groups.setdefault((r.temperature, r.top_k, r.top_p, r.min_keep), []).append(row)
+        for (temperature, top_k, top_p, min_keep), rows in groups.items():
             sub = logits if len(rows) == len(seqs) else logits[rows]
             tokens, support = sample_with_support(
-                sub, temperature=temperature, top_k=top_k, top_p=top_p, generator=self._generator)
+                sub, temperature=temperature, top_k=top_k, top_p=top_p, min_keep=min_keep,
+                generator=self._generator)
             # One host transfer per tick; slicing arrays row by row is far cheaper
             # than slicing tensors.
             offsets = support.offsets.tolist()

@@ -38,7 +38,7 @@ def sglang_backend(pool: str, model_config: dict[str, Any] | str, rank: int, gpu
     from ._sglang import SGLangBackend
 
     urls, launch = settings.get("urls"), settings.get("launch")
-    common = {"pool": pool, "model_config": model_config, "weights_dir": settings.get("weights_dir"),
+    common = {"pool": pool, "model_config": model_config, "weights_dir": settings.get("weights_dir"), "rank": rank,
               "pause_mode": settings.get("pause_mode", "retract")}
     if urls:
         if rank >= len(urls):

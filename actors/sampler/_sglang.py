@@ -118,6 +118,7 @@ class SGLangBackend:
         launch: ``hardware.SGLangLaunch`` as a dict; this rank starts its own server.
         port: launch mode: the server's port.
         gpu: launch mode: the CUDA device the server gets (``CUDA_VISIBLE_DEVICES``).
+        rank: this sampler's rank in its pool (names its directory under ``weights_dir``).
         weights_dir: where snapshots are written (None: a temporary directory, removed
             when the backend stops).
         pause_mode: ``/pause_generation`` mode around an update ("retract" or "in_place").
@@ -128,6 +129,7 @@ class SGLangBackend:
 
     def __init__(self, *, pool: str, model_config: dict[str, Any] | str, url: str | None = None,
                  launch: dict[str, Any] | None = None, port: int = 30000, gpu: int | None = None,
+                 rank: int = 0,
                  weights_dir: str | None = None, pause_mode: str = "retract",
                  timeout_s: float = 600.0, control_timeout_s: float = 60.0) -> None:
         if (url is None) == (launch is None):
@@ -136,7 +138,7 @@ class SGLangBackend:
             raise ValueError(f"pause_mode must be 'retract' or 'in_place', got {pause_mode!r}")
         self.pool = pool
         self.url = (url or f"http://127.0.0.1:{port}").rstrip("/")
-        self.launch, self.port, self.gpu = launch, port, gpu
+        self.launch, self.port, self.gpu, self.rank = launch, port, gpu, rank
         self.model_config = model_config
         self._weights_root = weights_dir
         self.weights_dir: Path | None = None
@@ -169,7 +171,7 @@ class SGLangBackend:
             tmp = tempfile.mkdtemp(prefix=f"flotilla-sglang-{self.pool}-")
             self.weights_dir = Path(tmp)
         else:
-            self.weights_dir = Path(self._weights_root).expanduser() / f"{self.pool}-{self.port}"
+            self.weights_dir = Path(self._weights_root).expanduser() / f"{self.pool}-{self.rank}"
             self.weights_dir.mkdir(parents=True, exist_ok=True)
         try:
             async with httpx.AsyncClient(timeout=self.control_timeout_s) as client:
@@ -208,12 +210,19 @@ class SGLangBackend:
         """POST /generate once weights of at least ``req.min_version`` are loaded.
 
         Raises ValueError for a request SGLang cannot record supports for (top_k 0 with
-        sampling) or a malformed answer, RuntimeError for an HTTP failure. Cancellation
-        closes the HTTP request at once and sends ``/abort_request`` from the backend's
-        task; the event loop is never blocked.
+        sampling, or ``min_keep > 1`` with ``top_p < 1``: SGLang's top-p has no minimum
+        support size, so the recorded rows would not be the set asked for) or a malformed
+        answer, RuntimeError for an HTTP failure. Cancellation closes the HTTP request at
+        once and sends ``/abort_request`` from the backend's task; the event loop is never
+        blocked.
         """
         if req.temperature > 0 and req.top_k <= 0:
             raise ValueError(f"request {req.request_id!r}: SGLang's sampling mask needs a finite top_k")
+        if req.temperature > 0 and req.min_keep > 1 and req.top_p < 1.0:
+            raise ValueError(
+                f"request {req.request_id!r}: min_keep={req.min_keep} with top_p={req.top_p} is not "
+                "supported by the SGLang backend (its top-p has no min_tokens_to_keep); set "
+                "recipe.min_keep = 1 or recipe.top_p = 1 for SGLang pools")
         while self._version < req.min_version:
             self._counters["waiting"] += 1
             try:

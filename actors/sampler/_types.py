@@ -41,6 +41,11 @@ class GenerateRequest(BaseModel):
     """Candidate cap before top-p (0 = no cap)."""
     top_p: float = Field(0.97, gt=0.0, le=1.0)
     """Nucleus mass kept after top-k."""
+    min_keep: int = Field(1, ge=1)
+    """Top-p keeps at least this many ids; 1 (the wire default) is the plain nucleus. Runs
+    send the recipe's ``min_keep`` (default 2): a one-token support would be sampled
+    deterministically and get no gradient. The SGLang backend refuses values > 1 with
+    top_p < 1."""
     seed: int | None = None
     """Seeds a generator owned by this request, so its tokens do not depend on what else
     shares the batch. None: draws from the sampler's own generator (batched, faster)."""

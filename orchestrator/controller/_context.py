@@ -81,9 +81,11 @@ class RunContext:
         self.pools = {name: PoolView.of(link) for name, link in links.pools.items()}
         self.sampling = SamplingParams(
             temperature=cfg.recipe.temperature, top_k=cfg.recipe.top_k, top_p=cfg.recipe.top_p,
-            max_new_tokens=cfg.task.max_new_tokens)
+            min_keep=cfg.recipe.min_keep, max_new_tokens=cfg.task.max_new_tokens)
         self.due: dict[str, int] = {}  # group id -> trainer version when its batch is due
         self.replay: list[TaskSpec] = list(state.buffered)  # prompts to play before new ones
+        self.dataset: Any = None  # actors.env.TaskDataset of `[task] dataset`, or None
+        self.eval_dataset: Any = None  # held-out rows of `[task] eval_dataset`, or None
         self.rollout_scopes: set[trio.CancelScope] = set()
         self.stopping = False
         self.interrupted = False

@@ -119,6 +119,7 @@ class Connection:
         self.connected = False
         self.rtt_ewma = 0.0  # seconds, over this connection's recent replies
         self.spun_waits = 0  # waits that polled before parking (replies were coming back fast)
+        self.registry_key: tuple[str, bytes | None, bytes | None] = (address, None, None)
         self._ids = itertools.count(1)
         self._connect_timeout = connect_timeout
         self.scope = trio.CancelScope()
@@ -246,27 +247,33 @@ class Connection:
                 self.fail(ActorDied(self.name, self.rank, "connection closed"))
 
 
-_registry: trio.lowlevel.RunVar[dict[str, Connection]] = trio.lowlevel.RunVar("flotilla_conns")
+# Connections are shared per (address, server key, client key): a handle that expects
+# another server key, or presents another identity, gets a connection of its own.
+_ConnKey = tuple[str, bytes | None, bytes | None]
+_registry: trio.lowlevel.RunVar[dict[_ConnKey, Connection]] = trio.lowlevel.RunVar("flotilla_conns")
 
 
-def _conns() -> dict[str, Connection]:
+def _conns() -> dict[_ConnKey, Connection]:
     try:
         return _registry.get()
     except LookupError:
-        conns: dict[str, Connection] = {}
+        conns: dict[_ConnKey, Connection] = {}
         _registry.set(conns)
         return conns
 
 
 def connection(address: str, *, name: str, rank: int, server_key: bytes | None = None,
                identity: Any | None = None, connect_timeout: float | None = 10.0) -> Connection:
-    """The shared connection of this trio loop to ``address``, opened on first use."""
+    """The shared connection of this trio loop to ``address`` (for this server key and
+    client identity), opened on first use."""
     conns = _conns()
-    conn = conns.get(address)
+    key = (address, server_key, identity.public if identity is not None else None)
+    conn = conns.get(key)
     if conn is None or conn.z.closed:
         conn = Connection(address, name=name, rank=rank, server_key=server_key,
                           identity=identity, connect_timeout=connect_timeout)
-        conns[address] = conn
+        conn.registry_key = key
+        conns[key] = conn
         trio.lowlevel.spawn_system_task(conn.run, name=f"flotilla-conn {address}")
     return conn
 
@@ -276,8 +283,8 @@ def close_connection(conn: Connection, exc: ActorDied) -> None:
     conn.fail(exc, sticky=True)
     conn.scope.cancel()
     conns = _conns()
-    if conns.get(conn.address) is conn:
-        del conns[conn.address]
+    if conns.get(conn.registry_key) is conn:
+        del conns[conn.registry_key]
 
 
 class ConnectionSource(Protocol):

@@ -32,7 +32,7 @@ import torch
 
 from ._chunks import HASHERS, Workspace, decode_xor_into, default_hash_algo, encode_chunk, tree_hash, word_dtype
 from ._codec import DEFAULT_CHUNK_BYTES, Snapshot, _chunk_size, _dtype, _run, _split, _words
-from ._errors import HashMismatchError, MalformedMessageError, StructureMismatchError
+from ._errors import CorruptPayloadError, HashMismatchError, MalformedMessageError, StructureMismatchError
 
 __all__ = ["KeyframeAssembler", "stream_keyframe"]
 
@@ -41,13 +41,15 @@ DEFAULT_PART_BYTES = 64 << 20
 
 def stream_keyframe(snapshot: Mapping[str, torch.Tensor], version: int, precision: str, *,
                     part_bytes: int = DEFAULT_PART_BYTES, threads: int = 2, level: int = 1,
-                    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                    hash_algo: str | None = None) -> Iterator[tuple[dict[str, Any], list[bytes]]]:
+                    chunk_bytes: int = DEFAULT_CHUNK_BYTES, compress: bool = True,
+                    hash_algo: str | None = None) -> Iterator[tuple[dict[str, Any], list[Any]]]:
     """Yield ``(header, frames)`` parts of a keyframe of ``snapshot``, encoded lazily.
 
     Each part is encoded (on ``threads`` workers) only when the consumer asks for it, so
-    the publisher holds one part at a time. The snapshot must not change until the last
-    part has been yielded.
+    the publisher holds one part at a time. ``compress=False`` sends the chunks' raw bytes
+    instead (header ``raw: true``): the frames are views of the snapshot itself (zero-copy,
+    no encoding cost, wire = raw size), for links faster than zstd (~0.5 GB/s per core on
+    bf16 weights). The snapshot must not change until the last part has been *sent*.
     """
     algo = hash_algo or default_hash_algo()
     if algo not in HASHERS:
@@ -73,9 +75,12 @@ def stream_keyframe(snapshot: Mapping[str, torch.Tensor], version: int, precisio
         jobs = []
         for i, _c, s, e in group:
             w = _words(snapshot[names[i]], names[i])[s:e]
-            jobs.append(lambda ws, w=w: (encode_chunk(None, w, ws), hasher(w)))
+            if compress:
+                jobs.append(lambda ws, w=w: (encode_chunk(None, w, ws), hasher(w)))
+            else:
+                jobs.append(lambda ws, w=w: (memoryview(w).cast("B"), hasher(w)))
         results = _run(jobs, threads, level)
-        header: dict[str, Any] = {**head, "seq": seq, "chunks": []}
+        header: dict[str, Any] = {**head, "seq": seq, "chunks": [], "raw": not compress}
         if seq == 0:
             header["tensors"] = [[n, str(snapshot[n].dtype).removeprefix("torch."), list(snapshot[n].shape)]
                                  for n in names]
@@ -134,6 +139,7 @@ class KeyframeAssembler:
             raise MalformedMessageError("part lists a different number of chunks than it has frames")
         hasher = HASHERS[self._algo]
         per = self._chunk_bytes
+        raw = header.get("raw") is True
 
         def job(item: list[Any], frame: Any):
             i, c, s, digest = item
@@ -145,7 +151,14 @@ class KeyframeAssembler:
             view = target[s:s + n]
 
             def run(ws: Workspace) -> bytes:
-                decode_xor_into(frame, view, ws, tensor=self._names[i], chunk=c)
+                if raw:
+                    data = memoryview(frame).cast("B")
+                    if data.nbytes != view.nbytes:
+                        raise CorruptPayloadError(f"chunk {c}: {data.nbytes} raw bytes for a "
+                                                  f"{view.nbytes}-byte chunk", tensor=self._names[i])
+                    np.copyto(view, np.frombuffer(data, dtype=view.dtype))
+                else:
+                    decode_xor_into(frame, view, ws, tensor=self._names[i], chunk=c)
                 got = hasher(view)
                 if got.hex() != digest:
                     raise HashMismatchError(f"chunk {c} decodes to other bytes than were sent",

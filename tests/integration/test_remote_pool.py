@@ -17,7 +17,7 @@ import trio
 from orchestrator.runtime import Curve
 from tests.integration.conftest import read_jsonl, small_run_raw
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 

@@ -28,24 +28,35 @@ def test_kubernetes_manifest_places_a_pool_on_the_statefulset() -> None:
     cfg = load_config(raw=raw)  # a valid run config
     pool = next(p for p in cfg.pools if p.hosts)
     # every StatefulSet pod is a host of the pool, by its stable DNS name and control port
-    host_cmd = sts["spec"]["template"]["spec"]["containers"][0]["command"]
+    host_cmd = _exec_argv(sts["spec"]["template"]["spec"]["containers"][0])
     port = host_cmd[host_cmd.index("--bind") + 1].rsplit(":", 1)[1]
     expected = [f"tcp://{sts['metadata']['name']}-{i}.{sts['spec']['serviceName']}:{port}"
                 for i in range(sts["spec"]["replicas"])]
     assert pool.hosts == expected
     assert svc["metadata"]["name"] == sts["spec"]["serviceName"] and svc["spec"]["clusterIP"] == "None"
     assert host_cmd[:2] == ["flotilla", "host"] and host_cmd[host_cmd.index("--keys") + 1] == pool.keys
-    # both sides mount the same Secret where the config says the keys are, read-only for the owner
+    assert "--trust-own-key" in host_cmd  # every pod presents the shared key
+    # both sides copy the same Secret into the private key directory the config names
     for spec in (sts["spec"]["template"]["spec"], job["spec"]["template"]["spec"]):
-        mount = next(m for c in spec["containers"] for m in c["volumeMounts"] if m["name"] == "keys")
+        container = spec["containers"][0]
+        mount = next(m for m in container["volumeMounts"] if m["name"] == "keys")
         vol = next(v for v in spec["volumes"] if v["name"] == "keys")
-        assert mount["mountPath"] == pool.keys and vol["secret"]["secretName"] == secret["metadata"]["name"]
-        assert vol["secret"]["defaultMode"] == 0o400
+        assert vol["secret"]["secretName"] == secret["metadata"]["name"]
+        script = container["command"][2]
+        assert f"install -d -m 700 {pool.keys}" in script
+        assert f"install -m 600 {mount['mountPath']}/id.key {mount['mountPath']}/id.key_secret {pool.keys}/" in script
     ctl = job["spec"]["template"]["spec"]["containers"][0]
     cm_mount = next(m for m in ctl["volumeMounts"] if m["name"] == "config")
-    assert ctl["command"] == ["flotilla", "run", f"{cm_mount['mountPath']}/run.toml"]
+    assert _exec_argv(ctl) == ["flotilla", "run", f"{cm_mount['mountPath']}/run.toml"]
     assert pool.count == sts["spec"]["replicas"] * sts["spec"]["template"]["spec"]["containers"][0][
         "resources"]["limits"]["nvidia.com/gpu"]
+
+
+def _exec_argv(container: dict) -> list[str]:
+    """The command a container's `sh -c` script finally execs."""
+    cmd = container["command"]
+    assert cmd[:2] == ["sh", "-c"]
+    return shlex.split(cmd[2].rsplit("exec ", 1)[1])
 
 
 def test_slurm_script_renders_hosts_and_a_valid_run_command(tmp_path: Path) -> None:
@@ -64,7 +75,7 @@ def test_slurm_script_renders_hosts_and_a_valid_run_command(tmp_path: Path) -> N
                          cwd=ROOT).stdout.splitlines()
     host_line = next(shlex.split(line) for line in out if " host " in line)
     assert host_line[:6] == ["srun", "--nodes=2", "--ntasks-per-node=1", "--nodelist=gpu-b,gpu-c", "flotilla", "host"]
-    assert host_line[6:] == ["--bind", "tcp://0.0.0.0:6000", "--keys", "/shared/keys"]
+    assert host_line[6:] == ["--bind", "tcp://0.0.0.0:6000", "--keys", "/shared/keys", "--trust-own-key"]
     run_line = next(shlex.split(line) for line in out if " run " in line)
     assert run_line[:5] == ["srun", "--nodes=1", "--ntasks=1", "--nodelist=gpu-a", "flotilla"]
     args = run_line[5:]

@@ -5,8 +5,9 @@ shapes SGLang's documentation gives (docs "SGLang Native APIs" and "SGLang for R
 Systems"): ``GET /health``, ``POST /generate`` (``return_sampling_mask`` rows in
 ``meta_info``), ``/pause_generation`` {mode}, ``/update_weights_from_disk`` {model_path,
 weight_version, flush_cache, ...}, ``/continue_generation``, ``/abort_request`` {rid}. Its
-"model" is arithmetic: token i of a request is ``(sum(input_ids) + i) % 97`` and its kept set
-is that id and the next ``min(top_k, 3) - 1`` ids with fixed probabilities. What it checks
+"model" is arithmetic: token i of a request is ``(sum(input_ids) + i) % vocab`` and its kept set
+is that id and the next ``min(top_k, 3) - 1`` ids with fixed probabilities (ids modulo
+``--vocab``, 97 by default). What it checks
 is the protocol (order of calls, fields, versions, aborts), the way a real server would
 refuse them (an update while requests run unpaused, a mask without a finite top_k).
 
@@ -32,8 +33,9 @@ _PROBS = (0.6, 0.3, 0.1)
 
 
 class StubState:
-    def __init__(self, token_delay: float) -> None:
+    def __init__(self, token_delay: float, vocab: int = VOCAB) -> None:
         self.token_delay = token_delay
+        self.vocab = vocab
         self.lock = threading.Condition()
         self.paused: str | None = None
         self.weight_version = "default"
@@ -70,9 +72,9 @@ def _generate(state: StubState, body: dict[str, Any]) -> tuple[int, dict[str, An
                     finish = {"type": "abort", "message": "Abort before finishing"}
                     break
             time.sleep(state.token_delay)
-            tok = (sum(ids) + i) % VOCAB
+            tok = (sum(ids) + i) % state.vocab
             out.append(tok)
-            masks.append([(tok + j) % VOCAB for j in range(k)])
+            masks.append([(tok + j) % state.vocab for j in range(k)])
             logps.append([math.log(p / norm) for p in _PROBS[:k]])
             if tok in (sp.get("stop_token_ids") or []):
                 finish = {"type": "stop", "matched": tok}
@@ -161,9 +163,9 @@ def make_handler(state: StubState) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
-def start_stub(port: int = 0, token_delay: float = 0.0) -> tuple[ThreadingHTTPServer, StubState]:
+def start_stub(port: int = 0, token_delay: float = 0.0, vocab: int = VOCAB) -> tuple[ThreadingHTTPServer, StubState]:
     """Serve in a daemon thread of this process; returns the server (``server_port``) and state."""
-    state = StubState(token_delay)
+    state = StubState(token_delay, vocab)
     server = ThreadingHTTPServer(("127.0.0.1", port), make_handler(state))
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -176,8 +178,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--token-delay", type=float, default=0.0)
+    p.add_argument("--vocab", type=int, default=VOCAB)
     args = p.parse_args(argv)
-    state = StubState(args.token_delay)
+    state = StubState(args.token_delay, args.vocab)
     server = ThreadingHTTPServer((args.host, args.port), make_handler(state))
     server.daemon_threads = True
     print(f"stub listening on {args.host}:{args.port} (model {args.model_path})", flush=True)

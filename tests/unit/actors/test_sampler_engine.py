@@ -76,7 +76,7 @@ def test_tokens_lie_in_support_and_rows_equal_policies(model, weights) -> None:
     batcher = ContinuousBatcher(engine, pool="p")
     batcher.set_weights(weights, version=0)
     prompt = _prompts(1, [7])[0]
-    kw = dict(temperature=0.8, top_k=16, top_p=0.9)
+    kw = dict(temperature=0.8, top_k=16, top_p=0.9, min_keep=1)
     batcher.submit(GenerateRequest(request_id="a", prompt_ids=prompt, max_new_tokens=12, seed=123, **kw))
     res = _run(batcher)["a"]
     support = res.support()
@@ -93,6 +93,46 @@ def test_tokens_lie_in_support_and_rows_equal_policies(model, weights) -> None:
         got = support.rows(t, t + 1)
         assert torch.equal(got.ids, row.ids)
         torch.testing.assert_close(got.logq, row.logq, atol=1e-5, rtol=0)
+
+
+def test_min_keep_rows_are_replayed_exactly_and_all_get_a_gradient(model, weights) -> None:
+    """min_keep = 2 at a low temperature and top_p, where most plain nuclei are one token:
+    the sampler's records (batched, its own generator) equal the rows the trainer side
+    computes from the same weights, every row holds >= 2 ids, and replaying them through
+    the model gives every generated position a nonzero gradient."""
+    from policies import RecipeConfig, recipe_loss, replay_logprobs_from_hidden
+
+    engine = Qwen3Engine(CFG, max_slots=4)
+    batcher = ContinuousBatcher(engine, pool="p")
+    batcher.set_weights(weights, version=0)
+    kw = dict(temperature=0.05, top_k=16, top_p=0.5)
+    prompts = _prompts(4, [3, 6, 9, 4], seed=4)
+    for i, p in enumerate(prompts):
+        batcher.submit(GenerateRequest(request_id=str(i), prompt_ids=p, max_new_tokens=8, min_keep=2, **kw))
+    results = _run(batcher)
+    plain_one_token = 0
+    for i, p in enumerate(prompts):
+        res = results[str(i)]
+        support = res.support()
+        assert (support.counts() >= 2).all()
+        ids = torch.tensor([p + res.token_ids])
+        out = model(ids, output_hidden_states=True)
+        logits = out.logits[0, len(p) - 1 : -1].detach()
+        for t in range(len(res.token_ids)):
+            _, row = sample_with_support(logits[t : t + 1], min_keep=2, **kw)
+            assert torch.equal(support.rows(t, t + 1).ids, row.ids), (i, t)
+            torch.testing.assert_close(support.rows(t, t + 1).logq, row.logq, atol=1e-5, rtol=0)
+            _, plain = sample_with_support(logits[t : t + 1], min_keep=1, **kw)
+            plain_one_token += plain.nnz == 1
+        hidden = out.hidden_states[-1][0, len(p) - 1 : -1].detach().requires_grad_()
+        tokens = torch.tensor(res.token_ids)
+        rep = replay_logprobs_from_hidden(hidden, model.lm_head.weight.detach(), support, tokens, kw["temperature"])
+        cfg = RecipeConfig(**kw)
+        loss, _ = recipe_loss(cfg, support, tokens, torch.ones(len(tokens)), replay=rep,
+                              num_loss_tokens=len(tokens))
+        loss.backward()
+        assert (hidden.grad.abs().sum(-1) > 0).all(), i
+    assert plain_one_token > 8  # the case the fix is about does occur here
 
 
 def test_continuous_batching_matches_running_alone(weights) -> None:

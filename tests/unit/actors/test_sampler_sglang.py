@@ -107,8 +107,8 @@ async def test_protocol_generate_update_with_versions_and_rows_unchanged(stub, t
     gen = next(c["body"] for c in state.log if c["path"] == "/generate")
     assert gen["return_sampling_mask"] and gen["rid"] == "a" and gen["sampling_params"]["top_k"] == 3
     # Only the loaded snapshot stays on disk; it holds what the server was told to load.
-    kept = sorted(p.name for p in (tmp_path / "h100-30000").iterdir())
-    assert kept == ["v2"] and (tmp_path / "h100-30000" / "v2" / "model.safetensors").is_file()
+    kept = sorted(p.name for p in (tmp_path / "h100-0").iterdir())
+    assert kept == ["v2"] and (tmp_path / "h100-0" / "v2" / "model.safetensors").is_file()
 
 
 async def test_protocol_request_waits_for_min_version_and_refuses_infinite_top_k(stub, tmp_path) -> None:
@@ -118,6 +118,8 @@ async def test_protocol_request_waits_for_min_version_and_refuses_infinite_top_k
         await nursery.start(be.run)
         with pytest.raises(ValueError, match="finite top_k"):
             await be.generate(GenerateRequest(request_id="x", prompt_ids=[1], max_new_tokens=1, top_k=0))
+        with pytest.raises(ValueError, match="min_keep=2 with top_p=0.97 is not supported"):
+            await be.generate(_req("m", min_keep=2, top_p=0.97))
         with trio.move_on_after(0.3) as waited:  # no weights yet: the request waits, sends nothing
             await be.generate(_req("b", min_version=0))
         assert waited.cancelled_caught and not any(c["path"] == "/generate" for c in state.log)

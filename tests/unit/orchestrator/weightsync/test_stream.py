@@ -24,10 +24,11 @@ def _master() -> dict[str, torch.Tensor]:
             "norm.weight": torch.ones(64), "empty": torch.zeros(0, 3)}
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp8", "fp32"])
-def test_streamed_keyframe_is_bit_exact_with_the_one_message_hashes(precision) -> None:
+@pytest.mark.parametrize(("precision", "compress"), [("bf16", True), ("fp8", True), ("fp32", True), ("bf16", False)])
+def test_streamed_keyframe_is_bit_exact_with_the_one_message_hashes(precision, compress) -> None:
     snap = wire_snapshot(_master(), precision)
-    parts = list(stream_keyframe(snap, 7, precision, part_bytes=20_000, chunk_bytes=8192))
+    parts = list(stream_keyframe(snap, 7, precision, part_bytes=20_000, chunk_bytes=8192, compress=compress))
+    assert all(h["raw"] is not compress for h, _ in parts)
     assert len(parts) > 3 and [h["seq"] for h, _ in parts] == list(range(len(parts)))
     names = list(snap)
     nbytes = [snap[n].numel() * snap[n].element_size() for n in names]
@@ -68,6 +69,11 @@ def test_wrong_parts_are_refused() -> None:
     wrong = dict(header, chunks=[[*c[:3], "00" * 16] for c in header["chunks"]])
     with pytest.raises(HashMismatchError):
         asm2.feed(wrong, frames)
+    raw = list(stream_keyframe(snap, 1, "bf16", part_bytes=20_000, chunk_bytes=8192, compress=False))
+    asm4 = KeyframeAssembler()
+    asm4.feed(*raw[0])
+    with pytest.raises(CorruptPayloadError, match="raw bytes"):
+        asm4.feed(raw[1][0], [bytes(f)[:-2] for f in raw[1][1]])
     asm3 = KeyframeAssembler()
     for h, f in parts[:-1]:
         asm3.feed(h, f)

@@ -1,0 +1,188 @@
+"""Does a config learn on every seed? Runs it over seeds 0-4 and reports when each reaches 0.8.
+
+What: runs CONFIG (e.g. examples/guess_number.toml) once per seed N with
+`seed = N` and `model.seed = N` (the same as `flotilla run CONFIG --set seed=N
+--set model.seed=N`), each in its own temporary run directory, one after another.
+Per seed it prints the first step whose 10-step mean reward (steps s-9..s) is >= 0.8,
+the run clock at that step (`wall_s` of metrics.jsonl: seconds since the controller
+started, actors already up) and the same plus the run's start-up (process launch to
+the controller's first step, measured here), the final 10-step mean and the final
+entropy. The last line is JSON with `seeds`, `seeds_reaching` (seeds whose 10-step
+mean reached 0.8), `worst_time_to_0_8_s` (run clock; null when a seed never reached
+it), `worst_time_to_0_8_with_startup_s` and `worst_final` (lowest final 10-step
+mean), plus the load average before and after and each run's CPU seconds (this
+process and its actor processes: a load-independent measure of the run's cost).
+
+Why: issue 11 asks that the demo and examples/arithmetic.toml reach a 10-step mean
+reward >= 0.8 within 300 s on every seed 0-4 and end with their last 10 steps >= 0.8.
+Timings on a shared machine are inflated by others' load: read them next to the load
+average.
+
+Run:  .venv/bin/python benchmarks/demo_seeds.py examples/guess_number.toml
+      .venv/bin/python benchmarks/demo_seeds.py examples/arithmetic.toml --quick   (seed 0, 30 steps)
+Options: --seeds 0,1,2 (a subset), --steps N, --set KEY=VALUE (repeatable, like
+`flotilla run --set`), --jobs N (seeds in N processes at once: the reward figures are
+the same kind, but each seed's wall time then includes the others' load).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import sys
+import time
+import tomllib
+from pathlib import Path
+from typing import Any
+
+# The repository root first: benchmarks/actors.py must not shadow the `actors` package.
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
+
+from _runs import load_average, run_raw  # noqa: E402
+
+TARGET = 0.8
+WINDOW = 10
+
+
+def reward_figures(metrics: list[dict[str, Any]], target: float = TARGET, window: int = WINDOW) -> dict[str, Any]:
+    """First step whose trailing `window`-step mean reward is >= target (with its run clock),
+    the final `window`-step mean, and the final step's entropy."""
+    rewards = [m["reward_mean"] for m in metrics]
+    if not rewards:
+        raise SystemExit("demo_seeds: a run ended without a single step in metrics.jsonl")
+    first_step = first_wall = None
+    for i in range(window - 1, len(rewards)):
+        if statistics.fmean(rewards[i - window + 1 : i + 1]) >= target:
+            first_step, first_wall = metrics[i]["step"], metrics[i]["wall_s"]
+            break
+    return {
+        "steps": len(metrics),
+        "step_to_target": first_step,
+        "wall_to_target_s": first_wall,
+        "final": statistics.fmean(rewards[-window:]),
+        "peak": max((statistics.fmean(rewards[i - window + 1 : i + 1]) for i in range(window - 1, len(rewards))),
+                    default=statistics.fmean(rewards)),
+        "final_entropy": metrics[-1].get("entropy"),
+    }
+
+
+def _cpu_s() -> float:
+    """CPU seconds of this process and of its waited-for children (the run's actors)."""
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def _parse_set(items: list[str]) -> list[tuple[list[str], Any]]:
+    out = []
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--set {item!r}: expected KEY=VALUE")
+        try:
+            parsed = tomllib.loads(f"v = {value}")["v"]
+        except tomllib.TOMLDecodeError:
+            parsed = value  # a bare string
+        out.append((key.split("."), parsed))
+    return out
+
+
+def build_raw(base: dict[str, Any], seed: int, steps: int | None, sets: list[tuple[list[str], Any]]) -> dict[str, Any]:
+    """`base` with the seed overrides (run and model), optional steps and --set overrides."""
+    import copy
+
+    raw = copy.deepcopy(base)
+    raw["seed"] = seed
+    raw.setdefault("model", {})["seed"] = seed
+    raw["name"] = f"{raw.get('name', 'run')}-s{seed}"
+    if steps is not None:
+        raw["steps"] = steps
+    for path, value in sets:
+        node = raw
+        for k in path[:-1]:
+            node = node.setdefault(k, {})
+        node[path[-1]] = value
+    return raw
+
+
+def run_seed(raw: dict[str, Any]) -> dict[str, Any]:
+    """Run one config to completion; its reward figures, wall and CPU seconds, load."""
+    import torch
+
+    torch.set_num_threads(1)
+    t0, cpu0 = time.monotonic(), _cpu_s()
+    out = run_raw(raw, keep_spans=False)
+    total, cpu = time.monotonic() - t0, _cpu_s() - cpu0
+    fig = reward_figures(out.metrics)
+    # Start-up: launch to the controller's clock zero; the run's own clock (wall_s)
+    # ends at its last step, shutdown follows. total - last wall_s bounds both.
+    last_wall = out.metrics[-1]["wall_s"] if out.metrics else 0.0
+    fig["startup_and_shutdown_s"] = round(total - last_wall, 1)
+    fig["total_s"] = round(total, 1)
+    fig["cpu_s"] = round(cpu, 1)
+    fig["load_avg"] = load_average()
+    return fig
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("config", type=Path, help="run config (TOML)")
+    p.add_argument("--quick", action="store_true", help="seed 0 only, 30 steps (a smoke test, < 1 min)")
+    p.add_argument("--seeds", help="comma-separated seeds (default 0,1,2,3,4)")
+    p.add_argument("--steps", type=int, help="override the config's steps")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="seeds run at once (default 1; more inflates each seed's wall time)")
+    args = p.parse_args()
+    try:
+        with open(args.config, "rb") as f:
+            base = tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise SystemExit(f"demo_seeds: cannot read {args.config}: {e}") from None
+    seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else ([0] if args.quick else list(range(5)))
+    steps = args.steps or (30 if args.quick else None)
+    sets = _parse_set(args.set)
+
+    if args.jobs < 1:
+        p.error(f"--jobs must be >= 1, got {args.jobs}")
+    load_before = load_average()
+    rows: dict[int, dict[str, Any]] = {}
+    raws = [build_raw(base, seed, steps, sets) for seed in seeds]
+    if args.jobs == 1:
+        results = map(run_seed, raws)
+    else:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        pool = ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn"))
+        results = pool.map(run_seed, raws)
+    for seed, fig in zip(seeds, results, strict=True):
+        rows[seed] = fig
+        total, cpu = fig["total_s"], fig["cpu_s"]
+        reach = (f"step {fig['step_to_target']} at {fig['wall_to_target_s']:.0f} s "
+                 f"(+{fig['startup_and_shutdown_s']:.0f} s start-up/shutdown)"
+                 if fig["step_to_target"] is not None else "never")
+        ent = fig["final_entropy"]
+        print(f"seed {seed}: 10-step mean >= {TARGET}: {reach}; final 10-step mean {fig['final']:.3f} "
+              f"(peak {fig['peak']:.3f}); final entropy {ent if ent is None else round(ent, 3)}; "
+              f"{fig['steps']} steps in {total:.0f} s ({cpu:.0f} CPU-s); load {fig['load_avg']}", flush=True)
+    load_after = load_average()
+    reached = [s for s, r in rows.items() if r["step_to_target"] is not None]
+    times = [rows[s]["wall_to_target_s"] for s in seeds]
+    with_startup = [None if t is None else t + rows[s]["startup_and_shutdown_s"] for s, t in zip(seeds, times)]
+    print(json.dumps({
+        "benchmark": "demo_seeds", "config": str(args.config), "quick": args.quick,
+        "overrides": args.set, "steps": steps or base.get("steps"),
+        "seeds": seeds, "seeds_reaching": len(reached),
+        "worst_time_to_0_8_s": None if None in times else max(times),
+        "worst_time_to_0_8_with_startup_s": None if None in with_startup else round(max(with_startup), 1),
+        "worst_final": round(min(r["final"] for r in rows.values()), 4),
+        "per_seed": {s: {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}
+                     for s, r in rows.items()},
+        "jobs": args.jobs, "load_avg_before": load_before, "load_avg_after": load_after,
+    }))
+
+
+if __name__ == "__main__":
+    main()
