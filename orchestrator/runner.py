@@ -124,7 +124,7 @@ async def run_async(cfg: RunConfig, *, resume: bool = False, progress: Progress 
     beside the controller once the actors are up, and is cancelled when the run ends.
     """
     from actors.env import EnvActor, EnvConfig
-    from actors.trainer import TrainerActor
+    from actors.trainer import TrainerGroup, trainer_mesh
     from hardware import CostLedger, Scheduler, ThroughputModel
 
     t0 = time.monotonic()
@@ -181,8 +181,8 @@ async def run_async(cfg: RunConfig, *, resume: bool = False, progress: Progress 
     # travels in their constructor arguments: CurveZMQ-encrypted across machines).
     weights_key = secrets.token_hex(32)
     meshes: dict[str, Any] = {
-        "trainer": open_mesh(TrainerActor, trainer_cfg, str(ckpt_dir), not resume, weights_key=weights_key,
-                             procs=1, name="trainer", env=_actor_env(cfg, cfg.placement.trainer_cpus)),
+        "trainer": trainer_mesh(trainer_cfg, str(ckpt_dir), not resume, weights_key=weights_key,
+                                name="trainer", env=_actor_env(cfg, cfg.placement.trainer_cpus)),
         "env": open_mesh(EnvActor, EnvConfig(
                              step_timeout_s=cfg.task.episode_timeout_s, max_seq_len=cfg.model.max_seq_len,
                              model_path=model_cfg if isinstance(model_cfg, str) else None,
@@ -200,7 +200,9 @@ async def run_async(cfg: RunConfig, *, resume: bool = False, progress: Progress 
         for pc in cfg.pools:
             for warning in await gpu_warnings(pc, opened[f"pool:{pc.name}"]):
                 progress.message(f"flotilla: warning: {warning}")
-        trainer = MeshTrainer(opened["trainer"])
+        # Several trainer ranks (FSDP2) are one link too; the controller cannot tell.
+        trainer = (MeshTrainer(opened["trainer"]) if opened["trainer"].size == 1
+                   else TrainerGroup(opened["trainer"]))
         links = Links(trainer=trainer, envs=MeshEnvs(opened["env"]),
                       pools={pc.name: MeshPool(pc, opened[f"pool:{pc.name}"]) for pc in cfg.pools})
         state.version = await trainer.version()

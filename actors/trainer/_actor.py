@@ -6,6 +6,13 @@ snapshots (one per precision in ``TrainerConfig.precisions``) through a
 keyframe every ``keyframe_interval`` versions. Samplers pull what they need with
 ``updates_for`` and acknowledge with ``ack``, so history nobody needs is dropped.
 
+A trainer mesh (``TrainerConfig.procs`` > 1) runs one ``TrainerActor`` per rank; the
+ranks form a ``torch.distributed`` group in their constructors and shard the model
+with FSDP2. Every rank takes every ``train_step``, ``evaluate``, ``save_checkpoint`` and
+``digest`` call (they are collectives); only rank 0 holds a publisher and answers
+``updates_for``/``ack``/``keyframe``. ``TrainerGroup`` presents such a mesh
+to the controller as one trainer.
+
 Concurrency: the step's compute runs in a worker thread, so while the trainer
 computes, the actor keeps answering ``updates_for``/``ack``/``version`` (samplers
 catch up on version k while k+1 is being computed). Steps, evaluations and
@@ -22,8 +29,10 @@ import trio
 from actors.trainer._checkpoint import is_complete
 from actors.trainer._config import StepResult, TrainerConfig
 from actors.trainer._core import Trainer
+from actors.trainer._dist import World, init_group
+from actors.trainer._memory import size_report
 from actors.types import Trajectory
-from orchestrator.runtime import Actor, endpoint, span
+from orchestrator.runtime import Actor, current_rank, endpoint, span
 from orchestrator.weightsync import Precision, WeightMessage, WeightPublisher
 from policies import RecipeConfig
 
@@ -47,6 +56,8 @@ class TrainerActor(Actor):
             the run has written by then.
         weights_key: hex key the weight publisher seals messages with (shared with the
             samplers' receivers); None: unkeyed digests.
+        rendezvous: ``host:port`` of the group's rank 0 when ``config.procs`` > 1
+            (``trainer_mesh`` chooses it; see ``actors.trainer._dist``).
 
     Weight messages travel as their ``WeightMessage.to_frames()`` lists (metadata
     JSON + compressed chunks, raw frames on the wire); ``SamplerActor.apply_weights``
@@ -54,22 +65,42 @@ class TrainerActor(Actor):
     """
 
     def __init__(self, config: TrainerConfig | None = None, resume_from: str | None = None,
-                 missing_ok: bool = False, weights_key: str | None = None) -> None:
+                 missing_ok: bool = False, weights_key: str | None = None,
+                 rendezvous: str | None = None) -> None:
         self.config = config if config is not None else TrainerConfig()
         if missing_ok and resume_from is not None and not is_complete(resume_from):
             resume_from = None
-        self.trainer = Trainer(self.config, resume_from=resume_from)
-        self.publisher = WeightPublisher(keyframe_interval=self.config.keyframe_interval,
-                                         precisions=tuple(self.config.precisions),
-                                         auth_key=bytes.fromhex(weights_key) if weights_key else None)
+        self.world = World(current_rank(), self.config.procs)
+        if self.config.procs > 1:
+            if rendezvous is None:
+                raise ValueError("TrainerActor: procs > 1 needs the group's rendezvous address")
+            init_group(rendezvous, self.world, self.config.device)
+        self.trainer = Trainer(self.config, resume_from=resume_from, world=self.world)
+        self.publisher = (WeightPublisher(keyframe_interval=self.config.keyframe_interval,
+                                          precisions=tuple(self.config.precisions),
+                                          auth_key=bytes.fromhex(weights_key) if weights_key else None)
+                          if self.world.is_main else None)
         self._lock = trio.Lock()
+        self._stepped = False
         self._publish()
 
-    def _publish(self) -> tuple[float, dict[str, int]]:
-        t0 = time.perf_counter()
+    def _main_publisher(self, what: str) -> WeightPublisher:
+        if self.publisher is None:
+            raise RuntimeError(f"{what}: trainer rank {self.world.rank} does not publish; ask rank 0")
+        return self.publisher
+
+    def _publish(self, weights: dict[str, Any] | None = None,
+                 t0: float | None = None) -> tuple[float, dict[str, int]]:
+        """On rank 0, publish ``weights`` (default: gather them now, a collective on the FSDP2
+        path, which every rank must join)."""
+        t0 = time.perf_counter() if t0 is None else t0
         version = self.trainer.version
+        if weights is None:
+            weights = self.trainer.master_weights()
+        if self.publisher is None:
+            return time.perf_counter() - t0, {}
         with span("weights.publish", version=version) as sp:
-            msgs = self.publisher.publish(version, self.trainer.master_weights())
+            msgs = self.publisher.publish(version, weights)
             wire: dict[str, int] = {}
             for m in msgs:   # deltas first, then keyframes; report the delta when both exist
                 wire.setdefault(m.precision, m.nbytes)
@@ -97,7 +128,14 @@ class TrainerActor(Actor):
                       staleness_max=-1 if oldest is None else self.trainer.version - oldest) as sp:
                 res = await trio.to_thread.run_sync(self.trainer.train_step, batch)
                 if res.applied:
-                    res.publish_seconds, res.publish_bytes = self._publish()
+                    t0 = time.perf_counter()
+                    # Gathering is compute (and collectives): off the loop; publishing touches
+                    # the publisher, which only the trio thread does.
+                    weights = await trio.to_thread.run_sync(self.trainer.master_weights)
+                    res.publish_seconds, res.publish_bytes = self._publish(weights, t0)
+                if not self._stepped:
+                    self._stepped = True
+                    res.memory = self.size_report()
                 for k, v in (("version", res.version), ("loss", res.loss),
                              ("grad_norm", res.grad_norm), ("tokens", res.tokens),
                              ("mismatch_kl", res.overall.mismatch_kl),
@@ -131,17 +169,18 @@ class TrainerActor(Actor):
         nothing trustworthy) to the latest version: the delta chain or the newest keyframe
         plus the deltas after it, whichever is fewer bytes. Registers the receiver."""
         have = None if have_version is None or have_version < 0 else have_version
-        return [_frames(m) for m in self.publisher.updates_for(receiver, have, precision)]
+        pub = self._main_publisher("updates_for")
+        return [_frames(m) for m in pub.updates_for(receiver, have, precision)]
 
     @endpoint
     def ack(self, receiver: str, version: int) -> None:
         """``receiver`` holds ``version``; history older than every receiver's ack is dropped."""
-        self.publisher.ack(receiver, version)
+        self._main_publisher("ack").ack(receiver, version)
 
     @endpoint
     def keyframe(self, precision: Precision) -> list[bytes]:
         """The newest keyframe of ``precision`` (a new sampler's initial weights)."""
-        return _frames(self.publisher.keyframe(precision))
+        return _frames(self._main_publisher("keyframe").keyframe(precision))
 
     @endpoint
     async def save_checkpoint(self, directory: str) -> str:
@@ -154,4 +193,25 @@ class TrainerActor(Actor):
     async def digest(self) -> str:
         """SHA-256 of master weights + optimizer state + version (for exact-resume checks)."""
         async with self._lock:
-            return self.trainer.digest()
+            return await trio.to_thread.run_sync(self.trainer.digest)
+
+    @endpoint
+    async def full_weights(self) -> dict[str, Any]:
+        """The fp32 weights samplers use (LoRA: merged), by HF name. A collective on the
+        FSDP2 path: every rank must be called; rank 0 answers, the others return {}."""
+        async with self._lock:
+            return dict(await trio.to_thread.run_sync(self.trainer.master_weights))
+
+    @endpoint
+    async def adapter_weights(self) -> dict[str, Any]:
+        """The LoRA adapter tensors alone (``peft`` names), for exporting an adapter; {}
+        without LoRA. A collective like ``full_weights``."""
+        async with self._lock:
+            return dict(await trio.to_thread.run_sync(self.trainer.adapter_weights))
+
+    @endpoint
+    def size_report(self) -> dict[str, Any]:
+        """This rank's parameter count, bytes (parameters, gradients, optimizer) and peak
+        memory so far (see ``actors.trainer._memory``)."""
+        t = self.trainer
+        return size_report(t.model, t.params, t.optimizer, self.world.rank, self.world.size)

@@ -27,9 +27,10 @@ from orchestrator.checkpoints import write_file_atomic
 if TYPE_CHECKING:
     from actors.trainer._core import Trainer
 
-__all__ = ["is_complete", "load_state", "model_dir", "save"]
+__all__ = ["checkpoint_format", "is_complete", "load_state", "model_dir", "save"]
 
 FORMAT = "flotilla.trainer/1"
+SHARDED_FORMAT = "flotilla.trainer/2"   # written by actors.trainer._dcp
 _MOMENTS = ("exp_avg", "exp_avg_sq", "step")
 
 
@@ -78,9 +79,15 @@ def _read_meta(directory: str) -> dict[str, Any]:
         raise FileNotFoundError(f"{directory} is not a complete trainer checkpoint "
                                 "(no trainer.json)")
     meta = json.loads(path.read_text())
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{path}: format {meta.get('format')!r}, expected {FORMAT!r}")
+    if meta.get("format") not in (FORMAT, SHARDED_FORMAT):
+        raise ValueError(f"{path}: format {meta.get('format')!r}, expected {FORMAT!r} "
+                         f"or {SHARDED_FORMAT!r}")
     return meta
+
+
+def checkpoint_format(directory: str) -> str:
+    """The format of a complete checkpoint (FileNotFoundError for an incomplete one)."""
+    return str(_read_meta(directory)["format"])
 
 
 def model_dir(directory: str) -> str:
@@ -97,6 +104,8 @@ def load_state(trainer: Trainer, directory: str) -> int:
     model's parameters.
     """
     meta = _read_meta(directory)
+    if meta["format"] != FORMAT:
+        raise ValueError(f"{directory}: format {meta['format']!r} is not a single-process checkpoint")
     if meta["params"] != list(trainer.params):
         raise ValueError(f"{directory}: parameter names/order differ from the model's")
     state = load_file(str(Path(directory) / "optimizer.safetensors"))

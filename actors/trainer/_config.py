@@ -8,7 +8,21 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from orchestrator.weightsync import Precision
 from policies import PoolMetrics, RecipeConfig
 
-__all__ = ["StepResult", "TrainerConfig"]
+__all__ = ["LoraConfig", "StepResult", "TrainerConfig"]
+
+
+class LoraConfig(BaseModel):
+    """Low-rank adapters (``peft``) on the named linear modules; everything else is frozen."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    r: int = Field(16, ge=1)
+    """Adapter rank."""
+    alpha: float = Field(32.0, gt=0.0)
+    """Scale numerator: the adapter's update is ``(alpha / r) · B @ A``."""
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1)
+    """Names (last path component) of the ``nn.Linear`` modules that get adapters."""
 
 
 class TrainerConfig(BaseModel):
@@ -50,6 +64,21 @@ class TrainerConfig(BaseModel):
     """A full keyframe every this many versions (deltas in between)."""
     device: Literal["cpu", "cuda"] = "cpu"
     """Where the master weights and the optimizer live."""
+    procs: int = Field(1, ge=1)
+    """Trainer processes: more than one form a ``torch.distributed`` group (gloo on CPU,
+    NCCL on CUDA) and shard the model with FSDP2, one unit per decoder layer."""
+    rendezvous: str | None = None
+    """``host:port`` of rank 0's rendezvous for multi-node groups; None: ``MASTER_ADDR`` /
+    ``MASTER_PORT`` from the environment when set (torchrun style), else a free loopback
+    port chosen at start-up."""
+    dtype: Literal["fp32", "bf16"] = "fp32"
+    """Compute dtype. ``bf16``: bf16 parameters in forward/backward with fp32 master weights,
+    fp32 gradient reductions and an fp32 loss (FSDP2 ``MixedPrecisionPolicy``)."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in backward instead of storing them."""
+    lora: LoraConfig | None = None
+    """Train low-rank adapters only (``pip install flotilla[lora]``); samplers still receive
+    merged weights. None: full fine-tuning."""
     recipe: RecipeConfig = Field(default_factory=RecipeConfig)
     """The loss recipe (importance sampling, score centering, replay, advantages)."""
 
@@ -101,3 +130,6 @@ class StepResult(BaseModel):
     """Time spent building wire snapshots and deltas after the step."""
     publish_bytes: dict[str, int] = Field(default_factory=dict)
     """Wire bytes of this version's delta (or keyframe) per precision."""
+    memory: dict[str, Any] | None = None
+    """Set on the first step a trainer process takes: rank 0's parameter count, bytes per
+    rank (parameters, gradients, optimizer) and measured peak memory after that step."""

@@ -17,7 +17,7 @@ from typing import Any
 
 import trio
 
-from actors.trainer import StepResult
+from actors.trainer import StepResult, memory_line
 from actors.types import Trajectory
 from orchestrator.buffer import Group
 from orchestrator.controller._context import Backoff, RunContext
@@ -161,6 +161,9 @@ async def _account(ctx: RunContext, trajs: list[Trajectory], stale: list[int],
                          "masked_fraction": per_pool[name].masked_fraction if name in per_pool else None}
                   for name in ctx.pools},
     }
+    if result.memory is not None:   # a trainer process's first step: its sizes and peak
+        record["trainer_memory"] = result.memory
+        ctx.progress.message(memory_line(result.memory))
     ctx.metrics.write(record)
     ctx.progress.step(record)
     ctx.step_t0 = now
