@@ -209,6 +209,10 @@ class SGLangBackend:
             return False
         return True
 
+    def end_session(self, session_id: str) -> bool:
+        """Nothing to free: SGLang's radix cache shares prefixes across requests by itself."""
+        return False
+
     def counters(self) -> dict[str, Any]:
         """Cumulative counters for ``SamplerStats`` (busy_seconds is request wall time)."""
         return dict(self._counters)
