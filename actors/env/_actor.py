@@ -9,8 +9,11 @@ task per call); environments are fresh instances per episode.
 from __future__ import annotations
 
 import importlib
+import random
 import uuid
+from typing import Any
 
+import trio
 from pydantic import BaseModel, ConfigDict, Field
 
 from actors.env._episode import EpisodeLimits, play_episode
@@ -38,6 +41,12 @@ class EnvConfig(BaseModel):
     task_modules: list[str] = Field(default_factory=list)
     """Modules imported at start-up so their ``@register_task`` environments exist in
     the actor's process (the built-in tasks are always there)."""
+    harness: Any = None
+    """``actors.gateway.HarnessConfig``: every episode runs this harness against the actor's
+    OpenAI-compatible gateway instead of a registered environment (None: no gateway)."""
+    model_path: str | None = None
+    """Checkpoint directory whose tokenizer and chat template the gateway renders with
+    (None: the built-in word tokenizer)."""
 
 
 class EnvActor(Actor):
@@ -59,6 +68,20 @@ class EnvActor(Actor):
         self.episodes = 0
         self.failed = 0
         self.running = 0
+        self.gateway: Any = None
+        if self.config.harness is not None:
+            from actors.gateway import HarnessConfig
+
+            self.config.harness = HarnessConfig.model_validate(self.config.harness)
+
+    async def on_start(self, nursery: trio.Nursery) -> None:
+        """With a harness configured: start the gateway (it serves until the actor stops)."""
+        if self.config.harness is not None:
+            from actors.chat import load_chat_format
+            from actors.gateway import Gateway
+
+            self.gateway = Gateway(load_chat_format(self.config.model_path))
+            await nursery.start(self.gateway.serve)
 
     @endpoint
     async def run_episode(self, sampler: ActorRef | Mesh, task: TaskSpec,
@@ -77,15 +100,47 @@ class EnvActor(Actor):
 
         self.running += 1
         try:
-            traj = await play_episode(
-                generate, GenerateRequest, task, sampling, min_version,
-                chat=self.chat, limits=self.limits,
-                request_prefix=f"{task.prompt_id}/{uuid.uuid4().hex[:12]}", span=span)
+            if self.gateway is not None:
+                traj = await self._harness_episode(sampler, generate, task, sampling, min_version)
+            else:
+                traj = await play_episode(
+                    generate, GenerateRequest, task, sampling, min_version,
+                    chat=self.chat, limits=self.limits,
+                    request_prefix=f"{task.prompt_id}/{uuid.uuid4().hex[:12]}", span=span)
         finally:
             self.running -= 1
         self.episodes += 1
         self.failed += traj.failed
         return traj
+
+    async def _harness_episode(self, sampler: ActorRef | Mesh, generate: Any, task: TaskSpec,
+                               sampling: SamplingParams, min_version: int) -> Trajectory:
+        """One episode of the configured harness against a new gateway session.  A mesh
+        handle is pinned to one rank for the whole episode (its prefix cache lives there)."""
+        from actors.gateway import SessionLimits, play_harness_episode
+
+        ref = sampler[random.randrange(len(sampler))] if isinstance(sampler, Mesh) else sampler
+
+        async def gen(req: GenerateRequest) -> GenerateResult:
+            return await ref.generate.call_one(req)
+
+        async def end(session_id: str) -> Any:
+            return await ref.end_session.call_one(session_id)
+
+        cfg = self.config.harness
+        limits = SessionLimits(sampling, self.config.max_seq_len, cfg.max_new_tokens, cfg.honor_sampling)
+        with span("rollout", task=task.task, prompt_id=task.prompt_id, group_id=task.group_id,
+                  kind="harness") as sp:
+            traj, stats = await play_harness_episode(self.gateway, cfg, task, gen, limits, min_version, end)
+            for k, v in {"pool": traj.pool, "turn": traj.turns, "reward": traj.reward, "failed": traj.failed,
+                         "tokens": int(traj.tokens.numel()), "generated": traj.num_generated, **stats}.items():
+                sp.set_attribute(k, v)
+        return traj
+
+    @endpoint
+    def gateway_address(self) -> str | None:
+        """``http://host:port`` of the actor's gateway (None without a harness)."""
+        return self.gateway.address if self.gateway is not None else None
 
     @endpoint
     def tasks(self) -> list[str]:
@@ -94,5 +149,10 @@ class EnvActor(Actor):
 
     @endpoint
     def stats(self) -> dict[str, int]:
-        """Episodes finished, failed, and running now."""
-        return {"episodes": self.episodes, "failed": self.failed, "running": self.running}
+        """Episodes finished, failed, and running now; with a gateway also its sessions,
+        segments and the generated tokens of earlier segments (not trained on)."""
+        out = {"episodes": self.episodes, "failed": self.failed, "running": self.running}
+        if self.gateway is not None:
+            out.update(sessions=self.gateway.opened, segments=self.gateway.segments,
+                       dropped_generated=self.gateway.dropped_generated)
+        return out
