@@ -135,8 +135,16 @@ class Trajectory(BaseModel):
         """Number of sampler-generated tokens (rows of the support record)."""
         return self.versions.numel()
 
+    @property
+    def oldest_version(self) -> int:
+        """The oldest policy version among the generated tokens (0 if none)."""
+        return int(self.versions.min()) if self.versions.numel() else 0
+
+    @property
+    def newest_version(self) -> int:
+        """The newest policy version among the generated tokens (0 if none)."""
+        return int(self.versions.max()) if self.versions.numel() else 0
+
     def staleness(self, trainer_version: int) -> int:
-        """``trainer_version`` − the oldest version among the generated tokens (0 if none)."""
-        if self.versions.numel() == 0:
-            return 0
-        return trainer_version - int(self.versions.min())
+        """``trainer_version`` − the oldest version among the generated tokens."""
+        return trainer_version - self.oldest_version

@@ -26,8 +26,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
+from hardware._state import parse_state
 from hardware.pools import PoolConfig
 from hardware.throughput import ThroughputModel
 
@@ -280,14 +281,7 @@ class CostLedger:
         keep theirs. A malformed state, or one naming a pool this ledger does not have (its
         cost would vanish from the report), raises ValueError naming the field or pool and
         changes nothing."""
-        try:
-            parsed = _LedgerState.model_validate(state)
-        except ValidationError as e:
-            raise ValueError(f"cost ledger state: {e}") from e
-        unknown = [name for name in parsed.pools if name not in self._acc]
-        if unknown:
-            raise ValueError(f"cost ledger state: unknown pool(s) {', '.join(map(repr, unknown))}; "
-                             f"pools: {', '.join(self._acc)}")
+        parsed = parse_state(_LedgerState, state, "cost ledger state", lambda s: s.pools, self._acc)
         self._acc.update(parsed.pools)
 
     def _billed_gpu_seconds(self, p: PoolConfig) -> tuple[float, Literal["measured", "modelled"]]:

@@ -79,9 +79,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from hardware._lengths import PoolLengthState, RolloutLengths
+from hardware._state import parse_state
 from hardware.pools import PoolConfig
 from hardware.throughput import ThroughputModel
 
@@ -231,15 +232,29 @@ class Scheduler:
         self._ver[self._idx(pool)] = version
 
     def complete(self, pool: str, tokens: int | None = None) -> None:
-        """A rollout on `pool` finished, failed or was aborted: its slot is free again.
-        `tokens` (generated) stands in for the pool's generated tokens until it is observed."""
+        """A rollout on `pool` finished or failed: its slot is free again. `tokens`
+        (generated) stands in for the pool's generated tokens until it is observed."""
+        i = self._free(pool, "complete")
+        self._lengths.finished(i, tokens)
+
+    def release(self, pool: str) -> None:
+        """Undo a `place()` whose rollout never started (held back, or its sampler died
+        before it ran): the slot is free again, and neither throughput nor rollout-length
+        statistics see it."""
+        self._free(pool, "release")
+
+    def _free(self, pool: str, what: str) -> int:
         i = self._idx(pool)
         if self._inflight[i] <= 0:
-            raise ValueError(f"complete({pool!r}) with no rollout in flight there")
+            raise ValueError(f"{what}({pool!r}) with no rollout in flight there")
         self._inflight[i] -= 1
         if self._inflight[i] <= self._fill_from[i]:
             self._fill_to[i] = 0
-        self._lengths.finished(i, tokens)
+        return i
+
+    def _eligible(self, i: int) -> bool:
+        """Pool i's weights are within its staleness budget of the trainer's version."""
+        return self._trainer_version - self._ver[i] <= self._budget[i]
 
     def observe(self, pool: str, tokens: float, gpu_seconds: float, batch_per_gpu: float | None = None) -> float:
         """A throughput measurement for `pool`: `tokens` generated in `gpu_seconds` busy
@@ -260,11 +275,8 @@ class Scheduler:
         """The pool for the next rollout, its slot taken; None means wait."""
         if self.policy == "round_robin":
             return self._place_round_robin()
-        tv = self._trainer_version
         inflight = self._inflight
         cap = self._cap
-        ver = self._ver
-        budget = self._budget
         order = self._order
         pool_tps = self._pool_tps
         first = True
@@ -272,7 +284,7 @@ class Scheduler:
         prod = 0.0  # tokens/s of the eligible full pools before j
         lagging: list[int] = []  # pools before j that lag beyond their budget, with rollouts
         for pos, i in enumerate(order):
-            if tv - ver[i] > budget[i]:
+            if not self._eligible(i):
                 if inflight[i]:
                     lagging.append(i)
                 continue
@@ -377,9 +389,6 @@ class Scheduler:
     def _spill_target(self, jpos: int, shortfall: float) -> int:
         """The eligible pool with room, from ranking position jpos on, whose marginal cost per
         token is lowest (see the module docstring); -1 if none can run the model."""
-        tv = self._trainer_version
-        ver = self._ver
-        budget = self._budget
         inflight = self._inflight
         cap = self._cap
         S = self._S
@@ -389,7 +398,7 @@ class Scheduler:
         best_cost = math.inf
         for pos in range(jpos, len(order)):
             k = order[pos]
-            if tv - ver[k] > budget[k] or inflight[k] >= cap[k]:
+            if not self._eligible(k) or inflight[k] >= cap[k]:
                 continue
             if best >= 0 and self._cost[k] >= best_cost:
                 continue  # even at full batch k costs more than the best so far
@@ -403,11 +412,10 @@ class Scheduler:
 
     def _place_round_robin(self) -> str | None:
         n = len(self._names)
-        tv = self._trainer_version
         start = self._rr_next
         for k in range(n):
             i = (start + k) % n
-            if tv - self._ver[i] <= self._budget[i] and self._inflight[i] < self._cap[i]:
+            if self._eligible(i) and self._inflight[i] < self._cap[i]:
                 self._inflight[i] += 1
                 self._rr_next = i + 1
                 return self._names[i]
@@ -433,14 +441,8 @@ class Scheduler:
         naming the field or pool, and changes nothing."""
         if not state:
             return
-        try:
-            parsed = _SchedulerState.model_validate(state)
-        except ValidationError as e:
-            raise ValueError(f"scheduler state: {e}") from e
-        unknown = [name for name in parsed.lengths if name not in self._index]
-        if unknown:
-            raise ValueError(f"scheduler state: unknown pool(s) {', '.join(map(repr, unknown))}; "
-                             f"pools: {', '.join(self._names)}")
+        parsed = parse_state(_SchedulerState, state, "scheduler state", lambda s: s.lengths,
+                             self._names)
         self.throughput.load_state(parsed.throughput)  # validates before changing anything
         for name, st in parsed.lengths.items():
             self._lengths.load(self._index[name], st)
@@ -484,15 +486,13 @@ class Scheduler:
         eligible pool with a free slot (a diagnostic)."""
         i = self._idx(pool)
         pos = self._order.index(i)
-        tv = self._trainer_version
         before = self._order[:pos]
-        eligible = [k for k in before if tv - self._ver[k] <= self._budget[k]]
-        lagging = [k for k in before if tv - self._ver[k] > self._budget[k] and self._inflight[k]]
+        eligible = [k for k in before if self._eligible(k)]
+        lagging = [k for k in before if not self._eligible(k) and self._inflight[k]]
         return self._shortfall(pos, i, sum(self._pool_tps[k] for k in eligible), lagging)[0] > _EPS
 
     def states(self) -> list[PoolState]:
         """Every pool's state, cheapest first."""
-        tv = self._trainer_version
         return [
             PoolState(
                 name=self._names[i],
@@ -500,7 +500,7 @@ class Scheduler:
                 in_flight=self._inflight[i],
                 version=self._ver[i],
                 staleness_budget=self._budget[i],
-                eligible=tv - self._ver[i] <= self._budget[i],
+                eligible=self._eligible(i),
                 usd_per_mtok=self._cost[i] * 1e6,
                 tokens_per_s_per_gpu=self._tps[i],
                 rank=rank,

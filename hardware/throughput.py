@@ -36,8 +36,9 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from hardware._state import parse_state
 from hardware.catalog import CATALOG, GpuSpec
 from hardware.pools import PoolConfig
 
@@ -351,14 +352,8 @@ class ThroughputModel:
         """Restore what `state()` returned. Pools absent from `state` keep their current factor;
         a pool in `state` that this model does not have, or a malformed entry, raises ValueError
         naming it (nothing is changed then)."""
-        try:
-            parsed = _ThroughputState.model_validate(state)
-        except ValidationError as e:
-            raise ValueError(f"throughput state: {e}") from e
-        unknown = [name for name in parsed.pools if name not in self._pools]
-        if unknown:
-            raise ValueError(f"throughput state: unknown pool(s) {', '.join(map(repr, unknown))}; "
-                             f"pools: {', '.join(self._pools)}")
+        parsed = parse_state(_ThroughputState, state, "throughput state", lambda s: s.pools,
+                             self._pools)
         for name, st in parsed.pools.items():
             if not math.isfinite(st.log_factor):
                 raise ValueError(f"throughput state: pool {name!r}: log_factor must be finite, got {st.log_factor}")

@@ -10,23 +10,43 @@ Staleness (DESIGN §4): a trajectory trained at trainer version k has staleness
 k − (oldest policy version among its tokens). When a batch is assembled, a
 trajectory over its pool's budget is dropped and its slot re-queued ahead of new
 work; its group waits until the slot is filled again by a fresh rollout.
+
+The counters live in one `BufferCounters` model, which the controller's
+checkpointed state owns and hands to the buffer, so a resumed run continues them.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any
 
-__all__ = ["Drop", "Group", "RolloutBuffer", "Slot"]
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = ["BufferCounters", "Drop", "Group", "RolloutBuffer", "Slot"]
 
 
-class _Trajectory(Protocol):
-    pool: str
-    failed: bool
+class BufferCounters(BaseModel):
+    """What entered the buffer and where it went; `groups_in` = trained + buffered + skipped."""
 
-    @property
-    def min_version(self) -> int: ...
+    model_config = ConfigDict(extra="forbid", validate_assignment=False)
+
+    groups_in: int = Field(default=0, ge=0)
+    """GRPO groups (prompts) that entered the buffer."""
+    groups_trained: int = Field(default=0, ge=0)
+    """Groups trained on."""
+    groups_skipped: int = Field(default=0, ge=0)
+    """Groups given up after a slot failed `max_attempts` times (an environment that keeps
+    failing on that prompt); counted, never silent."""
+    rollouts_trained: int = Field(default=0, ge=0)
+    """Trajectories trained on."""
+    dropped_stale: int = Field(default=0, ge=0)
+    """Trajectories over their pool's staleness budget when a batch was assembled (retried)."""
+    dropped_failed: int = Field(default=0, ge=0)
+    """Failed episodes (retried up to `max_attempts` per slot)."""
+    dropped_rollback: int = Field(default=0, ge=0)
+    """Trajectories from weights newer than a restored trainer checkpoint (retried)."""
 
 
 @dataclass(frozen=True)
@@ -66,34 +86,31 @@ class Drop:
 class RolloutBuffer:
     """Groups in flight and done, in arrival order; see the module docstring.
 
-    `min_version_of(traj)` returns the oldest policy version among a trajectory's
-    generated tokens. `max_attempts` bounds retries of one slot after environment
-    failures; a group whose slot fails that often is abandoned (counted).
+    Trajectories are anything with `pool`, `failed`, `error`, `oldest_version` and
+    `newest_version` (actors.types.Trajectory). `max_attempts` bounds retries of one slot
+    after environment failures; a group whose slot fails that often is skipped (counted).
     """
 
-    def __init__(self, group_size: int, min_version_of: Callable[[Any], int],
-                 max_attempts: int = 3) -> None:
+    def __init__(self, group_size: int, max_attempts: int = 3,
+                 counters: BufferCounters | None = None) -> None:
         self.group_size = group_size
         self.max_attempts = max_attempts
-        self._min_version = min_version_of
+        self.counters = counters if counters is not None else BufferCounters()
         self._groups: dict[str, Group] = {}
         self._fresh: deque[Slot] = deque()
         self._retry: deque[Slot] = deque()
         self._in_flight: set[tuple[str, int]] = set()
-        self.groups_in = 0
-        self.groups_trained = 0
-        self.groups_abandoned = 0
-        self.rollouts_trained = 0
-        self.dropped_stale = 0
-        self.dropped_failed = 0
 
     # -- producing -------------------------------------------------------------
-    def add_group(self, group_id: str, prompt_id: str, task: Any) -> None:
+    def add_group(self, group_id: str, prompt_id: str, task: Any, *, counted: bool = False) -> None:
+        """A new group at the back of the queue. `counted`: it already entered `groups_in`
+        (a prompt that was buffered when the run stopped, re-added on resume)."""
         if group_id in self._groups:
             raise ValueError(f"group {group_id!r} already in the buffer")
         self._groups[group_id] = Group(group_id, prompt_id, task, self.group_size)
         self._fresh.extend(Slot(group_id, prompt_id, i) for i in range(self.group_size))
-        self.groups_in += 1
+        if not counted:
+            self.counters.groups_in += 1
 
     def next_slot(self) -> Slot | None:
         """The next rollout to start: retries first, then new work; None when there is none."""
@@ -105,35 +122,66 @@ class RolloutBuffer:
         return slot
 
     def requeue(self, slot: Slot) -> None:
-        """Put back a slot that was taken but never started (e.g. no pool had capacity)."""
+        """Put back a slot that was taken but did not finish (no pool had room, its weights
+        were not there yet, its sampler died); dropped if its group was skipped meanwhile."""
         self._in_flight.discard((slot.group_id, slot.index))
-        self._retry.appendleft(slot)
+        if slot.group_id in self._groups:
+            self._retry.appendleft(slot)
 
-    def task_of(self, slot: Slot) -> Any:
-        return self._groups[slot.group_id].task
+    def task_of(self, slot: Slot) -> Any | None:
+        """The slot's task; None if its group was skipped meanwhile."""
+        group = self._groups.get(slot.group_id)
+        return group.task if group is not None else None
 
     def complete(self, slot: Slot, traj: Any) -> Drop | None:
         """Record a finished rollout. A failed one is retried (or abandons its group)."""
         self._in_flight.discard((slot.group_id, slot.index))
         group = self._groups.get(slot.group_id)
-        if group is None:  # abandoned meanwhile
+        if group is None:  # skipped meanwhile
             return None
-        if getattr(traj, "failed", False):
-            self.dropped_failed += 1
-            drop = Drop(slot, traj.pool, "failed", None, getattr(traj, "error", None))
+        if traj.failed:
+            self.counters.dropped_failed += 1
+            drop = Drop(slot, traj.pool, "failed", None, traj.error)
             if slot.attempt + 1 >= self.max_attempts:
-                self._abandon(group)
+                self._skip(group)
+                drop = Drop(slot, traj.pool, "skipped", None, traj.error)
             else:
                 self._retry.append(Slot(slot.group_id, slot.prompt_id, slot.index, slot.attempt + 1))
             return drop
         group.done[slot.index] = (slot, traj)
         return None
 
-    def _abandon(self, group: Group) -> None:
+    def _skip(self, group: Group) -> None:
         del self._groups[group.group_id]
         self._retry = deque(s for s in self._retry if s.group_id != group.group_id)
         self._fresh = deque(s for s in self._fresh if s.group_id != group.group_id)
-        self.groups_abandoned += 1
+        self.counters.groups_skipped += 1
+
+    def drop_newer_than(self, version: int) -> list[Drop]:
+        """Drop finished trajectories with tokens from weights newer than `version` (the
+        trainer went back to a checkpoint: those weights no longer exist) and re-queue
+        their slots."""
+        drops = []
+        for group in self._groups.values():
+            for index, (slot, traj) in list(group.done.items()):
+                if traj.newest_version > version:
+                    del group.done[index]
+                    self.counters.dropped_rollback += 1
+                    drops.append(Drop(slot, traj.pool, "rollback", None, None))
+                    self._retry.append(Slot(slot.group_id, slot.prompt_id, slot.index, slot.attempt))
+        return drops
+
+    def put_back(self, groups: Iterable[Group]) -> None:
+        """Return groups taken by `take_batch` whose step never happened, ahead of the rest."""
+        back = {g.group_id: g for g in groups}
+        for g in back.values():
+            self.counters.groups_trained -= 1
+            self.counters.rollouts_trained -= g.size
+        self._groups = {**back, **self._groups}
+
+    def buffered_prompts(self) -> list[Any]:
+        """Tasks of the groups still buffered, oldest first (saved on stop, replayed on resume)."""
+        return [g.task for g in self._groups.values()]
 
     # -- consuming -------------------------------------------------------------
     def take_batch(self, n_groups: int, trainer_version: int,
@@ -150,10 +198,10 @@ class RolloutBuffer:
             if not group.complete:
                 continue
             for index, (slot, traj) in list(group.done.items()):
-                staleness = trainer_version - self._min_version(traj)
+                staleness = trainer_version - traj.oldest_version
                 if staleness > budget_of(traj.pool):
                     del group.done[index]
-                    self.dropped_stale += 1
+                    self.counters.dropped_stale += 1
                     drops.append(Drop(slot, traj.pool, "stale", staleness, None))
                     self._retry.append(Slot(slot.group_id, slot.prompt_id, slot.index, slot.attempt))
             if group.complete and len(ready) < n_groups:
@@ -162,8 +210,8 @@ class RolloutBuffer:
             return [], drops
         for group in ready:
             del self._groups[group.group_id]
-            self.groups_trained += 1
-            self.rollouts_trained += group.size
+            self.counters.groups_trained += 1
+            self.counters.rollouts_trained += group.size
         return ready, drops
 
     # -- accounting ------------------------------------------------------------
@@ -187,19 +235,5 @@ class RolloutBuffer:
         return sum(g.complete for g in self._groups.values())
 
     def counts(self) -> dict[str, int]:
-        return {
-            "groups_in": self.groups_in,
-            "groups_trained": self.groups_trained,
-            "groups_buffered": self.groups_buffered,
-            "groups_abandoned": self.groups_abandoned,
-            "rollouts_trained": self.rollouts_trained,
-            "rollouts_in_flight": self.in_flight,
-            "dropped_stale": self.dropped_stale,
-            "dropped_failed": self.dropped_failed,
-        }
-
-    def state(self) -> dict[str, int]:
-        """Counters to checkpoint (buffered groups themselves are regenerated on resume)."""
-        return {k: getattr(self, k) for k in (
-            "groups_in", "groups_trained", "groups_abandoned", "rollouts_trained",
-            "dropped_stale", "dropped_failed")}
+        return {**self.counters.model_dump(), "groups_buffered": self.groups_buffered,
+                "rollouts_in_flight": self.in_flight}

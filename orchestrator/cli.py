@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "run":
         from orchestrator.config import ConfigError
+        from orchestrator.controller import TrainerLost
         from orchestrator.runner import run_from_cli
 
         try:
@@ -59,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
         except ConfigError as e:
             print(f"flotilla: {e}", file=sys.stderr)
             return 2
+        except TrainerLost as e:
+            print(f"flotilla: {e}", file=sys.stderr)
+            return 1
     if args.command == "report":
         from orchestrator.reports import print_report
 

@@ -21,6 +21,7 @@ from hardware import PoolList
 from policies import RecipeConfig
 
 __all__ = [
+    "CheckpointSection",
     "ConfigError",
     "ModelSection",
     "PlacementSection",
@@ -84,6 +85,16 @@ class PlacementSection(_Section):
     With trainer_cpus, this emulates separate devices on one machine."""
 
 
+class CheckpointSection(_Section):
+    every_steps: int | None = Field(default=50, ge=1)
+    """Checkpoint every this many steps (None: only by time, at the end and on Ctrl-C). A
+    dead trainer is restored from the last checkpoint, so this bounds the steps it repeats."""
+    every_s: float | None = Field(default=None, gt=0)
+    """Checkpoint when this many seconds passed since the last one (None: only by steps)."""
+    max_restarts: int = Field(default=3, ge=0)
+    """Times a dead trainer is restored from a checkpoint before the run gives up."""
+
+
 class RunConfig(_Section):
     name: str = "run"
     """The run's name: outputs go to `<run_root>/<name>/`."""
@@ -109,6 +120,8 @@ class RunConfig(_Section):
     by the top-level [recipe]."""
     placement: PlacementSection = Field(default_factory=PlacementSection)
     """Threads and CPU pinning of the actor processes."""
+    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+    """Periodic checkpoints and trainer restarts."""
     pools: PoolList = Field(min_length=1)
     """Sampler pools ([[pools]] tables, hardware.PoolConfig), names unique."""
 

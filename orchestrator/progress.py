@@ -21,6 +21,9 @@ class Progress:
         self.stream = stream or sys.stderr
         self.quiet = quiet
         self.t0 = time.monotonic()
+        self.failure_every_s = 1.0
+        self._last_failure = -float("inf")
+        self._held_back = 0
 
     def step(self, record: dict[str, Any]) -> None:
         if self.quiet:
@@ -33,6 +36,19 @@ class Progress:
                 f"dropped {record['dropped_total']} | tok/s {pools} | "
                 f"${record['cost_usd']:.4f} | {elapsed // 60}:{elapsed % 60:02d}")
         print(line, file=self.stream, flush=True)
+
+    def failure(self, text: str) -> None:
+        """An error that may repeat (a failing environment): printed at most once per
+        `failure_every_s`, with the count of those held back since."""
+        now = time.monotonic()
+        if now - self._last_failure < self.failure_every_s:
+            self._held_back += 1
+            return
+        more = f" (+{self._held_back} similar since the last shown)" if self._held_back else ""
+        self._last_failure, self._held_back = now, 0
+        lines = text.strip().splitlines() or [""]
+        shown = lines[0] if len(lines) == 1 else f"{lines[0]} … {lines[-1]}"  # traceback: its tail
+        self.message(shown[:400] + more)
 
     def message(self, text: str) -> None:
         if not self.quiet:

@@ -16,18 +16,30 @@ import json
 import os
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import trio
 
 from orchestrator.config import ConfigError, RunConfig, load_config
-from orchestrator.controller import STATE_FILE, RunResult, _Counters, _Loop, _Pool, _write_json_atomic
+from orchestrator.controller import STATE_FILE, Controller, ControllerState, Links, TrainerLink
+from orchestrator.controller.meshes import MeshEnvs, MeshPool, MeshTrainer
 from orchestrator.progress import Progress
 from orchestrator.runtime import open_mesh, span
 from orchestrator.telemetry import MetricsLog, setup_run_telemetry
 
-__all__ = ["run", "run_async", "run_from_cli"]
+__all__ = ["DiskCheckpoints", "RunResult", "run", "run_async", "run_from_cli"]
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    steps_done: int
+    version: int
+    interrupted: bool
+    counts: dict[str, int]
+    wall_s: float
 
 
 def _actor_env(cfg: RunConfig, cpus: list[int] | None) -> dict[str, str]:
@@ -66,6 +78,29 @@ def _truncate_metrics(path: Path, last_step: int) -> None:
         path.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in keep))
 
 
+class DiskCheckpoints:
+    """Checkpoints in `runs/<name>/checkpoint/`: the trainer's files and the controller's
+    state, written to a fresh directory first and swapped in only when whole."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    async def save(self, trainer: TrainerLink, state: ControllerState) -> None:
+        tmp = self.directory.with_name(self.directory.name + ".tmp")
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        await trainer.save_checkpoint(str(tmp))
+        state.save(tmp)
+        if self.directory.exists():
+            shutil.rmtree(self.directory)
+        os.replace(tmp, self.directory)
+
+    async def restore(self, trainer: TrainerLink) -> tuple[int, int]:
+        version = await trainer.restart()  # its constructor reads self.directory
+        step = ControllerState.load(self.directory).step if (self.directory / STATE_FILE).exists() else 0
+        return version, step
+
+
 async def run_async(cfg: RunConfig, *, resume: bool = False, progress: Progress | None = None) -> RunResult:
     """Run (or resume) training to `cfg.steps`; see the module docstring.
 
@@ -81,13 +116,15 @@ async def run_async(cfg: RunConfig, *, resume: bool = False, progress: Progress 
     run_dir = cfg.run_dir
     ckpt_dir = run_dir / "checkpoint"
     progress = progress or Progress(cfg.steps)
-    state: dict[str, Any] = {}
+    state = ControllerState()
     if resume:
-        state_path = ckpt_dir / STATE_FILE
-        if not state_path.exists():
-            raise ConfigError(f"{run_dir}: no checkpoint to resume from ({state_path} missing)")
-        state = json.loads(state_path.read_text())
-        _truncate_metrics(run_dir / "metrics.jsonl", state["step"])
+        if not (ckpt_dir / STATE_FILE).exists():
+            raise ConfigError(f"{run_dir}: no checkpoint to resume from ({ckpt_dir / STATE_FILE} missing)")
+        try:
+            state = ControllerState.load(ckpt_dir)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        _truncate_metrics(run_dir / "metrics.jsonl", state.step)
     else:
         if (run_dir / "metrics.jsonl").exists():
             raise ConfigError(f"{run_dir}: a run with this name exists; use --resume {run_dir} "
@@ -102,23 +139,26 @@ async def run_async(cfg: RunConfig, *, resume: bool = False, progress: Progress 
     precisions = sorted({p.precision for p in cfg.pools})
     trainer_cfg = cfg.trainer.model_copy(update={
         "recipe": cfg.recipe, "seed": cfg.model.seed, "model": model_cfg, "precisions": precisions})
-    trainer_env = _actor_env(cfg, cfg.placement.trainer_cpus)
     env = _actor_env(cfg, cfg.placement.sampler_cpus)
     scheduler = Scheduler(cfg.pools, ThroughputModel(cfg.pools, _model_spec(model_cfg)))
     # Emulated pools are billed their measured busy seconds at the labelled GPU's price
     # (no throughput model given to the ledger), so the report reflects the run that happened.
     ledger = CostLedger(cfg.pools)
-    if state:
-        ledger.load_state(state["ledger"])
-        scheduler.load_state(state.get("scheduler", {}))
-    counters = _Counters(step=state.get("step", 0), prompts=state.get("prompts", 0))
+    if resume:
+        try:
+            ledger.load_state(state.ledger)
+            scheduler.load_state(state.scheduler)
+        except ValueError as e:
+            raise ConfigError(f"{ckpt_dir / STATE_FILE}: {e}") from None
 
     progress.message(f"flotilla: run {cfg.name} → {run_dir} ({cfg.mode}, {len(cfg.pools)} pools, "
-                     f"{'resuming at step ' + str(counters.step) if resume else 'starting'})")
+                     f"{'resuming at step ' + str(state.step) if resume else 'starting'})")
     metrics = MetricsLog(run_dir / "metrics.jsonl")
+    # The trainer always names the checkpoint directory: a trainer respawned mid-run
+    # restores from the newest checkpoint there (a fresh run's first trainer finds none).
     meshes: dict[str, Any] = {
-        "trainer": open_mesh(TrainerActor, trainer_cfg, str(ckpt_dir) if resume else None,
-                             procs=1, name="trainer", env=trainer_env),
+        "trainer": open_mesh(TrainerActor, trainer_cfg, str(ckpt_dir), not resume,
+                             procs=1, name="trainer", env=_actor_env(cfg, cfg.placement.trainer_cpus)),
         "env": open_mesh(EnvActor, EnvConfig(step_timeout_s=cfg.task.episode_timeout_s),
                          procs=cfg.task.env_actors, name="env", env=env),
     }
@@ -129,26 +169,27 @@ async def run_async(cfg: RunConfig, *, resume: bool = False, progress: Progress 
             SamplerActor, pc.name, pc.precision, model_cfg, pc.device,
             init_seed=None, max_batch=pc.capacity, staleness_budget=pc.staleness_budget,
             seed=cfg.seed, procs=_procs(pc), name=f"sampler-{pc.name}", env=env)
+    checkpoints = DiskCheckpoints(ckpt_dir)
     async with trio.open_nursery() as actors:
         with span("startup", pools=len(cfg.pools)):
             opened = await _open_all(actors, meshes)
-        trainer = opened["trainer"][0]
-        pools = {pc.name: _Pool(pc, opened[f"pool:{pc.name}"], versions=[-1] * _procs(pc),
-                                in_flight=[0] * _procs(pc)) for pc in cfg.pools}
-        version = await trainer.version.call_one()
-        loop = _Loop(cfg, trainer, pools, opened["env"], scheduler, ledger, progress, metrics,
-                     counters, version, state.get("buffer"))
+        trainer = MeshTrainer(opened["trainer"])
+        links = Links(trainer=trainer, envs=MeshEnvs(opened["env"]),
+                      pools={pc.name: MeshPool(pc, opened[f"pool:{pc.name}"]) for pc in cfg.pools})
+        state.version = await trainer.version()
+        controller = Controller(cfg, links, state, scheduler=scheduler, ledger=ledger,
+                                metrics=metrics, progress=progress, checkpoints=checkpoints)
         try:
-            await loop.run()
-            if not loop.abandoned:
+            await controller.run()
+            if not controller.abandoned:
                 with trio.CancelScope(shield=True):
-                    await _checkpoint(trainer, ckpt_dir, loop, ledger, scheduler)
+                    await controller.checkpoint()
         finally:
             metrics.close()
         actors.cancel_scope.cancel()  # leaves every mesh: its processes stop, in parallel
     ledger.report().write(run_dir)
-    result = RunResult(run_dir, counters.step, loop.version, loop.interrupted, loop.buffer.counts(),
-                       time.monotonic() - t0)
+    result = RunResult(run_dir, state.step, state.version, controller.interrupted,
+                       controller.counts(), time.monotonic() - t0)
     progress.message(f"flotilla: {'interrupted' if result.interrupted else 'done'} at step "
                      f"{result.steps_done}, {result.wall_s:.0f}s; reports in {run_dir}")
     return result
@@ -177,30 +218,6 @@ async def _open_all(actors: trio.Nursery, meshes: dict[str, Any]) -> dict[str, A
         for key in meshes:
             starting.start_soon(open_one, key)
     return opened
-
-
-async def _checkpoint(trainer: Any, ckpt_dir: Path, loop: _Loop, ledger: Any, scheduler: Any) -> None:
-    """Trainer state first, then the controller's: a resume always finds a consistent pair."""
-    tmp = ckpt_dir.with_name(ckpt_dir.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    await trainer.save_checkpoint.call_one(str(tmp))
-    state = {"step": loop.c.step, "version": loop.version, "prompts": loop.c.prompts,
-             "buffer": _buffer_state_on_disk(loop), "ledger": ledger.state(),
-             "scheduler": scheduler.state()}
-    _write_json_atomic(tmp / STATE_FILE, state)
-    if ckpt_dir.exists():
-        shutil.rmtree(ckpt_dir)
-    os.replace(tmp, ckpt_dir)
-
-
-def _buffer_state_on_disk(loop: _Loop) -> dict[str, int]:
-    # Groups still buffered are not saved: their prompts are simply not trained. They are
-    # counted as abandoned so that in = trained + buffered + abandoned holds across a resume.
-    state = loop.buffer.state()
-    state["groups_abandoned"] += loop.buffer.groups_buffered
-    return state
-
 
 
 def run(config: RunConfig | str | Path, *, overrides: list[str] | None = None,

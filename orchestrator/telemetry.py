@@ -40,6 +40,15 @@ class MetricsLog:
         self._file.write(json.dumps(record, sort_keys=True) + "\n")
         self._file.flush()
 
+    def truncate(self, last_step: int) -> None:
+        """Forget the steps after `last_step` (the trainer went back to a checkpoint: they
+        are trained again)."""
+        self._file.flush()
+        rows = [r for r in self.read(self.path) if r["step"] <= last_step]
+        self._file.close()
+        self.path.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
+        self._file = open(self.path, "a", encoding="utf-8")
+
     def close(self) -> None:
         self._file.close()
 

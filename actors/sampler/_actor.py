@@ -219,6 +219,16 @@ class SamplerActor(Actor):
         return self._backend.end_session(session_id)
 
     @endpoint
+    async def reset_weights(self) -> None:
+        """Forget the held weights' version, so that the next keyframe is accepted whatever
+        its version: the trainer went back to a checkpoint, and the versions after it no
+        longer exist. The weights stay in use until that keyframe arrives (the controller
+        starts no rollout on them meanwhile). Waits for an apply in progress."""
+        async with self._lock:
+            self._receiver = WeightReceiver(self.precision)  # type: ignore[arg-type]
+            self._hashes = {}
+
+    @endpoint
     def version(self) -> int:
         """Policy version of the weights in use (-1 before any)."""
         return self._backend.version

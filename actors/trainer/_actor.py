@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 import trio
 
+from actors.trainer._checkpoint import is_complete
 from actors.trainer._config import StepResult, TrainerConfig
 from actors.trainer._core import Trainer
 from actors.types import Trajectory
@@ -42,14 +43,20 @@ class TrainerActor(Actor):
         config: trainer settings (None: defaults, the embedded tiny model).
         resume_from: a checkpoint directory written by ``save_checkpoint``; the
             model, optimizer state, version and RNG state come from it.
+        missing_ok: start from the initial weights when ``resume_from`` holds no complete
+            checkpoint (yet): a trainer respawned mid-run restores from whatever checkpoint
+            the run has written by then.
 
     Weight messages travel as their ``WeightMessage.to_frames()`` lists (metadata
     JSON + compressed chunks, raw frames on the wire); ``SamplerActor.apply_weights``
     takes them as they are.
     """
 
-    def __init__(self, config: TrainerConfig | None = None, resume_from: str | None = None) -> None:
+    def __init__(self, config: TrainerConfig | None = None, resume_from: str | None = None,
+                 missing_ok: bool = False) -> None:
         self.config = config if config is not None else TrainerConfig()
+        if missing_ok and resume_from is not None and not is_complete(resume_from):
+            resume_from = None
         self.trainer = Trainer(self.config, resume_from=resume_from)
         self.publisher = WeightPublisher(keyframe_interval=self.config.keyframe_interval,
                                          precisions=tuple(self.config.precisions))
@@ -83,7 +90,7 @@ class TrainerActor(Actor):
         update is all-or-nothing); a cancelled caller only loses the result.
         """
         async with self._lock:
-            oldest = min((int(t.versions.min()) for t in batch if t.num_generated), default=None)
+            oldest = min((t.oldest_version for t in batch if t.num_generated), default=None)
             with span("train_step", batch=len(batch),
                       staleness_max=-1 if oldest is None else self.trainer.version - oldest) as sp:
                 res = await trio.to_thread.run_sync(self.trainer.train_step, batch)

@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 if TYPE_CHECKING:
     from actors.trainer._core import Trainer
 
-__all__ = ["load_state", "model_dir", "save"]
+__all__ = ["is_complete", "load_state", "model_dir", "save"]
 
 FORMAT = "flotilla.trainer/1"
 _MOMENTS = ("exp_avg", "exp_avg_sq", "step")
@@ -68,6 +68,11 @@ def save(trainer: Trainer, directory: str) -> str:
             "config": trainer.config.model_dump(mode="json")}
     _atomic_write(done, lambda p: Path(p).write_text(json.dumps(meta, indent=1)))
     return str(root)
+
+
+def is_complete(directory: str) -> bool:
+    """Whether `directory` holds a whole checkpoint (its trainer.json, written last)."""
+    return (Path(directory) / "trainer.json").is_file()
 
 
 def _read_meta(directory: str) -> dict[str, Any]:

@@ -240,3 +240,36 @@ def test_the_mean_rollout_length_is_a_flow_and_errs_long_after_a_synchronised_st
     expected = (keep * 4000 + 3000) / (keep * 4 + 2)
     assert s.mean_rollout_tokens == pytest.approx(expected)
     assert s.mean_rollout_tokens > 1000  # long, not the 100 the finished ones suggest
+
+
+def _observed_mean(undo: str) -> float:
+    """Mean rollout length after 4 finished rollouts of 500 tokens and 6 hold-backs undone
+    with `undo`, on an observed pool."""
+    s = make([a100("cheap", 1.0, cap=16)])
+    s.set_trainer(0, demand=100)
+    s.observe("cheap", tokens=1000, gpu_seconds=1.0)  # observed: finished rollouts feed a flow
+    for _ in range(4):
+        s.place()
+        s.complete("cheap", tokens=500)
+    for _ in range(6):
+        s.place()
+        getattr(s, undo)("cheap")
+    assert s.in_flight("cheap") == 0
+    s.observe("cheap", tokens=2000, gpu_seconds=1.0)
+    return s.mean_rollout_tokens
+
+
+def test_release_undoes_a_placement_without_moving_the_rollout_length_estimate():
+    s = make([a100("cheap", 1.0, cap=16)])
+    s.set_trainer(0, demand=100)
+    s.observe("cheap", tokens=1000, gpu_seconds=1.0)
+    for _ in range(4):
+        s.place()
+        s.complete("cheap", tokens=500)
+    s.observe("cheap", tokens=2000, gpu_seconds=1.0)
+    untouched = s.mean_rollout_tokens
+    assert _observed_mean("release") == pytest.approx(untouched)
+    # Undoing hold-backs with complete() counts them as empty rollouts: the estimate drops.
+    assert _observed_mean("complete") < 0.9 * untouched
+    with pytest.raises(ValueError, match="release"):
+        s.release("cheap")

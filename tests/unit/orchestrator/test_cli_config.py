@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.buffer import RolloutBuffer
 from orchestrator.config import ConfigError, apply_overrides, load_config
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -57,36 +56,3 @@ def test_unknown_section_and_bad_override_are_refused():
         load_config(raw={"colour": "red", "pools": [{"name": "a", "gpu": "cpu"}]})
     with pytest.raises(ConfigError, match="key=value"):
         apply_overrides({}, ["steps"])
-
-
-class _T:
-    def __init__(self, pool: str, version: int, failed: bool = False) -> None:
-        self.pool, self.version, self.failed, self.error = pool, version, failed, "boom"
-
-
-def test_buffer_drops_stale_trajectories_and_retries_their_slots():
-    buf = RolloutBuffer(group_size=2, min_version_of=lambda t: t.version, max_attempts=2)
-    buf.add_group("g0", "p0", task="t")
-    slots = [buf.next_slot(), buf.next_slot()]
-    assert buf.next_slot() is None
-    buf.complete(slots[0], _T("fast", version=3))
-    buf.complete(slots[1], _T("slow", version=0))
-    groups, drops = buf.take_batch(1, trainer_version=3, budget_of=lambda pool: 1)
-    assert groups == [] and [(d.pool, d.staleness) for d in drops] == [("slow", 3)]
-    retry = buf.next_slot()
-    assert (retry.group_id, retry.index) == ("g0", 1)
-    buf.complete(retry, _T("slow", version=3))
-    groups, drops = buf.take_batch(1, trainer_version=3, budget_of=lambda pool: 1)
-    assert [g.group_id for g in groups] == ["g0"] and drops == []
-    c = buf.counts()
-    assert c["groups_in"] == c["groups_trained"] == 1 and c["dropped_stale"] == 1
-
-
-def test_buffer_abandons_a_group_after_repeated_failures():
-    buf = RolloutBuffer(group_size=1, min_version_of=lambda t: t.version, max_attempts=2)
-    buf.add_group("g0", "p0", task="t")
-    buf.complete(buf.next_slot(), _T("a", 0, failed=True))
-    buf.complete(buf.next_slot(), _T("a", 0, failed=True))
-    c = buf.counts()
-    assert c["groups_abandoned"] == 1 and c["groups_buffered"] == 0 and c["dropped_failed"] == 2
-    assert buf.next_slot() is None

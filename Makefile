@@ -1,0 +1,44 @@
+# Two commands from a fresh clone:
+#   make demo    set up .venv (CPU torch, then Flotilla) and train the demo
+#   make test    set up .venv with the dev extra and run the test suite
+# Variables: PYTHON=python3.11 picks the interpreter; TORCH=cpu|cuda picks the torch
+# build (cpu pins the CPU wheel, cuda lets pip choose); ARGS="--set seed=1" is passed
+# to `flotilla run`. The install is redone only when pyproject.toml changes.
+
+PYTHON ?= python3
+TORCH ?= cpu
+ARGS ?=
+CONFIG ?= examples/guess_number.toml
+VENV := .venv
+TORCH_PIN_cpu := torch==2.13.0
+TORCH_PIN_cuda :=
+
+ifeq ($(filter $(TORCH),cpu cuda),)
+$(error TORCH must be cpu or cuda, not '$(TORCH)')
+endif
+
+.PHONY: demo test clean
+
+demo: $(VENV)/.installed-$(TORCH)
+	$(VENV)/bin/flotilla run $(CONFIG) $(ARGS)
+
+test: $(VENV)/.installed-$(TORCH)-dev
+	$(VENV)/bin/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) runs
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install --quiet --upgrade pip
+
+# The pinned CPU torch goes in first: an unpinned torch would pull a multi-GB CUDA build.
+$(VENV)/.installed-$(TORCH): pyproject.toml | $(VENV)/bin/python
+	$(if $(TORCH_PIN_$(TORCH)),$(VENV)/bin/pip install --quiet $(TORCH_PIN_$(TORCH)))
+	$(VENV)/bin/pip install --quiet -e .
+	touch $@
+
+$(VENV)/.installed-$(TORCH)-dev: pyproject.toml | $(VENV)/bin/python
+	$(if $(TORCH_PIN_$(TORCH)),$(VENV)/bin/pip install --quiet $(TORCH_PIN_$(TORCH)))
+	$(VENV)/bin/pip install --quiet -e '.[dev]'
+	touch $@ $(VENV)/.installed-$(TORCH)

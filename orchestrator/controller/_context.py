@@ -1,0 +1,166 @@
+"""What the controller's tasks share: links, state, buffer, per-pool views and wake-ups."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from actors.types import SamplingParams, TaskSpec
+from hardware import CostLedger, Scheduler
+from orchestrator.buffer import Drop, RolloutBuffer
+from orchestrator.config import RunConfig
+from orchestrator.controller.links import Checkpointer, Links, PoolLink
+from orchestrator.controller.state import ControllerState
+from orchestrator.progress import Progress
+from orchestrator.runtime import span
+
+__all__ = ["Backoff", "PoolView", "RunContext"]
+
+
+@dataclass
+class PoolView:
+    """The controller's view of one pool: what each rank holds and runs."""
+
+    link: PoolLink
+    versions: list[int]  # weights each rank holds; -1: none (start, respawn, refused update)
+    in_flight: list[int]  # rollouts running on each rank
+    marks: list[tuple[int, float]]  # each rank's (tokens, busy seconds) at the last step
+
+    @classmethod
+    def of(cls, link: PoolLink) -> PoolView:
+        n = link.size
+        return cls(link, [-1] * n, [0] * n, [(0, 0.0)] * n)
+
+    @property
+    def name(self) -> str:
+        return self.link.config.name
+
+    def pick_rank(self) -> int:
+        return min(range(len(self.in_flight)), key=lambda r: (self.in_flight[r], r))
+
+    def receiver(self, rank: int) -> str:
+        return f"{self.name}/{rank}"
+
+
+@dataclass
+class Backoff:
+    """Exponential waits between retries of something that keeps failing (a dead actor):
+    no loop ever spins on one."""
+
+    first: float = 0.05
+    cap: float = 2.0
+    _next: float = field(default=0.0, init=False)
+
+    async def wait(self) -> None:
+        self._next = min(self.cap, self._next * 2) if self._next else self.first
+        await trio.sleep(self._next)
+
+    def reset(self) -> None:
+        self._next = 0.0
+
+
+class RunContext:
+    """State shared by the producer, the trainer loop, the weight-sync workers and the
+    signal watcher. Single trio thread: no locks; changes are announced with `notify`."""
+
+    def __init__(self, cfg: RunConfig, links: Links, state: ControllerState, *,
+                 scheduler: Scheduler, ledger: CostLedger, metrics: Any, progress: Progress,
+                 checkpoints: Checkpointer | None = None) -> None:
+        self.cfg = cfg
+        self.links = links
+        self.state = state
+        self.scheduler = scheduler
+        self.ledger = ledger
+        self.metrics = metrics
+        self.progress = progress
+        self.checkpoints = checkpoints
+        self.buffer = RolloutBuffer(cfg.rollout.group_size, counters=state.buffer)
+        self.pools = {name: PoolView.of(link) for name, link in links.pools.items()}
+        self.sampling = SamplingParams(
+            temperature=cfg.recipe.temperature, top_k=cfg.recipe.top_k, top_p=cfg.recipe.top_p,
+            max_new_tokens=cfg.task.max_new_tokens)
+        self.due: dict[str, int] = {}  # group id -> trainer version when its batch is due
+        self.replay: list[TaskSpec] = list(state.buffered)  # prompts to play before new ones
+        self.rollout_scopes: set[trio.CancelScope] = set()
+        self.stopping = False
+        self.interrupted = False
+        self.abandoned = False
+        self.train_pending = False  # sync mode: a batch was issued and not trained yet
+        self.train_started: float | None = None
+        self.train_s_ewma = 0.0
+        self.t_start = trio.current_time()
+        self.step_t0 = self.t_start
+        self.last_checkpoint_t = self.t_start
+        self.trainer_alive = trio.Event()
+        self.trainer_alive.set()
+        self._changed = trio.Event()
+        self._bumped = trio.Event()
+
+    # -- wake-ups --------------------------------------------------------------------
+    def notify(self) -> None:
+        """Something the producer or trainer loop waits on changed."""
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def wait_change(self) -> None:
+        await self._changed.wait()
+
+    def bump_versions(self) -> None:
+        """Wake the weight-sync workers: the trainer moved on, or a sampler needs a keyframe."""
+        self._bumped.set()
+        self._bumped = trio.Event()
+
+    async def wait_bump(self) -> None:
+        await self._bumped.wait()
+
+    # -- views -----------------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        return self.state.version
+
+    def budget(self, pool: str) -> int:
+        return 0 if self.cfg.mode == "sync" else self.pools[pool].link.config.staleness_budget
+
+    def all_synced(self) -> bool:
+        return all(v >= self.version for p in self.pools.values() for v in p.versions)
+
+    def now(self) -> float:
+        return trio.current_time()
+
+    def trace_drops(self, drops: list[Drop]) -> None:
+        for d in drops:
+            with span("rollout.dropped", pool=d.pool, reason=d.reason, group_id=d.slot.group_id,
+                      prompt_id=d.slot.prompt_id, staleness=-1 if d.staleness is None else d.staleness,
+                      error=d.error or ""):
+                pass
+
+    def respawn_dead(self) -> None:
+        """Bring back every dead sampler and env rank. A respawned sampler holds no weights:
+        its sync worker sends it a keyframe before any rollout that needs them starts."""
+        for pool in self.pools.values():
+            for rank in pool.link.dead_ranks():
+                self.progress.message(f"sampler {pool.receiver(rank)} died; respawning it")
+                pool.link.respawn(rank)
+                pool.versions[rank] = -1
+                pool.marks[rank] = (0, 0.0)  # a fresh process counts from zero
+                self.bump_versions()
+        for rank in self.links.envs.dead_ranks():
+            self.progress.message(f"environment actor {rank} died; respawning it")
+            self.links.envs.respawn(rank)
+
+    def cancel_rollouts(self) -> None:
+        for scope in list(self.rollout_scopes):
+            scope.cancel()
+
+    def horizon(self) -> float:
+        """Seconds until the trainer next wants a batch (0 when it waits now)."""
+        if self.train_started is None:
+            return 0.0
+        return max(0.0, self.train_s_ewma - (self.now() - self.train_started))
+
+    def consume_rate(self) -> float:
+        batch = self.cfg.rollout.prompts_per_step * self.cfg.rollout.group_size
+        return batch / self.train_s_ewma if self.train_s_ewma > 0 and math.isfinite(self.train_s_ewma) else 0.0

@@ -1,0 +1,111 @@
+"""The controller: one trio program that drives the trainer, sampler pools and environments.
+
+It runs, in one nursery: the producer (`_producer`), the trainer loop (`_training`),
+one weight-sync worker per sampler (`_weights`), a supervisor that respawns dead
+sampler and env ranks even when nothing is calling them, and the Ctrl-C watcher
+(`_signals`). `mode = "sync"` runs the same parts on-policy and in sequence: generate
+a batch, train on it, sync every sampler, repeat.
+
+Cancellation: cancelling `run` abandons the rollouts in flight (the meshes behind the
+links are the caller's to close). Errors: an actor that raises fails the run with its
+ActorError; dead samplers and env actors are respawned and their rollouts retried; a
+dead trainer is restored from the last checkpoint up to `[checkpoint] max_restarts`
+times (`TrainerLost` past that).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+
+from hardware import CostLedger, Scheduler
+from orchestrator.config import RunConfig
+from orchestrator.controller._context import RunContext
+from orchestrator.controller._producer import produce
+from orchestrator.controller._signals import request_stop, watch_sigint
+from orchestrator.controller._training import checkpoint, train_loop
+from orchestrator.controller._weights import sync_worker
+from orchestrator.controller.links import Checkpointer, Links
+from orchestrator.controller.state import ControllerState
+from orchestrator.progress import Progress
+
+__all__ = ["Controller", "MetricsSink"]
+
+SUPERVISE_EVERY_S = 0.5
+
+
+class MetricsSink:
+    """Where step records go (`orchestrator.telemetry.MetricsLog` in a run)."""
+
+    def write(self, record: dict[str, Any]) -> None: ...
+
+    def truncate(self, last_step: int) -> None: ...
+
+
+@dataclass
+class _Wiring:
+    scheduler: Scheduler
+    ledger: CostLedger
+    metrics: MetricsSink
+    progress: Progress
+    checkpoints: Checkpointer | None = None
+
+
+class Controller:
+    """Drives one run to `cfg.steps` over `links`, starting from `state` (see the module
+    docstring). `checkpoints` None: no periodic checkpoints, and a dead trainer ends the run.
+    """
+
+    def __init__(self, cfg: RunConfig, links: Links, state: ControllerState, *,
+                 scheduler: Scheduler, ledger: CostLedger, metrics: MetricsSink,
+                 progress: Progress, checkpoints: Checkpointer | None = None,
+                 handle_sigint: bool = True) -> None:
+        self.ctx = RunContext(cfg, links, state, scheduler=scheduler, ledger=ledger,
+                              metrics=metrics, progress=progress, checkpoints=checkpoints)
+        self._handle_sigint = handle_sigint
+
+    @property
+    def state(self) -> ControllerState:
+        return self.ctx.state
+
+    @property
+    def interrupted(self) -> bool:
+        return self.ctx.interrupted
+
+    @property
+    def abandoned(self) -> bool:
+        return self.ctx.abandoned
+
+    def counts(self) -> dict[str, int]:
+        return self.ctx.buffer.counts()
+
+    def stop(self) -> None:
+        """What the first Ctrl-C does: finish the step in progress, then return."""
+        request_stop(self.ctx)
+
+    async def checkpoint(self) -> None:
+        """Checkpoint now (the run's end, an interrupt): trainer and controller state."""
+        await checkpoint(self.ctx)
+
+    async def run(self) -> None:
+        ctx = self.ctx
+        async with trio.open_nursery() as nursery:
+            if self._handle_sigint:
+                await nursery.start(watch_sigint, ctx, nursery.cancel_scope)
+            nursery.start_soon(self._supervise)
+            for pool in ctx.pools.values():
+                for rank in range(len(pool.versions)):
+                    nursery.start_soon(sync_worker, ctx, pool, rank)
+            # Rollouts start in this same nursery: leaving it abandons the ones in flight,
+            # whose slots stay counted as buffered.
+            nursery.start_soon(produce, ctx, nursery)
+            await train_loop(ctx)
+            nursery.cancel_scope.cancel()
+
+    async def _supervise(self) -> None:
+        """Respawn ranks that died while nothing was calling them."""
+        while True:
+            await trio.sleep(SUPERVISE_EVERY_S)
+            self.ctx.respawn_dead()

@@ -1,0 +1,134 @@
+"""The producer: keeps enough GRPO groups buffered and starts their rollouts.
+
+Each new group records the trainer version at which its batch will be trained (groups
+ahead of it / P, +1 if a step is running); its rollouts need weights no older than
+that minus the pool's budget. A rollout whose pool does not hold them yet is held
+back here, holding no sampler slot, which work due earlier (a retry) may need.
+
+Cancellation: leaving the nursery abandons the rollouts in flight; their slots stay
+counted as buffered. A sampler or env process that dies mid-rollout is respawned and
+the rollout re-queued; the trainer's restart cancels every rollout in flight (their
+weights are gone) and re-queues them.
+"""
+
+from __future__ import annotations
+
+import trio
+
+from actors.types import TaskSpec
+from orchestrator.buffer import Slot
+from orchestrator.controller._context import PoolView, RunContext
+from orchestrator.runtime import ActorDied, span
+
+__all__ = ["produce", "task_for"]
+
+
+def task_for(ctx: RunContext, i: int) -> TaskSpec:
+    """Prompt `i` of the run: deterministic in the run's seed, so a replay is the same task."""
+    cfg = ctx.cfg
+    return TaskSpec(task=cfg.task.name, prompt_id=f"p{i}", group_id=f"g{i}",
+                    seed=cfg.seed * 1_000_003 + i, params=cfg.task.params)
+
+
+def _new_group(ctx: RunContext) -> None:
+    if ctx.replay:  # buffered when the run last stopped: already counted in
+        task, counted = ctx.replay.pop(0), True
+    else:
+        task, counted = task_for(ctx, ctx.state.prompts), False
+        ctx.state.prompts += 1
+    # Groups ahead of this one are trained first, P per step; a step in progress (its
+    # batch already taken) bumps the version once more before them.
+    ahead = ctx.buffer.groups_buffered // ctx.cfg.rollout.prompts_per_step
+    ctx.due[task.group_id] = ctx.version + ahead + (ctx.train_started is not None)
+    ctx.buffer.add_group(task.group_id, task.prompt_id, task, counted=counted)
+
+
+def _top_up(ctx: RunContext) -> None:
+    rollout = ctx.cfg.rollout
+    if ctx.cfg.mode == "sync":
+        if ctx.buffer.groups_buffered == 0 and ctx.all_synced() and not ctx.train_pending:
+            for _ in range(rollout.prompts_per_step):
+                _new_group(ctx)
+            ctx.train_pending = True
+    else:
+        while ctx.buffer.groups_buffered < rollout.prompts_per_step + rollout.max_buffered_groups:
+            _new_group(ctx)
+
+
+def _need_version(ctx: RunContext, slot: Slot, pool: str) -> int:
+    """The oldest weights a rollout may start on: its group's due version minus the budget."""
+    due = max(ctx.version, ctx.due.get(slot.group_id, 0))
+    return max(0, due - ctx.budget(pool))
+
+
+def _place(ctx: RunContext) -> str | None:
+    """Ask the cost-aware scheduler; it spills to dearer pools only if the trainer would wait."""
+    rollout = ctx.cfg.rollout
+    batch = rollout.prompts_per_step * rollout.group_size
+    demand = max(0, batch - ctx.buffer.done_rollouts())  # in-flight ones: the scheduler weighs them
+    ctx.scheduler.set_trainer(ctx.version, demand, ctx.horizon(), ctx.consume_rate(), batch=batch)
+    return ctx.scheduler.place()
+
+
+async def produce(ctx: RunContext, nursery: trio.Nursery) -> None:
+    while not ctx.stopping:
+        _top_up(ctx)
+        slot = ctx.buffer.next_slot()
+        if slot is None:
+            await ctx.wait_change()
+            continue
+        task = ctx.buffer.task_of(slot)
+        if task is None:  # its group was skipped meanwhile
+            ctx.buffer.requeue(slot)
+            continue
+        pool = _place(ctx)
+        if pool is None:
+            ctx.buffer.requeue(slot)
+            await ctx.wait_change()
+            continue
+        min_version = _need_version(ctx, slot, pool)
+        view = ctx.pools[pool]
+        if not ctx.trainer_alive.is_set() or min(view.versions) < min_version:
+            ctx.scheduler.release(pool)  # held back: undone, not a finished rollout
+            ctx.buffer.requeue(slot)
+            await ctx.wait_change()
+            continue
+        rank = view.pick_rank()
+        view.in_flight[rank] += 1
+        nursery.start_soon(_rollout, ctx, slot, task, view, rank, min_version)
+
+
+async def _rollout(ctx: RunContext, slot: Slot, task: TaskSpec, pool: PoolView, rank: int,
+                   min_version: int) -> None:
+    traj = None
+    scope = trio.CancelScope()
+    ctx.rollout_scopes.add(scope)
+    try:
+        with scope, span("rollout", task=task.task, prompt_id=slot.prompt_id, group_id=slot.group_id,
+                         sample=slot.index, attempt=slot.attempt, pool=pool.name,
+                         gpu=pool.link.config.gpu, precision=pool.link.config.precision) as s:
+            traj = await ctx.links.envs.run_episode(pool.link, rank, task, ctx.sampling, min_version)
+            s.set_attribute("policy_version", traj.oldest_version)
+            s.set_attribute("policy_version_max", traj.newest_version)
+            s.set_attribute("staleness", ctx.version - traj.oldest_version)
+            s.set_attribute("tokens", traj.num_generated)
+            s.set_attribute("reward", float(traj.reward))
+            s.set_attribute("failed", bool(traj.failed))
+    except ActorDied as e:
+        ctx.progress.message(f"rollout on {pool.receiver(rank)} lost: {e}")
+        ctx.respawn_dead()
+    finally:
+        ctx.rollout_scopes.discard(scope)
+        pool.in_flight[rank] -= 1
+        if traj is None:  # died or cancelled (trainer restart): it never finished
+            ctx.scheduler.release(pool.name)
+            ctx.buffer.requeue(slot)
+        else:
+            ctx.scheduler.complete(pool.name, traj.num_generated)
+            drop = ctx.buffer.complete(slot, traj)
+            if drop is not None:
+                ctx.trace_drops([drop])
+                if drop.error:
+                    ctx.progress.failure(f"episode {slot.prompt_id}#{slot.index} failed "
+                                         f"({drop.reason}): {drop.error}")
+        ctx.notify()

@@ -1,0 +1,194 @@
+"""The trainer loop: batches within budget, one train step each, a metrics line, checkpoints.
+
+It takes P complete groups whose every trajectory is within its pool's staleness budget
+(stale ones are dropped and their slots re-queued), runs a train step, accounts tokens,
+busy time and cost per pool, and writes the step's metrics line. Every
+`[checkpoint] every_steps` steps or `every_s` seconds it checkpoints.
+
+Trainer death: the batch goes back to the buffer, every rollout in flight is cancelled
+and re-queued (its weights are gone), and the trainer is restored from the last
+checkpoint, up to `[checkpoint] max_restarts` times; the steps since that checkpoint are
+trained again. Past the limit the loop raises `TrainerLost`, naming the actor.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import trio
+
+from actors.trainer import StepResult
+from actors.types import Trajectory
+from orchestrator.buffer import Group
+from orchestrator.controller._context import Backoff, RunContext
+from orchestrator.runtime import ActorDied, span
+
+__all__ = ["TrainerLost", "checkpoint", "train_loop"]
+
+
+class TrainerLost(RuntimeError):
+    """The trainer died more often than `[checkpoint] max_restarts` allows."""
+
+
+async def train_loop(ctx: RunContext) -> None:
+    n = ctx.cfg.rollout.prompts_per_step
+    while ctx.state.step < ctx.cfg.steps and not ctx.stopping:
+        groups, drops = ctx.buffer.take_batch(n, ctx.version, ctx.budget)
+        ctx.trace_drops(drops)
+        if not groups:
+            await ctx.wait_change()
+            continue
+        await _train_on(ctx, groups)
+
+
+async def _train_on(ctx: RunContext, groups: list[Group]) -> None:
+    trajs = [traj for g in groups for _, traj in sorted(g.done.values(), key=lambda st: st[0].index)]
+    stale = [ctx.version - t.oldest_version for t in trajs]
+    ctx.train_started = ctx.now()
+    try:
+        with span("train_step", version=ctx.version, batch=len(trajs),
+                  staleness_mean=sum(stale) / len(stale), staleness_max=max(stale)) as s:
+            result = await ctx.links.trainer.train_step(trajs)
+            s.set_attribute("loss", result.loss)
+            s.set_attribute("grad_norm", result.grad_norm)
+            s.set_attribute("mismatch_kl", result.overall.mismatch_kl)
+            s.set_attribute("masked_fraction", result.overall.masked_fraction)
+            s.set_attribute("applied", result.applied)
+    except ActorDied as e:
+        ctx.train_started = None
+        ctx.buffer.put_back(groups)
+        await restart_trainer(ctx, e)
+        return
+    took = ctx.now() - ctx.train_started
+    ctx.train_s_ewma = took if ctx.train_s_ewma == 0 else 0.7 * ctx.train_s_ewma + 0.3 * took
+    ctx.train_started = None
+    for g in groups:
+        ctx.due.pop(g.group_id, None)
+    ctx.state.version = result.version
+    ctx.state.step += 1
+    ctx.train_pending = False
+    ctx.bump_versions()
+    await _account(ctx, trajs, stale, result)
+    ctx.notify()
+    if _checkpoint_due(ctx):
+        await checkpoint(ctx)
+
+
+def _checkpoint_due(ctx: RunContext) -> bool:
+    c = ctx.cfg.checkpoint
+    if ctx.checkpoints is None or ctx.state.step >= ctx.cfg.steps:
+        return False  # the run's end checkpoints anyway
+    by_steps = c.every_steps is not None and ctx.state.step % c.every_steps == 0
+    by_time = c.every_s is not None and ctx.now() - ctx.last_checkpoint_t >= c.every_s
+    return by_steps or by_time
+
+
+async def checkpoint(ctx: RunContext) -> None:
+    """The trainer's state and the controller's, as one checkpoint."""
+    ctx.state.buffered = ctx.buffer.buffered_prompts()
+    ctx.state.ledger = ctx.ledger.state()
+    ctx.state.scheduler = ctx.scheduler.state()
+    with span("checkpoint", step=ctx.state.step, version=ctx.version):
+        await ctx.checkpoints.save(ctx.links.trainer, ctx.state)
+    ctx.last_checkpoint_t = ctx.now()
+
+
+async def restart_trainer(ctx: RunContext, death: ActorDied) -> None:
+    limit = ctx.cfg.checkpoint.max_restarts if ctx.checkpoints is not None else 0
+    ctx.trainer_alive = trio.Event()  # the producer and the sync workers hold off
+    ctx.cancel_rollouts()
+    backoff = Backoff()
+    while True:
+        if ctx.state.trainer_restarts >= limit:
+            raise TrainerLost(f"the trainer actor died ({death.reason}) and {limit} restart(s) "
+                              f"are used up; the last checkpoint is in the run directory")
+        ctx.state.trainer_restarts += 1
+        ctx.progress.message(f"trainer died ({death.reason}); restoring it from the last "
+                             f"checkpoint (restart {ctx.state.trainer_restarts} of {limit})")
+        try:
+            with span("trainer.restart", restart=ctx.state.trainer_restarts) as s:
+                assert ctx.checkpoints is not None
+                version, step = await ctx.checkpoints.restore(ctx.links.trainer)
+                s.set_attribute("version", version)
+                s.set_attribute("step", step)
+            break
+        except ActorDied as again:
+            death = again
+            await backoff.wait()
+    ctx.state.version, ctx.state.step = version, step
+    ctx.metrics.truncate(step)
+    ctx.due.clear()  # due versions were counted from the lost steps
+    ctx.trace_drops(ctx.buffer.drop_newer_than(version))
+    for pool in ctx.pools.values():
+        for rank in range(len(pool.versions)):
+            pool.versions[rank] = -2  # reset first, then a keyframe (see weights.sync_worker)
+    ctx.trainer_alive.set()
+    ctx.bump_versions()
+    ctx.notify()
+
+
+async def _account(ctx: RunContext, trajs: list[Trajectory], stale: list[int],
+                   result: StepResult) -> None:
+    now = ctx.now()
+    pool_stats = {name: await _pool_step_stats(ctx, name, now) for name in ctx.pools}
+    by_pool: dict[str, list[int]] = {}
+    for t, st in zip(trajs, stale):
+        by_pool.setdefault(t.pool, []).append(st)
+        ctx.ledger.record_rollout(t.pool, tokens=t.num_generated, staleness=st)
+    per_pool = result.per_pool
+    for name, m in per_pool.items():
+        ctx.ledger.record_mismatch(name, kl=m.mismatch_kl, masked_fraction=m.masked_fraction,
+                                   tokens=m.tokens)
+    counts = ctx.buffer.counters
+    rewards = [float(t.reward) for t in trajs]
+    record: dict[str, Any] = {
+        "step": ctx.state.step, "version": ctx.version, "wall_s": round(now - ctx.t_start, 3),
+        "reward_mean": sum(rewards) / len(rewards), "rollouts": len(trajs),
+        "staleness_mean": sum(stale) / len(stale), "staleness_max": max(stale),
+        "dropped_stale": counts.dropped_stale, "dropped_failed": counts.dropped_failed,
+        "dropped_rollback": counts.dropped_rollback,
+        "dropped_total": counts.dropped_stale + counts.dropped_failed + counts.dropped_rollback,
+        "prompts_skipped": counts.groups_skipped, "trainer_restarts": ctx.state.trainer_restarts,
+        "loss": result.loss, "grad_norm": result.grad_norm,
+        "mismatch_kl": result.overall.mismatch_kl, "masked_fraction": result.overall.masked_fraction,
+        "mean_weight": result.overall.mean_weight, "entropy": result.overall.entropy,
+        "train_s": result.seconds, "cost_usd": ctx.ledger.report().totals.cost_usd,
+        "pools": {name: {**pool_stats[name],
+                         "staleness_mean": sum(by_pool[name]) / len(by_pool[name]) if name in by_pool else None,
+                         "staleness_max": max(by_pool[name]) if name in by_pool else None,
+                         "rollouts": len(by_pool.get(name, [])),
+                         "mismatch_kl": per_pool[name].mismatch_kl if name in per_pool else None,
+                         "masked_fraction": per_pool[name].masked_fraction if name in per_pool else None}
+                  for name in ctx.pools},
+    }
+    ctx.metrics.write(record)
+    ctx.progress.step(record)
+    ctx.step_t0 = now
+
+
+async def _pool_step_stats(ctx: RunContext, name: str, now: float) -> dict[str, Any]:
+    """A pool's tokens and busy time since the last step, from every live rank's counters.
+    A dead rank is skipped (and respawned); a respawned rank counts from zero again."""
+    pool = ctx.pools[name]
+    stats = await pool.link.stats()
+    d_tok, d_busy = 0, 0.0
+    tokens, busy, requests, prefills = 0, 0.0, 0, 0
+    for rank, st in enumerate(stats):
+        if st is None:
+            continue
+        tok, b = int(st["tokens_generated"]), float(st["busy_seconds"])
+        prev_tok, prev_b = pool.marks[rank]
+        if tok < prev_tok or b < prev_b:  # a new process since the last mark
+            prev_tok, prev_b = 0, 0.0
+        d_tok, d_busy = d_tok + tok - prev_tok, d_busy + b - prev_b
+        pool.marks[rank] = (tok, b)
+        tokens, busy = tokens + tok, busy + b
+        requests += int(st["requests_finished"])
+        prefills += int(st["prefill_batches"])
+    if any(st is None for st in stats):
+        ctx.respawn_dead()
+    ctx.ledger.record_busy(name, seconds=d_busy)
+    if d_busy > 0 and d_tok > 0:
+        ctx.scheduler.observe(name, tokens=d_tok, gpu_seconds=d_busy * pool.link.config.count)
+    return {"tokens_per_s": d_tok / max(now - ctx.step_t0, 1e-9), "busy_s": busy, "tokens": tokens,
+            "requests": requests, "prefill_batches": prefills}

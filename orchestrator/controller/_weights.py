@@ -1,0 +1,60 @@
+"""Weight sync: one worker per sampler keeps it at the trainer's newest version.
+
+Deltas when the sampler holds a version the publisher knows, a keyframe when it holds
+nothing trustworthy (start, respawn, a refused update). After the trainer went back to
+a checkpoint (version -2 here), the sampler first forgets its version, so that the
+older keyframe is accepted. The sampler keeps generating while it applies (in-flight
+updates).
+
+Failure: a dead sampler is respawned and gets a keyframe; a dead trainer is waited
+for (the trainer loop restores it); every retry backs off, so no worker spins on a
+dead actor.
+"""
+
+from __future__ import annotations
+
+from orchestrator.controller._context import Backoff, PoolView, RunContext
+from orchestrator.runtime import ActorDied, ActorError, span
+
+__all__ = ["sync_worker"]
+
+
+async def sync_worker(ctx: RunContext, pool: PoolView, rank: int) -> None:
+    receiver = pool.receiver(rank)
+    precision = pool.link.config.precision
+    backoff = Backoff()
+    while True:
+        while pool.versions[rank] >= ctx.version:
+            await ctx.wait_bump()
+        await ctx.trainer_alive.wait()
+        have = pool.versions[rank]
+        try:
+            with span("weights.apply", pool=pool.name, rank=rank, precision=precision,
+                      from_version=have, to_version=ctx.version) as s:
+                if have == -2:
+                    await pool.link.reset_weights(rank)
+                    have = pool.versions[rank] = -1
+                updates = await ctx.links.trainer.updates_for(receiver, have, precision)
+                now = await pool.link.apply_weights(rank, updates)
+                s.set_attribute("messages", len(updates))
+                s.set_attribute("wire_bytes", sum(len(f) for u in updates for f in u))
+            await ctx.links.trainer.ack(receiver, now)
+        except ActorDied:
+            if rank in pool.link.dead_ranks():
+                ctx.respawn_dead()
+            elif pool.versions[rank] >= 0:
+                pool.versions[rank] = -1
+            await backoff.wait()
+            continue
+        except ActorError as e:
+            # The sampler refused the update (hash mismatch, gap): it keeps its last good
+            # weights; ask for a keyframe next.
+            ctx.progress.message(f"sampler {receiver} refused weights ({e}); sending a keyframe")
+            pool.versions[rank] = -1
+            await backoff.wait()
+            continue
+        backoff.reset()
+        if pool.versions[rank] != -2:  # unless the trainer went back meanwhile
+            pool.versions[rank] = now
+        ctx.scheduler.set_pool_version(pool.name, min(pool.versions))
+        ctx.notify()

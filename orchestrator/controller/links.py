@@ -1,0 +1,103 @@
+"""What the controller needs of the actors it drives: three narrow, typed links.
+
+The controller never touches a mesh directly; it talks to a `TrainerLink`, one
+`PoolLink` per sampler pool and an `EnvLink`. `orchestrator.controller.meshes`
+implements them over runtime meshes (separate processes); tests implement them
+in memory. Every call may raise `ActorDied` (the actor behind it is gone) or
+`ActorError` (it raised); the controller handles both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from actors.trainer import StepResult
+from actors.types import SamplingParams, TaskSpec, Trajectory
+from hardware import PoolConfig
+
+if TYPE_CHECKING:
+    from orchestrator.controller.state import ControllerState
+
+__all__ = ["Checkpointer", "EnvLink", "Links", "PoolLink", "TrainerLink"]
+
+
+class TrainerLink(Protocol):
+    """The trainer: one optimizer step per call, and the weight-sync publisher."""
+
+    async def version(self) -> int:
+        """The policy version the trainer holds."""
+
+    async def train_step(self, batch: list[Trajectory]) -> StepResult:
+        """One optimizer step on `batch` (all-or-nothing), then publish the new version."""
+
+    async def updates_for(self, receiver: str, have: int, precision: str) -> list[list[bytes]]:
+        """Weight messages that bring `receiver` from `have` (-1: nothing) to the newest."""
+
+    async def ack(self, receiver: str, version: int) -> None:
+        """`receiver` now holds `version`: the publisher may forget what only it needed."""
+
+    async def save_checkpoint(self, directory: str) -> str:
+        """Write the trainer's checkpoint (weights, optimizer, RNG, version) to `directory`."""
+
+    async def restart(self) -> int:
+        """Replace a dead trainer by one restored from the last checkpoint on disk (its
+        initial weights if there is none); returns its version once it answers."""
+
+
+class PoolLink(Protocol):
+    """One sampler pool: `size` sampler ranks sharing a config."""
+
+    config: PoolConfig
+
+    @property
+    def size(self) -> int: ...
+
+    def sampler(self, rank: int) -> Any:
+        """What the EnvLink needs to reach sampler `rank` (an actor handle, or a fake)."""
+
+    async def apply_weights(self, rank: int, updates: list[list[bytes]]) -> int:
+        """Apply weight messages on `rank`; the version it holds afterwards."""
+
+    async def reset_weights(self, rank: int) -> None:
+        """Forget the held weights' version, so an older keyframe is accepted (the trainer
+        went back to a checkpoint); generation waits for the next keyframe."""
+
+    async def stats(self) -> list[dict[str, Any] | None]:
+        """Every rank's counters (`tokens_generated`, `busy_seconds`, `requests_finished`,
+        `prefill_batches`), None for a rank that is dead or restarting."""
+
+    def dead_ranks(self) -> list[int]: ...
+
+    def respawn(self, rank: int) -> None:
+        """Start a fresh process for `rank`; calls wait until it is constructed."""
+
+
+class EnvLink(Protocol):
+    """The environment actors, which play episodes against a chosen sampler."""
+
+    async def run_episode(self, pool: PoolLink, rank: int, task: TaskSpec,
+                          sampling: SamplingParams, min_version: int) -> Trajectory:
+        """Play `task` with sampler `rank` of `pool`, weights no older than `min_version`."""
+
+    def dead_ranks(self) -> list[int]: ...
+
+    def respawn(self, rank: int) -> None: ...
+
+
+class Checkpointer(Protocol):
+    """Where checkpoints go: the trainer's state and the controller's, as one unit."""
+
+    async def save(self, trainer: TrainerLink, state: ControllerState) -> None:
+        """Checkpoint both; a crash at any moment leaves the previous checkpoint usable."""
+
+    async def restore(self, trainer: TrainerLink) -> tuple[int, int]:
+        """Replace a dead trainer by one restored from the last checkpoint; returns its
+        (version, step)."""
+
+
+@dataclass
+class Links:
+    trainer: TrainerLink
+    pools: dict[str, PoolLink]
+    envs: EnvLink

@@ -1,0 +1,96 @@
+"""The controller's links over actor meshes (each actor in its own process)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from actors.trainer import StepResult
+from actors.types import SamplingParams, TaskSpec, Trajectory
+from hardware import PoolConfig
+from orchestrator.runtime import ActorDied, Mesh
+
+__all__ = ["MeshEnvs", "MeshPool", "MeshTrainer"]
+
+
+class MeshTrainer:
+    """The trainer link over a one-rank `TrainerActor` mesh. Its constructor arguments
+    name the run's checkpoint directory, so a respawned trainer restores from it."""
+
+    def __init__(self, mesh: Mesh[Any]) -> None:
+        self.mesh = mesh
+        self._actor = mesh[0]
+
+    async def version(self) -> int:
+        return await self._actor.version.call_one()
+
+    async def train_step(self, batch: list[Trajectory]) -> StepResult:
+        return await self._actor.train_step.call_one(batch)
+
+    async def updates_for(self, receiver: str, have: int, precision: str) -> list[list[bytes]]:
+        return await self._actor.updates_for.call_one(receiver, have, precision)
+
+    async def ack(self, receiver: str, version: int) -> None:
+        await self._actor.ack.call_one(receiver, version)
+
+    async def save_checkpoint(self, directory: str) -> str:
+        return await self._actor.save_checkpoint.call_one(directory)
+
+    async def restart(self) -> int:
+        self.mesh.respawn(0)
+        return await self.version()  # waits until the new process is constructed
+
+
+class MeshPool:
+    """One sampler pool's link over its `SamplerActor` mesh."""
+
+    def __init__(self, config: PoolConfig, mesh: Mesh[Any]) -> None:
+        self.config = config
+        self.mesh = mesh
+
+    @property
+    def size(self) -> int:
+        return self.mesh.size
+
+    def sampler(self, rank: int) -> Any:
+        return self.mesh[rank]
+
+    async def apply_weights(self, rank: int, updates: list[list[bytes]]) -> int:
+        return await self.mesh[rank].apply_weights.call_one(updates)
+
+    async def reset_weights(self, rank: int) -> None:
+        await self.mesh[rank].reset_weights.call_one()
+
+    async def stats(self) -> list[dict[str, Any] | None]:
+        out: list[dict[str, Any] | None] = []
+        for rank in range(self.mesh.size):
+            if rank in self.mesh.dead_ranks:
+                out.append(None)
+                continue
+            try:
+                out.append(await self.mesh[rank].stats.call_one())
+            except ActorDied:
+                out.append(None)
+        return out
+
+    def dead_ranks(self) -> list[int]:
+        return self.mesh.dead_ranks
+
+    def respawn(self, rank: int) -> None:
+        self.mesh.respawn(rank)
+
+
+class MeshEnvs:
+    """The environment actors: each episode goes to the least-loaded live one."""
+
+    def __init__(self, mesh: Mesh[Any]) -> None:
+        self.mesh = mesh
+
+    async def run_episode(self, pool: MeshPool, rank: int, task: TaskSpec,
+                          sampling: SamplingParams, min_version: int) -> Trajectory:
+        return await self.mesh.run_episode.choose(pool.sampler(rank), task, sampling, min_version)
+
+    def dead_ranks(self) -> list[int]:
+        return self.mesh.dead_ranks
+
+    def respawn(self, rank: int) -> None:
+        self.mesh.respawn(rank)

@@ -1,0 +1,76 @@
+"""The rollout buffer: staleness drops, retries, skipped groups, rollback and resume."""
+
+from __future__ import annotations
+
+from orchestrator.buffer import BufferCounters, RolloutBuffer
+
+
+class _T:
+    def __init__(self, pool: str, version: int, failed: bool = False, newest: int | None = None) -> None:
+        self.pool, self.failed, self.error = pool, failed, "boom" if failed else None
+        self.oldest_version = version
+        self.newest_version = version if newest is None else newest
+
+
+def test_buffer_drops_stale_trajectories_and_retries_their_slots():
+    buf = RolloutBuffer(group_size=2, max_attempts=2)
+    buf.add_group("g0", "p0", task="t")
+    slots = [buf.next_slot(), buf.next_slot()]
+    assert buf.next_slot() is None
+    buf.complete(slots[0], _T("fast", version=3))
+    buf.complete(slots[1], _T("slow", version=0))
+    groups, drops = buf.take_batch(1, trainer_version=3, budget_of=lambda pool: 1)
+    assert groups == [] and [(d.pool, d.staleness) for d in drops] == [("slow", 3)]
+    retry = buf.next_slot()
+    assert (retry.group_id, retry.index) == ("g0", 1)
+    buf.complete(retry, _T("slow", version=3))
+    groups, drops = buf.take_batch(1, trainer_version=3, budget_of=lambda pool: 1)
+    assert [g.group_id for g in groups] == ["g0"] and drops == []
+    c = buf.counts()
+    assert c["groups_in"] == c["groups_trained"] == 1 and c["dropped_stale"] == 1
+
+
+def test_a_group_failing_repeatedly_is_skipped_and_its_held_slots_vanish():
+    buf = RolloutBuffer(group_size=2, max_attempts=2)
+    buf.add_group("g0", "p0", task="t")
+    held = buf.next_slot()  # taken by the producer, not started yet
+    buf.complete(buf.next_slot(), _T("a", 0, failed=True))
+    drop = buf.complete(buf.next_slot(), _T("a", 0, failed=True))
+    assert drop is not None and drop.reason == "skipped" and drop.error == "boom"
+    c = buf.counts()
+    assert c["groups_skipped"] == 1 and c["groups_buffered"] == 0 and c["dropped_failed"] == 2
+    assert buf.task_of(held) is None
+    buf.requeue(held)  # the producer gives it back: it must not come out again
+    assert buf.next_slot() is None
+    assert c["groups_in"] == c["groups_trained"] + c["groups_buffered"] + c["groups_skipped"]
+
+
+def test_rollback_drops_trajectories_from_weights_that_no_longer_exist():
+    buf = RolloutBuffer(group_size=2)
+    buf.add_group("g0", "p0", task="t")
+    buf.complete(buf.next_slot(), _T("a", 3, newest=5))
+    buf.complete(buf.next_slot(), _T("a", 2, newest=4))
+    drops = buf.drop_newer_than(4)
+    assert [(d.reason, d.slot.index) for d in drops] == [("rollback", 0)]
+    assert buf.counters.dropped_rollback == 1
+    assert buf.next_slot().index == 0
+
+
+def test_put_back_returns_a_batch_ahead_of_the_rest_and_undoes_its_counts():
+    buf = RolloutBuffer(group_size=1)
+    for i in range(3):
+        buf.add_group(f"g{i}", f"p{i}", task=i)
+        buf.complete(buf.next_slot(), _T("a", 0))
+    groups, _ = buf.take_batch(2, 0, lambda p: 0)
+    assert buf.counters.groups_trained == 2
+    buf.put_back(groups)
+    assert buf.counters.groups_trained == 0 and buf.counters.rollouts_trained == 0
+    assert buf.buffered_prompts() == [0, 1, 2]
+
+
+def test_counters_are_shared_with_their_owner_and_resume_without_recounting():
+    counters = BufferCounters(groups_in=5, groups_trained=4)
+    buf = RolloutBuffer(group_size=1, counters=counters)
+    buf.add_group("g4", "p4", task="t", counted=True)  # buffered at the stop: already in
+    buf.add_group("g5", "p5", task="t")
+    assert counters.groups_in == 6 and buf.counters is counters
