@@ -14,7 +14,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from actors.trainer import TrainerConfig
 from hardware import PoolList
@@ -62,6 +62,28 @@ class TaskSection(_Section):
     """An episode that takes longer ends as a failed trajectory."""
     max_new_tokens: int = Field(default=1, ge=1)
     """Tokens the policy may generate per turn."""
+    kind: Literal["env", "harness"] = "env"
+    """`env`: episodes of the registered environment `name`. `harness`: every episode runs an
+    agent harness against an OpenAI-compatible gateway session (actors.gateway); give
+    `command` or `entrypoint`; `episode_timeout_s` bounds the harness."""
+    command: str | None = None
+    """Harness: a command run once per episode (`python my_agent.py {task}`, `{task}` = the
+    task's params as JSON), with OPENAI_BASE_URL and OPENAI_API_KEY set for its session."""
+    entrypoint: str | None = None
+    """Harness: `module:function` or `path/file.py:function`, an async function given the
+    session's base URL and the task's params, run in the environment actor."""
+    grader: str | None = None
+    """Harness: `module:function` given (transcript, params) returning the reward (else the
+    harness reports it: a `{"reward": x}` stdout line, POST /reward, or the return value)."""
+
+    @model_validator(mode="after")
+    def _harness_fields(self) -> TaskSection:
+        given = [f for f in ("command", "entrypoint", "grader") if getattr(self, f) is not None]
+        if self.kind == "harness" and (self.command is None) == (self.entrypoint is None):
+            raise ValueError("kind = 'harness' needs exactly one of command or entrypoint")
+        if self.kind == "env" and given:
+            raise ValueError(f"{', '.join(given)} only apply to kind = 'harness'")
+        return self
 
 
 class RolloutSection(_Section):

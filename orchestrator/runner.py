@@ -159,7 +159,7 @@ async def run_async(cfg: RunConfig, *, resume: bool = False, progress: Progress 
     meshes: dict[str, Any] = {
         "trainer": open_mesh(TrainerActor, trainer_cfg, str(ckpt_dir), not resume,
                              procs=1, name="trainer", env=_actor_env(cfg, cfg.placement.trainer_cpus)),
-        "env": open_mesh(EnvActor, EnvConfig(step_timeout_s=cfg.task.episode_timeout_s),
+        "env": open_mesh(EnvActor, _env_config(cfg, EnvConfig),
                          procs=cfg.task.env_actors, name="env", env=env),
     }
     for pc in cfg.pools:
@@ -193,6 +193,17 @@ async def run_async(cfg: RunConfig, *, resume: bool = False, progress: Progress 
     progress.message(f"flotilla: {'interrupted' if result.interrupted else 'done'} at step "
                      f"{result.steps_done}, {result.wall_s:.0f}s; reports in {run_dir}")
     return result
+
+
+def _env_config(cfg: RunConfig, env_config: Any) -> Any:
+    """The environment actors' config; `[task] kind = "harness"` adds the gateway's harness."""
+    harness = None
+    if cfg.task.kind == "harness":
+        from actors.gateway import HarnessConfig
+
+        harness = HarnessConfig(command=cfg.task.command, entrypoint=cfg.task.entrypoint, grader=cfg.task.grader,
+                                timeout_s=cfg.task.episode_timeout_s, max_new_tokens=cfg.task.max_new_tokens)
+    return env_config(step_timeout_s=cfg.task.episode_timeout_s, harness=harness, model_path=cfg.model.path)
 
 
 def _procs(pool: Any) -> int:

@@ -3,11 +3,13 @@
 ``HarnessConfig`` says how to run the harness of one episode:
 
 * ``command`` -- a subprocess per episode (``python my_agent.py {task}``; ``{task}``
-  becomes the task's parameters as JSON, one shell word). It gets
+  becomes the task as JSON, one shell word: the task's params -- a dataset row --
+  plus ``seed`` and ``prompt_id`` unless the params have those keys). It gets
   ``OPENAI_BASE_URL`` (the session's base URL) and ``OPENAI_API_KEY`` (the
   session's key) in its environment, plus ``FLOTILLA_TASK`` (the same JSON).
-* ``entrypoint`` -- ``"module:function"``, an ``async def f(base_url, task)`` run in
-  the environment actor's own trio loop (no process start-up per episode).
+* ``entrypoint`` -- ``"module:function"`` (or ``"path/file.py:function"``), an
+  ``async def f(base_url, task)`` given the same task dict, run in the environment
+  actor's own trio loop (no process start-up per episode).
 
 The reward comes from, in order: a ``grader`` (``"module:function"`` called with the
 transcript -- the last request's messages plus the reply -- and the task, plain or
@@ -22,14 +24,17 @@ the prompt.  Cancellation kills the subprocess and propagates.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import json
 import os
 import shlex
 import signal
 import subprocess
+import sys
 import traceback
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import trio
@@ -82,9 +87,24 @@ class HarnessConfig(BaseModel):
 
 
 def resolve(spec: str) -> Callable[..., Any]:
-    """The function named by ``module:function`` (imported now)."""
+    """The function named by ``module:function`` or ``path/to/file.py:function`` (imported
+    now; a file is loaded once per process under a name derived from its path).  Raises
+    ValueError naming the spec when the function is not there."""
     module, _, name = spec.partition(":")
-    fn = getattr(importlib.import_module(module), name, None)
+    if module.endswith(".py"):
+        path = Path(module).resolve()
+        key = "flotilla_harness_" + "_".join(path.with_suffix("").parts[-3:]).replace("-", "_")
+        mod = sys.modules.get(key)
+        if mod is None:
+            loader = importlib.util.spec_from_file_location(key, path)
+            if loader is None or loader.loader is None or not path.is_file():
+                raise ValueError(f"{spec!r}: no Python file {path}")
+            mod = importlib.util.module_from_spec(loader)
+            sys.modules[key] = mod
+            loader.loader.exec_module(mod)
+    else:
+        mod = importlib.import_module(module)
+    fn = getattr(mod, name, None)
     if not callable(fn):
         raise ValueError(f"{spec!r}: module {module!r} has no function {name!r}")
     return fn
@@ -92,6 +112,11 @@ def resolve(spec: str) -> Callable[..., Any]:
 
 class HarnessFailed(Exception):
     """The harness did not produce a reward (message: why, plus its stderr tail)."""
+
+
+def task_dict(task: TaskSpec) -> dict[str, Any]:
+    """What a harness is given: the params, plus ``seed`` and ``prompt_id`` (params win)."""
+    return {"seed": task.seed, "prompt_id": task.prompt_id, **task.params}
 
 
 def _tail(data: bytes | str) -> str:
@@ -111,7 +136,7 @@ def _reward_line(stdout: str) -> float | None:
 
 
 async def _run_command(cfg: HarnessConfig, task: TaskSpec, base_url: str, key: str) -> float | None:
-    task_json = json.dumps(task.params, sort_keys=True)
+    task_json = json.dumps(task_dict(task), sort_keys=True)
     argv = [a.replace("{task}", task_json) for a in shlex.split(cfg.command or "")]
     env = {**os.environ, **cfg.env, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": key,
            "FLOTILLA_TASK": task_json}
@@ -158,7 +183,7 @@ async def _run_entrypoint(cfg: HarnessConfig, task: TaskSpec, base_url: str) -> 
     fn = resolve(cfg.entrypoint or "")
     with trio.move_on_after(cfg.timeout_s) as cs:
         try:
-            out = fn(base_url, dict(task.params))
+            out = fn(base_url, task_dict(task))
             if inspect.isawaitable(out):
                 out = await out
         except Exception:  # noqa: BLE001 - the harness's crash is the episode's failure
@@ -173,7 +198,7 @@ async def _run_entrypoint(cfg: HarnessConfig, task: TaskSpec, base_url: str) -> 
 
 
 async def _grade(spec: str, transcript: list[dict[str, Any]], task: TaskSpec) -> float:
-    out = resolve(spec)(transcript, dict(task.params))
+    out = resolve(spec)(transcript, task_dict(task))
     if inspect.isawaitable(out):
         out = await out
     return float(out)
