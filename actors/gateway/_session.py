@@ -34,7 +34,7 @@ from typing import Any
 
 import trio
 
-from actors.chat import ChatFormat, ChatTemplateError, Conversation
+from actors.chat import ChatFormat, ChatTemplateError
 from actors.env._episode import EpisodeBuilder
 from actors.gateway._render import conversation_from
 from actors.gateway._schemas import (
@@ -70,10 +70,38 @@ class SessionLimits:
 class _Segment:
     kind: str                       # "chat" | "completion"
     builder: EpisodeBuilder
-    conv: Conversation | None = None
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    """Chat: the messages the builder's ids render (the last one the parsed reply)."""
+    last_reply: list[int] | None = None
+    """Chat: ids of the reply that ends ``messages`` (closing it is the next turn's job)."""
     tools: list[dict[str, Any]] | None = None
     text: str = ""                  # completions: prompt + generated text so far
     turns: int = 0
+
+
+@dataclass
+class _Plan:
+    """What a request would add, computed before sampling and committed only after it
+    succeeded: a failed or rejected request leaves the session as it was."""
+
+    seg: _Segment | None            # the segment to extend; None: start ``fresh``
+    context: list[int]              # ids to append before generating
+    new_messages: list[dict[str, Any]] = field(default_factory=list)
+    fresh: _Segment | None = None
+
+    def prompt(self) -> list[int]:
+        base = self.seg if self.seg is not None else self.fresh
+        assert base is not None
+        return base.builder.ids + self.context
+
+    def commit(self, segments: list[_Segment]) -> _Segment:
+        if self.seg is None:
+            assert self.fresh is not None
+            segments.append(self.fresh)
+            return self.fresh
+        self.seg.builder.add_context(self.context)
+        self.seg.messages += self.new_messages
+        return self.seg
 
 
 def _canon(m: dict[str, Any]) -> Any:
@@ -112,6 +140,8 @@ class Session:
     pool: str = ""
     turns: int = 0
     closed: bool = False
+    sampler_seconds: float = 0.0
+    """Time spent waiting on the sampler (the rest of a request's latency is the gateway's)."""
     started: float = field(default_factory=time.perf_counter)
     _lock: trio.Lock = field(default_factory=trio.Lock)
 
@@ -120,131 +150,141 @@ class Session:
         """Serve one chat completion; returns (response, text pieces for streaming).
 
         Raises GatewayError (400) when the conversation cannot be rendered or does not
-        fit the context, (409) when the session is closed, (502) when the sampler fails.
+        fit the context, (409) when the session is closed, (502) when the sampler fails;
+        the session is then unchanged.
         """
         messages = [m.template_message() for m in req.messages]
         tools = req.template_tools()
         async with self._lock:
             self._check_open()
-            seg = self._chat_segment(messages, tools)
-            assert seg.conv is not None
-            result, kept, cut_text = await self._sample(seg, req)
-            reply = seg.conv.add_reply(result.token_ids[:kept])
-            if cut_text is not None:
-                reply = {"role": "assistant", "content": cut_text}
-                seg.conv.messages[-1] = reply
+            plan = self._plan_chat(messages, tools)
+            result, kept, cut_text = await self._sample(plan.prompt(), req)
+            seg = plan.commit(self.segments)
+            self._record(seg, result, kept)
+            ids = result.token_ids[:kept]
+            reply = (self.fmt.parse_reply(ids) if cut_text is None
+                     else {"role": "assistant", "content": cut_text})
+            seg.messages.append(reply)
+            seg.last_reply = list(ids)
             message = openai_message(reply)
             finish = ("tool_calls" if message.get("tool_calls")
                       else "stop" if cut_text is not None else result.finish_reason)
             self.transcript = [*messages, reply]
-            pieces = [self.fmt.decode([t]) for t in result.token_ids[:kept]]
+            pieces = [self.fmt.decode([t]) for t in ids]
             return (chat_response(self.model, message, finish, len(seg.builder) - kept, kept), pieces)
 
-    def _chat_segment(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> _Segment:
+    def _plan_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> _Plan:
         seg = self.segments[-1] if self.segments else None
-        if seg is not None and seg.kind == "chat" and seg.tools == tools and seg.conv is not None:
-            held = seg.conv.messages
-            k = len(held)
+        if seg is not None and seg.kind == "chat" and seg.tools == tools:
+            k = len(seg.messages)
             new = messages[k:]
-            if (new and all(_canon(a) == _canon(b) for a, b in zip(held, messages, strict=False))
+            if (new and all(_canon(a) == _canon(b) for a, b in zip(seg.messages, messages, strict=False))
                     and not any(m["role"] == "assistant" for m in new)):
                 try:
-                    ids = seg.conv.add(new)
+                    ids = self.fmt.render_new(seg.messages, new, generated=seg.last_reply, tools=tools, turn=k)
                 except (ChatTemplateError, ValueError):
                     pass   # the template cannot extend this history append-only: new segment
                 else:
-                    seg.builder.add_context(ids)
-                    return seg
+                    return _Plan(seg, ids, new)
         try:
             conv = conversation_from(self.fmt, messages, tools)
         except (ChatTemplateError, ValueError) as e:
             raise GatewayError(400, f"messages: {e}", param="messages") from None
-        seg = _Segment("chat", EpisodeBuilder(conv.ids), conv=conv, tools=tools)
-        self.segments.append(seg)
-        return seg
+        fresh = _Segment("chat", EpisodeBuilder(conv.ids), messages=list(conv.messages), tools=tools)
+        return _Plan(None, [], fresh=fresh)
 
     # ----------------------------------------------------------- completions
     async def complete(self, req: CompletionRequest) -> dict[str, Any]:
         """Serve one plain completion (text or ids prompt, no template).
 
         A text prompt that starts with the segment's text so far (prompt + generated)
-        is extended by the tokens of the rest only; anything else starts a segment.
+        is extended by the tokens of the rest only (ids: by the ids past the held ones);
+        anything else starts a segment.  Errors as ``chat``.
         """
         async with self._lock:
             self._check_open()
             seg = self.segments[-1] if self.segments else None
-            if isinstance(req.prompt, list):
-                ids = [int(i) for i in req.prompt]
-                if seg is not None and seg.kind == "completion" and ids[:len(seg.builder)] == seg.builder.ids \
-                        and len(ids) > len(seg.builder):
-                    seg.builder.add_context(ids[len(seg.builder):])
+            if seg is not None and seg.kind != "completion":
+                seg = None
+            prompt = req.prompt
+            if isinstance(prompt, list):
+                ids = [int(i) for i in prompt]
+                if seg is not None and not seg.text and len(ids) > len(seg.builder) \
+                        and ids[:len(seg.builder)] == seg.builder.ids:
+                    plan = _Plan(seg, ids[len(seg.builder):])
                 else:
-                    seg = self._new_completion(ids, "")
-            elif (seg is not None and seg.kind == "completion" and seg.text
-                    and req.prompt.startswith(seg.text) and len(req.prompt) > len(seg.text)):
-                seg.builder.add_context(self.fmt.encode(req.prompt[len(seg.text):]))
-                seg.text = req.prompt
+                    plan = _Plan(None, [], fresh=self._new_completion(ids, ""))
+            elif seg is not None and seg.text and prompt.startswith(seg.text) and len(prompt) > len(seg.text):
+                plan = _Plan(seg, self.fmt.encode(prompt[len(seg.text):]))
             else:
-                seg = self._new_completion(self.fmt.encode(req.prompt), req.prompt)
-            if not seg.builder.ids:
+                plan = _Plan(None, [], fresh=self._new_completion(self.fmt.encode(prompt), prompt))
+            if not plan.prompt():
                 raise GatewayError(400, "prompt: empty", param="prompt")
-            result, kept, cut_text = await self._sample(seg, req)
-            text = cut_text if cut_text is not None else self.fmt.decode(result.token_ids[:kept])
-            if seg.text or not isinstance(req.prompt, list):
-                seg.text += self.fmt.decode(result.token_ids[:kept], skip_special=False)
+            result, kept, cut_text = await self._sample(plan.prompt(), req)
+            seg = plan.commit(self.segments)
+            self._record(seg, result, kept)
+            ids = result.token_ids[:kept]
+            text = cut_text if cut_text is not None else self.fmt.decode(ids)
+            if isinstance(prompt, str):
+                # The text the held ids stand for (a tokenizer that does not round-trip the
+                # harness's text just makes its next prompt start a new segment).
+                seg.text = self.fmt.decode(seg.builder.ids, skip_special=False)
             finish = "stop" if cut_text is not None else result.finish_reason
-            self.transcript = [{"role": "user", "content": req.prompt if isinstance(req.prompt, str)
-                                else self.fmt.decode(req.prompt)}, {"role": "assistant", "content": text}]
+            self.transcript = [{"role": "user", "content": prompt if isinstance(prompt, str)
+                                else self.fmt.decode(prompt)}, {"role": "assistant", "content": text}]
             return completion_response(self.model, text, finish, len(seg.builder) - kept, kept)
 
     def _new_completion(self, ids: list[int], text: str) -> _Segment:
         for i, t in enumerate(ids):
             if not 0 <= t < self.fmt.vocab_size:
                 raise GatewayError(400, f"prompt[{i}] = {t} is outside the vocabulary", param="prompt")
-        seg = _Segment("completion", EpisodeBuilder(ids), text=text)
-        self.segments.append(seg)
-        return seg
+        return _Segment("completion", EpisodeBuilder(ids), text=text)
 
     # ---------------------------------------------------------------- sample
-    async def _sample(self, seg: _Segment, req: ChatRequest | CompletionRequest
+    async def _sample(self, prompt: list[int], req: ChatRequest | CompletionRequest
                       ) -> tuple[GenerateResult, int, str | None]:
-        """One generate call on the segment's ids; appends the generated ids (cut at a stop
-        string) to the builder.  Returns (result, ids kept, text before the stop string or None)."""
+        """One generate call on ``prompt``.  Returns (result, ids to keep -- the reply is cut
+        after the token that completes a stop string --, text before the stop string or None)."""
         lim = self.limits
-        room = lim.max_seq_len - len(seg.builder)
+        room = lim.max_seq_len - len(prompt)
         limit = req.limit() if isinstance(req, ChatRequest) else req.max_tokens
         max_new = min(limit or lim.max_new_tokens, lim.max_new_tokens, room)
         if max_new < 1:
-            raise GatewayError(400, f"the conversation has {len(seg.builder)} tokens; the context is "
+            raise GatewayError(400, f"the conversation has {len(prompt)} tokens; the context is "
                                f"{lim.max_seq_len}, no room to generate", param="messages",
                                code="context_length_exceeded")
         s = lim.sampling
         temperature = req.temperature if lim.honor_sampling and req.temperature is not None else s.temperature
         top_p = req.top_p if lim.honor_sampling and req.top_p is not None else s.top_p
         greq = GenerateRequest(
-            request_id=f"{self.id}/{self.turns}", prompt_ids=list(seg.builder.ids), max_new_tokens=max_new,
+            request_id=f"{self.id}/{self.turns}", prompt_ids=prompt, max_new_tokens=max_new,
             stop_token_ids=self.fmt.stop_ids, temperature=temperature, top_k=s.top_k, top_p=top_p,
             min_version=self.min_version, session_id=self.id)
+        t0 = time.perf_counter()
         try:
             result = await self.generate(greq)
         except trio.Cancelled:
             raise
         except Exception as e:  # noqa: BLE001 - the harness gets a 502, the episode a failure
             raise GatewayError(502, f"sampler failed: {type(e).__name__}: {e}", type="server_error") from e
+        finally:
+            self.sampler_seconds += time.perf_counter() - t0
         if result.finish_reason == "abort":
             raise GatewayError(502, "sampler aborted the generation", type="server_error")
-        self.pool = result.pool
-        kept, cut_text = len(result.token_ids), None
+        self.turns += 1
         stops = req.stop_list()
         if stops:
             kept, cut_text = _cut_at_stop(self.fmt, result.token_ids, stops)
+            return result, kept, cut_text
+        return result, len(result.token_ids), None
+
+    def _record(self, seg: _Segment, result: GenerateResult, kept: int) -> None:
         off = result.support_offsets
         end = int(off[kept])
         seg.builder.add_generated(result.token_ids[:kept], result.support_ids[:end], off[:kept + 1],
                                   result.support_logq[:end], result.versions[:kept])
-        self.turns += 1
+        self.pool = result.pool
         seg.turns += 1
-        return result, kept, cut_text
 
     def _check_open(self) -> None:
         if self.closed:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
@@ -38,10 +39,17 @@ def _env_config(tok_dir: Path, script: str, **kw) -> EnvConfig:
                      model_path=str(tok_dir), max_seq_len=512)
 
 
-async def _episode(tok_dir, fmt, script, replies, params):
+async def _episode(tok_dir, fmt, script, replies, params, *, malformed_first: bool = False):
     ids = [fmt.encode(r) for r in replies]
     async with open_mesh(EnvActor, _env_config(tok_dir, script), procs=1, name="env") as env, \
             open_mesh(ReplaySampler, ids, fmt.vocab_size, procs=1, name="replay") as sampler:
+        if malformed_first:   # garbage at the actor's gateway: 4xx JSON, and it keeps serving
+            address = await env[0].gateway_address.call_one()
+            async with httpx.AsyncClient(base_url=address) as client:
+                r = await client.post("/v1/chat/completions", content=b"{", headers={"Authorization": "Bearer x"})
+                assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+                r = await client.post("/s/x/v1/chat/completions", content=b"\xff\x00")
+                assert r.status_code in (400, 404) and "error" in r.json()
         task = TaskSpec(task="calc", prompt_id="p0", group_id="g0", params=params)
         traj = await env[0].run_episode.call_one(sampler[0], task, SamplingParams())
         seen = await sampler[0].requests.call_one()
@@ -94,17 +102,17 @@ async def test_rewritten_history_starts_a_new_segment(tok_dir, fmt) -> None:
 
 
 async def test_crashed_harness_fails_with_its_stderr_and_the_prompt_is_retried(tok_dir, fmt) -> None:
-    traj, _, seen, _ = await _episode(tok_dir, fmt, "agent_crash.py", ["hi<|im_end|>"], {})
+    traj, _, seen, _ = await _episode(tok_dir, fmt, "agent_crash.py", ["hi<|im_end|>"], {}, malformed_first=True)
     assert traj.failed and traj.reward == 0.0
     assert "exited with code 1" in traj.error and "about to fail" in traj.error
     assert "the agent fell over" in traj.error
     assert len(seen) == 1
     # The controller's buffer puts a failed rollout's prompt back in the queue.
     task = TaskSpec(task="calc", prompt_id="p0", group_id="g0")
-    buf = RolloutBuffer(2, lambda t: 0)
+    buf = RolloutBuffer(group_size=2)
     buf.add_group("g0", "p0", task)
     slot = buf.next_slot()
     drop = buf.complete(slot, traj)
-    assert drop is not None and drop.reason == "failed" and buf.dropped_failed == 1
+    assert drop is not None and drop.reason == "failed" and buf.counters.dropped_failed == 1
     retry = buf.next_slot()
     assert retry is not None and retry.index == slot.index and retry.attempt == slot.attempt + 1
