@@ -1,9 +1,12 @@
-"""The tiny Qwen3 model every Flotilla actor can build locally.
+"""The policy model every Flotilla actor builds locally: a tiny Qwen3 or a user's checkpoint.
 
 Trainer, samplers and tests must agree bit for bit on the initial weights, so
 they all build the model here: from a config dict with a seeded random init,
-or from a local checkpoint directory (``config.json`` + ``*.safetensors``).
-Nothing is ever downloaded.
+or from a local Hugging Face checkpoint directory (``config.json`` +
+``*.safetensors``, sharded or not).  The model is transformers' own class for
+the config's ``model_type`` (``AutoModelForCausalLM``); the families the torch
+sampler engine also runs are ``SUPPORTED_MODEL_TYPES``.  Nothing is ever
+downloaded.
 
 torch and transformers are imported inside the functions so that importing
 ``actors.models`` stays cheap (the CLI path must not import torch).
@@ -17,11 +20,13 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import PretrainedConfig, PreTrainedModel
 
 __all__ = [
     "DEFAULT_VOCAB_SIZE",
+    "SUPPORTED_MODEL_TYPES",
     "build_model",
+    "checkpoint_params",
     "default_model_config",
     "load_config",
     "model_weights",
@@ -30,6 +35,14 @@ __all__ = [
 
 DEFAULT_VOCAB_SIZE = 128
 """Vocabulary size used when the caller does not pass its tokenizer's size."""
+
+SUPPORTED_MODEL_TYPES: dict[str, str] = {
+    "qwen3": "Qwen3",
+    "qwen2": "Qwen2/Qwen2.5 (qkv bias)",
+    "llama": "Llama 3 (llama3 rope scaling)",
+    "mistral": "Mistral",
+}
+"""Dense decoder families (config ``model_type``) that Flotilla trains and samples."""
 
 
 def round_vocab(size: int, multiple: int = 8) -> int:
@@ -65,14 +78,7 @@ def default_model_config(vocab_size: int = DEFAULT_VOCAB_SIZE) -> dict[str, Any]
     }
 
 
-def load_config(config: dict[str, Any] | str | Path) -> Qwen3Config:
-    """A ``Qwen3Config`` from a dict or from a checkpoint directory's config.json.
-
-    Raises ``ValueError`` for a config that is not Qwen3, and
-    ``FileNotFoundError`` for a directory without ``config.json``.
-    """
-    from transformers import Qwen3Config
-
+def _read_fields(config: dict[str, Any] | str | Path) -> dict[str, Any]:
     if isinstance(config, (str, Path)):
         path = Path(config) / "config.json"
         if not path.is_file():
@@ -80,18 +86,31 @@ def load_config(config: dict[str, Any] | str | Path) -> Qwen3Config:
         config = json.loads(path.read_text())
     if not isinstance(config, dict):
         raise TypeError(f"model config must be a dict or a directory path, got {type(config).__name__}")
-    fields = dict(config)
+    return dict(config)
+
+
+def load_config(config: dict[str, Any] | str | Path) -> PretrainedConfig:
+    """The transformers config of a dict or of a checkpoint directory's config.json.
+
+    Raises ``ValueError`` naming the supported families for any other ``model_type``,
+    and ``FileNotFoundError`` for a directory without ``config.json``.
+    """
+    from transformers import AutoConfig
+
+    fields = _read_fields(config)
     model_type = fields.pop("model_type", "qwen3")
-    if model_type != "qwen3":
-        raise ValueError(f"model config: model_type must be 'qwen3', got {model_type!r}")
-    # Saved configs carry bookkeeping keys that Qwen3Config's strict init refuses.
-    for key in ("architectures", "transformers_version", "_name_or_path", "dtype", "torch_dtype"):
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        supported = ", ".join(f"{k} ({v})" for k, v in SUPPORTED_MODEL_TYPES.items())
+        raise ValueError(f"model config: model_type {model_type!r} is not supported; "
+                         f"supported: {supported}")
+    # Saved configs carry bookkeeping keys that the strict config init refuses.
+    for key in ("transformers_version", "_name_or_path", "dtype", "torch_dtype"):
         fields.pop(key, None)
-    return Qwen3Config(**fields)
+    return AutoConfig.for_model(model_type, **fields)
 
 
-def build_model(config: dict[str, Any] | str | Path, seed: int = 0) -> Qwen3ForCausalLM:
-    """Build a float32 ``Qwen3ForCausalLM`` in eval mode.
+def build_model(config: dict[str, Any] | str | Path, seed: int = 0) -> PreTrainedModel:
+    """Build the float32 transformers causal LM of ``config`` in eval mode.
 
     ``config`` is a config dict (random init under ``torch.manual_seed(seed)``,
     so the same dict and seed give the same weights in every process) or a
@@ -100,21 +119,21 @@ def build_model(config: dict[str, Any] | str | Path, seed: int = 0) -> Qwen3ForC
     parameter, or holding an unknown one, raises ``ValueError`` naming it.
     """
     import torch
-    from transformers import Qwen3ForCausalLM
+    from transformers import AutoModelForCausalLM
 
     hf_config = load_config(config)
     # The global RNG is borrowed for the init and restored, so building a model
     # does not perturb the caller's random stream.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen3ForCausalLM(hf_config)
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
     model = model.to(torch.float32).eval()
     if isinstance(config, (str, Path)):
         _load_checkpoint(model, Path(config))
     return model
 
 
-def _load_checkpoint(model: Qwen3ForCausalLM, directory: Path) -> None:
+def _load_checkpoint(model: PreTrainedModel, directory: Path) -> None:
     import torch
     from safetensors.torch import load_file
 
@@ -125,6 +144,10 @@ def _load_checkpoint(model: Qwen3ForCausalLM, directory: Path) -> None:
     for file in files:
         state.update(load_file(str(file)))
     expected = model.state_dict()
+    if model.config.tie_word_embeddings:
+        # A tied head is saved once, as the embedding.
+        state.pop("lm_head.weight", None)
+        expected = {k: v for k, v in expected.items() if k != "lm_head.weight"}
     missing = sorted(set(expected) - set(state))
     unknown = sorted(set(state) - set(expected))
     if missing or unknown:
@@ -135,9 +158,33 @@ def _load_checkpoint(model: Qwen3ForCausalLM, directory: Path) -> None:
                 f"checkpoint {directory}: tensor {name} has shape {tuple(tensor.shape)}, "
                 f"model expects {tuple(expected[name].shape)}"
             )
-    model.load_state_dict({k: v.to(torch.float32) for k, v in state.items()})
+    model.load_state_dict({k: v.to(torch.float32) for k, v in state.items()},
+                          strict=not model.config.tie_word_embeddings)
 
 
-def model_weights(model: Qwen3ForCausalLM) -> dict[str, torch.Tensor]:
+def checkpoint_params(directory: str | Path) -> tuple[int, int]:
+    """(parameter count, bytes on disk) of a checkpoint's ``*.safetensors``, read from the
+    files' headers only (nothing is loaded, so this is cheap for any size)."""
+    import struct
+
+    files = sorted(Path(directory).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"model directory {directory} has no *.safetensors file")
+    count = size = 0
+    for f in files:
+        size += f.stat().st_size
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        for name, entry in header.items():
+            if name != "__metadata__":
+                numel = 1
+                for d in entry["shape"]:
+                    numel *= d
+                count += numel
+    return count, size
+
+
+def model_weights(model: PreTrainedModel) -> dict[str, torch.Tensor]:
     """The model's parameters by HF name, detached float32 copies (the master weights)."""
     return {name: t.detach().clone() for name, t in model.state_dict().items()}

@@ -32,6 +32,7 @@ __all__ = [
     "UNK_TOKEN",
     "VOCAB",
     "VOCAB_SIZE",
+    "WORD_CHAT_TEMPLATE",
     "ChatTokens",
     "build_tokenizer",
     "default_chat_tokens",
@@ -63,6 +64,16 @@ VOCAB_SIZE = len(VOCAB)
 assert len(set(VOCAB)) == VOCAB_SIZE < 128
 
 
+WORD_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m.role == 'user' %} <|user|> {{ m.content }} <|end|> <|assistant|>"
+    "{% elif m.role == 'assistant' %} {{ m.content }} <|end|>{% endif %}{% endfor %}"
+)
+"""The ``ChatTokens`` layout as a Jinja chat template (for exported models): a user turn
+hands over to the assistant itself, so no generation prompt is added. Whitespace is
+free: the pre-tokenizer splits on it."""
+
+
 def _check_extra(extra_words: Sequence[str]) -> None:
     seen = set(VOCAB)
     for i, w in enumerate(extra_words):
@@ -88,11 +99,13 @@ def build_tokenizer(extra_words: Sequence[str] = ()) -> PreTrainedTokenizerFast:
     words = list(VOCAB) + list(extra_words)
     core = Tokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token=UNK_TOKEN))
     core.pre_tokenizer = WhitespaceSplit()
-    return PreTrainedTokenizerFast(
+    tok = PreTrainedTokenizerFast(
         tokenizer_object=core,
         pad_token=PAD, bos_token=BOS, eos_token=EOS, unk_token=UNK_TOKEN,
         additional_special_tokens=[USER, ASSISTANT, END],
     )
+    tok.chat_template = WORD_CHAT_TEMPLATE
+    return tok
 
 
 class ChatTokens:

@@ -29,7 +29,7 @@ def _who(info: ValidationInfo) -> str:
 class PoolConfig(BaseModel):
     """One sampler pool. Nested as `pools: PoolList` in the run config."""
 
-    model_config = ConfigDict(extra="forbid", validate_default=True)
+    model_config = ConfigDict(extra="forbid", validate_default=True, use_attribute_docstrings=True)
 
     name: str = Field(min_length=1)
     """Unique pool name; appears in traces, the cost report and each rollout's `pool`."""

@@ -2,6 +2,8 @@
 
     flotilla run CONFIG [--set key=value ...] [--steps N] [--mode async|sync] [--resume RUN_DIR]
     flotilla report RUN_DIR
+    flotilla export RUN_DIR OUT_DIR [--step N] [--dtype bfloat16|float32|float16]
+    flotilla config [SECTION]    every config field with its type, default and meaning
     flotilla hardware [CONFIG]
     flotilla host ...            (an actor host on another machine; see README)
 
@@ -32,6 +34,15 @@ def _parser() -> argparse.ArgumentParser:
 
     rep = sub.add_parser("report", help="print a run's cost report and rewrite its JSON/Markdown")
     rep.add_argument("run_dir")
+
+    ex = sub.add_parser("export", help="write a run's policy as a Hugging Face model directory")
+    ex.add_argument("run_dir")
+    ex.add_argument("out_dir")
+    ex.add_argument("--step", type=int, help="the checkpoint's step (a run keeps its latest)")
+    ex.add_argument("--dtype", default="bfloat16", help="bfloat16 (default), float32 or float16")
+    cf = sub.add_parser("config", help="every config field: type, default and what it does")
+    cf.add_argument("section", nargs="?", help="one section (model, task, rollout, recipe, "
+                    "trainer, placement, checkpoint, eval, pools)")
 
     hw = sub.add_parser("hardware", help="the GPU catalog, and a config's pools with estimated cost")
     hw.add_argument("config", nargs="?")
@@ -67,6 +78,26 @@ def main(argv: list[str] | None = None) -> int:
         from orchestrator.reports import print_report
 
         return print_report(args.run_dir)
+    if args.command == "export":
+        from orchestrator.export import ExportError, export_run
+
+        try:
+            out = export_run(args.run_dir, args.out_dir, step=args.step, dtype=args.dtype)
+        except (ExportError, ValueError, FileNotFoundError) as e:
+            print(f"flotilla: {e}", file=sys.stderr)
+            return 2
+        print(f"flotilla: exported {args.run_dir} -> {out}")
+        return 0
+    if args.command == "config":
+        from orchestrator.config import ConfigError
+        from orchestrator.confighelp import config_help
+
+        try:
+            print(config_help(args.section))
+        except ConfigError as e:
+            print(f"flotilla: {e}", file=sys.stderr)
+            return 2
+        return 0
     if args.command == "hardware":
         from hardware import describe
 

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from actors.trainer import TrainerConfig
 from hardware import PoolList
+from orchestrator.evaluation import EvalConfig
 from policies import RecipeConfig
 
 __all__ = [
@@ -38,17 +39,22 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
 
 class ModelSection(_Section):
     path: str | None = None
-    """A local checkpoint directory (config.json + safetensors). None: the tiny built-in
-    Qwen3-style model with random init, sized to the task tokenizer."""
+    """A local Hugging Face checkpoint directory: config.json (qwen3, qwen2, llama or mistral),
+    *.safetensors (sharded or not), and tokenizer.json/tokenizer_config.json with a chat
+    template, which then renders every episode's turns. None: the tiny built-in Qwen3-style
+    model with random init and the built-in word tokenizer."""
     overrides: dict[str, Any] = Field(default_factory=dict)
     """Fields of the built-in model config to change (hidden_size, num_hidden_layers, ...)."""
     seed: int = 0
     """Seed of the random init when no path is given."""
+    max_seq_len: int = Field(default=256, ge=8)
+    """Context length of an episode (prompt, replies and observations, in tokens): an episode
+    ends before a turn that could pass it, and samplers size their KV cache to it."""
 
 
 class TaskSection(_Section):
@@ -62,10 +68,20 @@ class TaskSection(_Section):
     """An episode that takes longer ends as a failed trajectory."""
     max_new_tokens: int = Field(default=1, ge=1)
     """Tokens the policy may generate per turn."""
+    modules: list[str] = Field(default_factory=list)
+    """Modules that register tasks (`@register_task`): dotted names (`my_pkg.tasks`) or `.py`
+    paths (`path/to/tasks.py`), imported in every environment process before its first
+    episode, and checked before any actor starts."""
+    dataset: str | None = None
+    """A local `.jsonl`/`.json`/`.parquet` file: one task instance per row, merged over
+    `params` (rows shuffled per epoch with the run's seed)."""
+    eval_dataset: str | None = None
+    """Held-out rows for `[eval]` (never trained on); None: fresh seeds of the task."""
     kind: Literal["env", "harness"] = "env"
     """`env`: episodes of the registered environment `name`. `harness`: every episode runs an
     agent harness against an OpenAI-compatible gateway session (actors.gateway); give
-    `command` or `entrypoint`; `episode_timeout_s` bounds the harness."""
+    `command` or `entrypoint`; `episode_timeout_s` bounds the harness; dataset rows become
+    the harness's tasks."""
     command: str | None = None
     """Harness: a command run once per episode (`python my_agent.py {task}`, `{task}` = the
     task's params as JSON), with OPENAI_BASE_URL and OPENAI_API_KEY set for its session."""
@@ -144,12 +160,21 @@ class RunConfig(_Section):
     """Threads and CPU pinning of the actor processes."""
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     """Periodic checkpoints and trainer restarts."""
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    """Held-out evaluation during training (orchestrator.evaluation.EvalConfig)."""
     pools: PoolList = Field(min_length=1)
     """Sampler pools ([[pools]] tables, hardware.PoolConfig), names unique."""
 
     @property
     def run_dir(self) -> Path:
         return Path(self.run_root) / self.name
+
+    @model_validator(mode="after")
+    def _eval_pool(self) -> RunConfig:
+        names = [p.name for p in self.pools]
+        if self.eval.pool is not None and self.eval.pool not in names:
+            raise ValueError(f"eval.pool {self.eval.pool!r} is not a pool; pools: {names}")
+        return self
 
     def resolved_json(self) -> str:
         return json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=True)

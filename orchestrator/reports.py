@@ -2,7 +2,8 @@
 
 The cost report is written by the run itself (`cost_report.json` + `.md`); this
 command re-renders the Markdown from the JSON and prints it with a short summary
-of `metrics.jsonl` (steps, reward at the start and the end, drops, wall time).
+of `metrics.jsonl` (steps, reward at the start and the end, drops, wall time, and the
+first and last held-out evaluation when `[eval]` ran).
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ __all__ = ["print_report", "training_summary"]
 
 
 def training_summary(run_dir: Path) -> str:
-    rows = MetricsLog.read(run_dir / "metrics.jsonl")
+    lines = MetricsLog.read(run_dir / "metrics.jsonl")
+    rows = [r for r in lines if "reward_mean" in r]   # training steps; eval lines apart
+    evals = [r for r in lines if "eval_reward" in r]
     if not rows:
         return "no training steps recorded"
     k = min(5, len(rows))
@@ -27,7 +30,16 @@ def training_summary(run_dir: Path) -> str:
     return (f"steps {rows[0]['step']}..{end['step']} in {end['wall_s']:.0f}s of the last session | "
             f"reward {first:.3f} (first {k}) -> {last:.3f} (last {k}) | "
             f"dropped stale {end['dropped_stale']}, failed {end['dropped_failed']} | "
-            f"cost ${end['cost_usd']:.4f}")
+            f"cost ${end['cost_usd']:.4f}" + _eval_summary(evals))
+
+
+def _eval_summary(evals: list[dict]) -> str:
+    if not evals:
+        return ""
+    first, last = evals[0], evals[-1]
+    return (f"\neval reward {first['eval_reward']:.3f} (step {first['step']}) -> "
+            f"{last['eval_reward']:.3f} (step {last['step']}, version {last['eval_version']}), "
+            f"{len(evals)} evaluations")
 
 
 def print_report(run_dir: str | Path) -> int:

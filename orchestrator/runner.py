@@ -25,6 +25,7 @@ import trio
 from orchestrator.config import ConfigError, RunConfig, load_config
 from orchestrator.controller import STATE_FILE, Controller, ControllerState, Links, TrainerLink
 from orchestrator.controller.meshes import MeshEnvs, MeshPool, MeshTrainer
+from orchestrator.preflight import preflight
 from orchestrator.progress import Progress
 from orchestrator.runtime import open_mesh, span
 from orchestrator.telemetry import MetricsLog, setup_run_telemetry
@@ -55,19 +56,17 @@ def _model_config(cfg: RunConfig) -> dict[str, Any] | str:
     from actors.tokenizer import VOCAB_SIZE
 
     if cfg.model.path:
-        return cfg.model.path
+        return str(Path(cfg.model.path).resolve())  # actor processes may run elsewhere
     conf = default_model_config(vocab_size=VOCAB_SIZE)
     conf.update(cfg.model.overrides)
     return conf
 
 
-def _model_spec(model_cfg: dict[str, Any] | str) -> Any:
-    """Parameter count for the throughput model (dense: every parameter is active)."""
-    from actors.models import build_model
+def _model_spec(params: int) -> Any:
+    """The throughput model's view of the model (dense: every parameter is active)."""
     from hardware import ModelSpec
 
-    n = sum(p.numel() for p in build_model(model_cfg, seed=0).parameters())
-    return ModelSpec(total_params=n, active_params=n)
+    return ModelSpec(total_params=params, active_params=params)
 
 
 def _truncate_metrics(path: Path, last_step: int) -> None:
@@ -113,6 +112,7 @@ async def run_async(cfg: RunConfig, *, resume: bool = False, progress: Progress 
     from hardware import CostLedger, Scheduler, ThroughputModel
 
     t0 = time.monotonic()
+    checked = preflight(cfg)  # model, memory, task modules, datasets: before any process
     run_dir = cfg.run_dir
     ckpt_dir = run_dir / "checkpoint"
     progress = progress or Progress(cfg.steps)
@@ -140,7 +140,7 @@ async def run_async(cfg: RunConfig, *, resume: bool = False, progress: Progress 
     trainer_cfg = cfg.trainer.model_copy(update={
         "recipe": cfg.recipe, "seed": cfg.model.seed, "model": model_cfg, "precisions": precisions})
     env = _actor_env(cfg, cfg.placement.sampler_cpus)
-    scheduler = Scheduler(cfg.pools, ThroughputModel(cfg.pools, _model_spec(model_cfg)))
+    scheduler = Scheduler(cfg.pools, ThroughputModel(cfg.pools, _model_spec(checked.params)))
     # Emulated pools are billed their measured busy seconds at the labelled GPU's price
     # (no throughput model given to the ledger), so the report reflects the run that happened.
     ledger = CostLedger(cfg.pools)
@@ -159,7 +159,10 @@ async def run_async(cfg: RunConfig, *, resume: bool = False, progress: Progress 
     meshes: dict[str, Any] = {
         "trainer": open_mesh(TrainerActor, trainer_cfg, str(ckpt_dir), not resume,
                              procs=1, name="trainer", env=_actor_env(cfg, cfg.placement.trainer_cpus)),
-        "env": open_mesh(EnvActor, _env_config(cfg, EnvConfig),
+        "env": open_mesh(EnvActor, _env_config(cfg, EnvConfig(
+                             step_timeout_s=cfg.task.episode_timeout_s, max_seq_len=cfg.model.max_seq_len,
+                             model_path=model_cfg if isinstance(model_cfg, str) else None,
+                             task_modules=checked.task_modules)),
                          procs=cfg.task.env_actors, name="env", env=env),
     }
     for pc in cfg.pools:
@@ -167,7 +170,8 @@ async def run_async(cfg: RunConfig, *, resume: bool = False, progress: Progress 
         # then), so a resumed run samples from the resumed weights.
         meshes[f"pool:{pc.name}"] = open_mesh(
             SamplerActor, pc.name, pc.precision, model_cfg, pc.device,
-            init_seed=None, max_batch=pc.capacity, staleness_budget=pc.staleness_budget,
+            init_seed=None, max_batch=pc.capacity, max_len=cfg.model.max_seq_len,
+            staleness_budget=pc.staleness_budget,
             seed=cfg.seed, procs=_procs(pc), name=f"sampler-{pc.name}", env=env)
     checkpoints = DiskCheckpoints(ckpt_dir)
     async with trio.open_nursery() as actors:
@@ -178,7 +182,8 @@ async def run_async(cfg: RunConfig, *, resume: bool = False, progress: Progress 
                       pools={pc.name: MeshPool(pc, opened[f"pool:{pc.name}"]) for pc in cfg.pools})
         state.version = await trainer.version()
         controller = Controller(cfg, links, state, scheduler=scheduler, ledger=ledger,
-                                metrics=metrics, progress=progress, checkpoints=checkpoints)
+                                metrics=metrics, progress=progress, checkpoints=checkpoints,
+                                dataset=checked.dataset, eval_dataset=checked.eval_dataset)
         try:
             await controller.run()
             if not controller.abandoned:
@@ -196,14 +201,14 @@ async def run_async(cfg: RunConfig, *, resume: bool = False, progress: Progress 
 
 
 def _env_config(cfg: RunConfig, env_config: Any) -> Any:
-    """The environment actors' config; `[task] kind = "harness"` adds the gateway's harness."""
-    harness = None
-    if cfg.task.kind == "harness":
-        from actors.gateway import HarnessConfig
+    """`[task] kind = "harness"` gives the environment actors the gateway's harness."""
+    if cfg.task.kind != "harness":
+        return env_config
+    from actors.gateway import HarnessConfig
 
-        harness = HarnessConfig(command=cfg.task.command, entrypoint=cfg.task.entrypoint, grader=cfg.task.grader,
-                                timeout_s=cfg.task.episode_timeout_s, max_new_tokens=cfg.task.max_new_tokens)
-    return env_config(step_timeout_s=cfg.task.episode_timeout_s, harness=harness, model_path=cfg.model.path)
+    harness = HarnessConfig(command=cfg.task.command, entrypoint=cfg.task.entrypoint, grader=cfg.task.grader,
+                            timeout_s=cfg.task.episode_timeout_s, max_new_tokens=cfg.task.max_new_tokens)
+    return env_config.model_copy(update={"harness": harness})
 
 
 def _procs(pool: Any) -> int:

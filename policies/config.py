@@ -17,7 +17,7 @@ __all__ = ["RecipeConfig"]
 class RecipeConfig(BaseModel):
     """Sampling, importance-sampling, loss and advantage settings of the recipe."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     temperature: float = 1.0
     """Sampling temperature T (logits are divided by T); 0 means greedy decoding, whose

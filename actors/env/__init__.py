@@ -5,6 +5,8 @@ Implement ``Environment.reset(task)`` and ``Environment.step(action_text, action
 plays episodes of it against a sampler, returning ``Trajectory`` objects.
 """
 from actors.env._actor import EnvActor, EnvConfig
+from actors.env._chat_dataset import ChatDataset
+from actors.env._dataset import DatasetError, TaskDataset
 from actors.env._episode import EpisodeBuilder
 from actors.env._interface import (
     Environment,
@@ -15,10 +17,13 @@ from actors.env._interface import (
     register_task,
     registered_tasks,
 )
+from actors.env._modules import TaskModuleError, import_task_modules, resolve_callable
 from actors.env._tasks import Arithmetic, GuessNumber, first_int, guess_number_optimal
 
 __all__ = [
     "Arithmetic",
+    "ChatDataset",
+    "DatasetError",
     "EnvActor",
     "EnvConfig",
     "Environment",
@@ -26,10 +31,14 @@ __all__ = [
     "GuessNumber",
     "Observation",
     "StepOutcome",
+    "TaskDataset",
+    "TaskModuleError",
     "first_int",
     "guess_number_optimal",
+    "import_task_modules",
     "make_env",
     "make_task_specs",
     "register_task",
     "registered_tasks",
+    "resolve_callable",
 ]

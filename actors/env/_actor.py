@@ -8,7 +8,6 @@ task per call); environments are fresh instances per episode.
 """
 from __future__ import annotations
 
-import importlib
 import random
 import uuid
 from typing import Any
@@ -18,8 +17,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from actors.env._episode import EpisodeLimits, play_episode
 from actors.env._interface import registered_tasks
+from actors.env._modules import import_task_modules
 from actors.sampler import GenerateRequest, GenerateResult
-from actors.tokenizer import default_chat_tokens
+from actors.chat import load_chat_format
 from actors.types import SamplingParams, TaskSpec, Trajectory
 from orchestrator.runtime import Actor, ActorRef, Mesh, endpoint, span
 
@@ -38,15 +38,17 @@ class EnvConfig(BaseModel):
     max_seq_len: int = Field(256, ge=2)
     """The episode ends (not failed) before a turn that could exceed this many tokens
     (the model's context)."""
+    model_path: str | None = None
+    """The model's checkpoint directory: its tokenizer and chat template render the turns.
+    None (or a directory without a tokenizer): the built-in word tokenizer."""
     task_modules: list[str] = Field(default_factory=list)
-    """Modules imported at start-up so their ``@register_task`` environments exist in
-    the actor's process (the built-in tasks are always there)."""
+    """Modules (dotted names or ``.py`` paths) imported at start-up so their
+    ``@register_task`` environments exist in the actor's process (the built-in tasks are
+    always there)."""
     harness: Any = None
     """``actors.gateway.HarnessConfig``: every episode runs this harness against the actor's
-    OpenAI-compatible gateway instead of a registered environment (None: no gateway)."""
-    model_path: str | None = None
-    """Checkpoint directory whose tokenizer and chat template the gateway renders with
-    (None: the built-in word tokenizer)."""
+    OpenAI-compatible gateway instead of a registered environment (None: no gateway); the
+    gateway renders with ``model_path``'s chat template."""
 
 
 class EnvActor(Actor):
@@ -60,9 +62,8 @@ class EnvActor(Actor):
 
     def __init__(self, config: EnvConfig | None = None) -> None:
         self.config = config if config is not None else EnvConfig()
-        for module in self.config.task_modules:
-            importlib.import_module(module)
-        self.chat = default_chat_tokens()
+        import_task_modules(self.config.task_modules)
+        self.chat = load_chat_format(self.config.model_path)
         self.limits = EpisodeLimits(self.config.step_timeout_s, self.config.generate_timeout_s,
                                     self.config.max_seq_len)
         self.episodes = 0
@@ -77,10 +78,9 @@ class EnvActor(Actor):
     async def on_start(self, nursery: trio.Nursery) -> None:
         """With a harness configured: start the gateway (it serves until the actor stops)."""
         if self.config.harness is not None:
-            from actors.chat import load_chat_format
             from actors.gateway import Gateway
 
-            self.gateway = Gateway(load_chat_format(self.config.model_path))
+            self.gateway = Gateway(self.chat)
             await nursery.start(self.gateway.serve)
 
     @endpoint

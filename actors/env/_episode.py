@@ -2,9 +2,11 @@
 
 The running sequence is only ever appended to. Sampler-generated ids go in with
 loss mask True together with their support rows and policy versions; everything
-else (prompt, the closing ``<|end|>`` of a length-limited reply, observations) goes
-in with loss mask False. So the trajectory's ids are exactly what the sampler
-was conditioned on, and the support record has one row per True in the mask.
+else (prompt, what closes a reply, observations) goes in with loss mask False.
+Turns are rendered by the run's ``ChatFormat`` (``actors.chat``): the chat template
+rendered with and without each new turn, so earlier ids are never re-tokenised.
+The trajectory's ids are exactly what the sampler was conditioned on, and the
+support record has one row per True in the mask.
 """
 from __future__ import annotations
 
@@ -17,8 +19,8 @@ from typing import Any
 import torch
 import trio
 
+from actors.chat import ChatFormat, Conversation, Message
 from actors.env._interface import Environment, StepOutcome, make_env
-from actors.tokenizer import ChatTokens
 from actors.types import SamplingParams, TaskSpec, Trajectory
 
 __all__ = ["EpisodeBuilder", "EpisodeLimits", "play_episode"]
@@ -138,7 +140,7 @@ async def play_episode(
     sampling: SamplingParams,
     min_version: int,
     *,
-    chat: ChatTokens,
+    chat: ChatFormat,
     limits: EpisodeLimits,
     request_prefix: str,
     span: Callable[..., Any],
@@ -165,12 +167,14 @@ async def play_episode(
             with span("env.step", task=task.task, turn=0, kind="reset"):
                 obs = await _call_env(env, env.reset, task, timeout=limits.step_timeout_s,
                                       what="reset")
-            builder.add_context(chat.prompt(obs))
+            convo = Conversation(chat, tools=env.tools)
+            builder.add_context(convo.add(_messages(obs)))
             max_new = env.max_new_tokens or sampling.max_new_tokens
             if len(builder) + max_new > limits.max_seq_len:
                 raise ValueError(f"prompt of {len(builder)} tokens + max_new_tokens={max_new} "
                                  f"exceeds max_seq_len={limits.max_seq_len}")
             pending: list[int] = []   # the next turn's context, appended only if it is played
+            with_message = _takes_message(env)
             while turns < env.max_turns:
                 if len(builder) + len(pending) + max_new > limits.max_seq_len:
                     break   # out of context: the episode ends unfinished (not a failure)
@@ -193,16 +197,19 @@ async def play_episode(
                 builder.add_generated(result.token_ids, result.support_ids,
                                       result.support_offsets, result.support_logq,
                                       result.versions)
+                message = convo.add_reply(result.token_ids)
                 turn, turns = turns, turns + 1
+                args: tuple[Any, ...] = (chat.decode(result.token_ids), list(result.token_ids))
+                if with_message:
+                    args += (message,)
                 with span("env.step", task=task.task, pool=pool, turn=turn, kind="step"):
                     outcome = _as_outcome(await _call_env(
-                        env, env.step, chat.decode(result.token_ids), list(result.token_ids),
+                        env, env.step, *args,
                         timeout=limits.step_timeout_s, what=f"step (turn {turn})"))
                 reward += float(outcome.reward)
                 if outcome.done:
                     break
-                pending = (chat.close_assistant(result.token_ids)
-                           + chat.user_turn(outcome.observation))
+                pending = convo.add(_messages(outcome.observation))
             traj = builder.build(task=task, pool=pool, reward=reward, turns=turns,
                                  seconds=time.perf_counter() - t0)
         except Exception as exc:  # environment/sampler errors end the episode, not the actor
@@ -212,6 +219,30 @@ async def play_episode(
         _set(sp, pool=traj.pool, turn=traj.turns, reward=traj.reward, failed=traj.failed,
              tokens=int(traj.tokens.numel()), generated=traj.num_generated)
         return traj
+
+
+def _messages(obs: Any) -> list[Message]:
+    """An observation as messages: text or ids are one user turn; a message dict or a
+    list of them (e.g. ``tool`` results) are used as they are."""
+    if isinstance(obs, str):
+        return [{"role": "user", "content": obs}]
+    if isinstance(obs, dict):
+        return [obs]
+    if isinstance(obs, list) and obs and all(isinstance(m, dict) for m in obs):
+        return list(obs)
+    if isinstance(obs, list) and all(isinstance(i, int) for i in obs):
+        return [{"role": "user", "content": list(obs)}]
+    raise TypeError(f"observation must be text, token ids, a message dict or a list of "
+                    f"messages, got {type(obs).__name__}")
+
+
+def _takes_message(env: Environment) -> bool:
+    """True when ``env.step`` has a third parameter for the parsed assistant message."""
+    try:
+        params = inspect.signature(env.step).parameters
+    except (TypeError, ValueError):
+        return False
+    return len(params) >= 3 or "message" in params
 
 
 def _set(sp: Any, **attrs: Any) -> None:

@@ -2,9 +2,10 @@
 
 An environment plays one episode: ``reset`` gives the first observation, each
 ``step`` takes the assistant's reply and returns the next observation, a reward
-and whether the episode is over. Observations are text (tokenised with the chat
-tokenizer) or token ids (used as they are); either way they become a user turn
-whose tokens are never trained on. Methods may be plain or ``async``.
+and whether the episode is over. Observations are text or token ids (one user
+turn), or chat messages (a dict or a list of dicts, e.g. ``tool`` results); the
+run's chat format renders them (``actors.chat``) and their tokens are never
+trained on. Methods may be plain or ``async``.
 
 A fresh environment instance is built for every episode from the registry
 (``make_env(task)`` calls the registered factory with ``task.params``), so
@@ -29,8 +30,8 @@ __all__ = [
     "registered_tasks",
 ]
 
-Observation = str | list[int]
-"""Text (tokenised by the chat tokenizer) or token ids (appended as they are)."""
+Observation = str | list[int] | dict[str, Any] | list[dict[str, Any]]
+"""Text or token ids (one user turn), or chat messages (``{"role", "content", ...}``)."""
 
 
 class StepOutcome(BaseModel):
@@ -38,8 +39,9 @@ class StepOutcome(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    observation: str | list[int]
-    """Next user-turn content (ignored when ``done``: the model never sees it)."""
+    observation: str | list[int] | dict[str, Any] | list[dict[str, Any]]
+    """Next turn: user text or ids, or messages such as ``{"role": "tool", "content": ...}``
+    (ignored when ``done``: the model never sees it)."""
     reward: float = 0.0
     """Reward for this step; the episode's return is the sum over steps."""
     done: bool = False
@@ -52,6 +54,8 @@ class Environment:
     ``reset(task) -> Observation`` and ``step(action_text, action_ids) -> StepOutcome``
     may be plain or ``async def``. ``action_ids`` are the generated ids of the reply
     (including a generated stop token), ``action_text`` their decoding without specials.
+    A ``step`` with a third parameter (``message``) also gets the reply as a parsed
+    assistant message (``content`` and, for templates with tools, ``tool_calls``).
 
     Class attributes the episode runner reads:
 
@@ -59,6 +63,8 @@ class Environment:
       even if the environment never says done.
     - ``max_new_tokens``: per-turn generation limit; ``None`` uses the sampling
       params' limit.
+    - ``tools``: OpenAI-style function schemas handed to the chat template (None: no
+      tools); the reply's tool calls arrive in ``message["tool_calls"]``.
     - ``blocking``: plain (non-async) methods run in a worker thread so a slow or
       stuck environment cannot block the actor and its timeout can fire; set False
       for cheap pure-Python environments to skip the thread hop.
@@ -69,6 +75,7 @@ class Environment:
 
     max_turns: int = 1
     max_new_tokens: int | None = None
+    tools: list[dict[str, Any]] | None = None
     blocking: bool = True
 
     def reset(self, task: TaskSpec) -> Observation | Awaitable[Observation]:

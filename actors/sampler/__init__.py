@@ -2,8 +2,8 @@
 
 ``SamplerActor`` is one sampler process of a pool (endpoints ``generate``,
 ``apply_weights``, ``version``, ``have_version``, ``abort``, ``stats``).
-``GenerateRequest``/``GenerateResult`` are the link's messages.  ``Qwen3Engine`` is
-the lean Qwen3 forward with a slot KV cache; ``ContinuousBatcher`` schedules
+``GenerateRequest``/``GenerateResult`` are the link's messages.  ``DecoderEngine`` is
+the lean dense-decoder forward (Qwen3, Qwen2, Llama 3, Mistral) with a slot KV cache; ``ContinuousBatcher`` schedules
 requests onto its slots and samples through ``policies.sample_with_support``;
 ``TorchBackend`` drives it from a trio task behind the ``GenerationBackend``
 interface that an SGLang server also fits (``SGLangBackend``: an HTTP client for
@@ -13,7 +13,7 @@ a CUDA-only server, untested here -- see its module docstring).
 from ._actor import SamplerActor, as_weight_messages
 from ._backend import GenerationBackend, TorchBackend
 from ._batcher import ContinuousBatcher
-from ._engine import Qwen3Engine, wire_to_compute
+from ._engine import DecoderEngine, Qwen3Engine, wire_to_compute
 from ._sglang import SGLangBackend, parse_sglang_response
 from ._types import FinishReason, GenerateRequest, GenerateResult, SamplerStats
 
@@ -23,6 +23,7 @@ __all__ = [
     "GenerateRequest",
     "GenerateResult",
     "GenerationBackend",
+    "DecoderEngine",
     "Qwen3Engine",
     "SGLangBackend",
     "SamplerActor",

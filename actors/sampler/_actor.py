@@ -17,19 +17,19 @@ version (an in-flight update), and running sequences keep their KV cache.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, get_args
 
 import trio
 
 from orchestrator.runtime import Actor, endpoint, span
-from orchestrator.weightsync import WeightMessage, WeightReceiver, wire_snapshot
+from orchestrator.weightsync import Precision, WeightMessage, WeightReceiver, wire_snapshot
 
 from ._backend import GenerationBackend, TorchBackend
 from ._types import GenerateRequest, GenerateResult, SamplerStats
 
 __all__ = ["SamplerActor", "as_weight_messages"]
 
-_PRECISIONS = ("bf16", "fp8", "fp32")
+_PRECISIONS = get_args(Precision)
 
 
 def as_weight_messages(update: Any) -> list[WeightMessage]:

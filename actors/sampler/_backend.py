@@ -28,7 +28,7 @@ import torch
 import trio
 
 from ._batcher import ContinuousBatcher
-from ._engine import Qwen3Engine
+from ._engine import DecoderEngine
 from ._types import GenerateRequest, GenerateResult
 
 __all__ = ["GenerationBackend", "TorchBackend"]
@@ -126,7 +126,7 @@ class TorchBackend:
     ) -> None:
         if batch_window_s < 0:
             raise ValueError(f"batch_window_s must be >= 0, got {batch_window_s}")
-        engine = Qwen3Engine(model_config, max_slots=max_batch, max_len=max_len, device=device)
+        engine = DecoderEngine(model_config, max_slots=max_batch, max_len=max_len, device=device)
         self._batcher = ContinuousBatcher(engine, pool=pool, seed=seed, prefix_cache=prefix_cache,
                                           stale_prefix=stale_prefix)  # type: ignore[arg-type]
         self._waiters: dict[str, _Waiter] = {}
@@ -140,7 +140,7 @@ class TorchBackend:
         return self._batcher.version
 
     @property
-    def engine(self) -> Qwen3Engine:
+    def engine(self) -> DecoderEngine:
         """The underlying engine (tests score sequences with it)."""
         return self._batcher.engine
 

@@ -1,4 +1,4 @@
-"""Continuous batching on top of ``Qwen3Engine``: requests, slots, sampling, records.
+"""Continuous batching on top of ``DecoderEngine``: requests, slots, sampling, records.
 
 ``ContinuousBatcher.step()`` is one scheduler tick:
 
@@ -47,7 +47,7 @@ import torch
 
 from policies.sampling import sample_with_support
 
-from ._engine import Qwen3Engine
+from ._engine import DecoderEngine
 from ._types import FinishReason, GenerateRequest, GenerateResult
 
 __all__ = ["ContinuousBatcher"]
@@ -103,7 +103,7 @@ class ContinuousBatcher:
             "recompute" it.
     """
 
-    def __init__(self, engine: Qwen3Engine, *, pool: str, seed: int = 0, prefix_cache: bool = True,
+    def __init__(self, engine: DecoderEngine, *, pool: str, seed: int = 0, prefix_cache: bool = True,
                  stale_prefix: Literal["reuse", "recompute"] = "reuse") -> None:
         if stale_prefix not in ("reuse", "recompute"):
             raise ValueError(f"stale_prefix must be 'reuse' or 'recompute', got {stale_prefix!r}")

@@ -1,9 +1,14 @@
-"""A lean Qwen3 decoder with a slot-based KV cache (the torch generation backend's core).
+"""A lean dense decoder with a slot-based KV cache (the torch generation backend's core).
 
 Written with plain torch ops from the HF model's weights and exact to
-``transformers``' ``Qwen3ForCausalLM`` forward (RMSNorm in float32, RoPE with the
-config's theta, GQA attention with per-head q/k RMSNorm, SwiGLU MLP, final norm,
-untied or tied lm_head); tests pin the logits to 1e-4 in float32.
+``transformers``' forward of the families in ``actors.models.SUPPORTED_MODEL_TYPES``:
+Qwen3 (per-head q/k RMSNorm), Qwen2/2.5 (q/k/v bias), Llama 3 (``llama3`` rope
+scaling; optional attention/MLP bias) and Mistral.  All share RMSNorm in float32,
+RoPE (default, ``linear`` or ``llama3`` frequencies, computed by transformers' own
+rope functions), GQA attention, SwiGLU MLP, final norm, untied or tied lm_head;
+tests pin each family's logits to transformers' within 1e-4 in float32, prefill
+and decode.  Sliding-window attention is accepted only where the window covers
+the whole context (then it changes nothing); anything else is refused by name.
 
 KV cache: per layer one key and one value tensor ``[slots, kv_heads, max_len,
 head_dim]`` plus a length per slot.  A slot belongs to one sequence from its
@@ -38,18 +43,52 @@ import torch.nn.functional as F
 from actors.models import load_config
 from orchestrator.weightsync import dequantize_fp8
 
-__all__ = ["Qwen3Engine", "wire_to_compute"]
+__all__ = ["DecoderEngine", "Qwen3Engine", "wire_to_compute"]
 
-_LAYER_PARTS = {
-    "qkv": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
-    "o": ("self_attn.o_proj.weight",),
-    "q_norm": ("self_attn.q_norm.weight",),
-    "k_norm": ("self_attn.k_norm.weight",),
-    "gate_up": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-    "down": ("mlp.down_proj.weight",),
-    "ln1": ("input_layernorm.weight",),
-    "ln2": ("post_attention_layernorm.weight",),
-}
+_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def _layer_parts(*, qk_norm: bool, qkv_bias: bool, o_bias: bool,
+                 mlp_bias: bool) -> dict[str, tuple[str, ...]]:
+    """Fused compute blocks of one layer -> the HF tensors they concatenate."""
+    parts = {
+        "qkv": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+        "o": ("self_attn.o_proj.weight",),
+        "gate_up": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+        "down": ("mlp.down_proj.weight",),
+        "ln1": ("input_layernorm.weight",),
+        "ln2": ("post_attention_layernorm.weight",),
+    }
+    if qk_norm:
+        parts["q_norm"] = ("self_attn.q_norm.weight",)
+        parts["k_norm"] = ("self_attn.k_norm.weight",)
+    if qkv_bias:
+        parts["qkv_b"] = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
+    if o_bias:
+        parts["o_b"] = ("self_attn.o_proj.bias",)
+    if mlp_bias:
+        parts["gate_up_b"] = ("mlp.gate_proj.bias", "mlp.up_proj.bias")
+        parts["down_b"] = ("mlp.down_proj.bias",)
+    return parts
+
+
+def _rope_frequencies(cfg: Any) -> tuple[torch.Tensor, float]:
+    """(inv_freq, attention scaling) as the HF model computes them; refuses dynamic kinds."""
+    rope = dict(cfg.rope_parameters or {})
+    kind = rope.get("rope_type", "default")
+    if kind not in _ROPE_TYPES:
+        raise ValueError(f"model config: rope_type {kind!r} is not supported by the torch engine "
+                         f"(supported: {', '.join(_ROPE_TYPES)})")
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("model config: partial_rotary_factor != 1 is not supported")
+    if kind == "default":
+        d = cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
+        inv = 1.0 / (rope["rope_theta"] ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+        return inv, 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv, scaling = ROPE_INIT_FUNCTIONS[kind](cfg, torch.device("cpu"))
+    return inv.float(), float(scaling)
 
 
 def wire_to_compute(
@@ -70,11 +109,12 @@ def wire_to_compute(
     return t.to(device=device, dtype=dtype, copy=True)
 
 
-class Qwen3Engine:
-    """Batched Qwen3 forward over a slot KV cache.  See the module docstring.
+class DecoderEngine:
+    """Batched decoder forward over a slot KV cache.  See the module docstring.
 
     Args:
-        config: model config dict (``actors.models``) or checkpoint directory.
+        config: model config dict (``actors.models``) or checkpoint directory; a
+            ``model_type`` outside the supported families raises ValueError naming them.
         max_slots: KV-cache slots, i.e. the most sequences decoding at once.
         max_len: tokens per slot (prompt + generated); defaults to the config's
             ``max_position_embeddings``.
@@ -93,13 +133,7 @@ class Qwen3Engine:
         compute_dtype: torch.dtype | None = None,
     ) -> None:
         cfg = load_config(config)
-        rope = dict(cfg.rope_parameters or {})
-        if rope.get("rope_type", "default") != "default":
-            raise ValueError(f"model config: rope_type {rope.get('rope_type')!r} is not supported (only 'default')")
-        if cfg.sliding_window is not None:
-            raise ValueError("model config: sliding-window attention is not supported")
-        if cfg.attention_bias:
-            raise ValueError("model config: attention_bias=True is not supported")
+        inv_freq, rope_scale = _rope_frequencies(cfg)
         if cfg.hidden_act != "silu":
             raise ValueError(f"model config: hidden_act {cfg.hidden_act!r} is not supported (only 'silu')")
         if max_slots < 1:
@@ -115,16 +149,24 @@ class Qwen3Engine:
         self.tied = bool(cfg.tie_word_embeddings)
         self.max_slots = max_slots
         self.max_len = max_len or cfg.max_position_embeddings
+        window = getattr(cfg, "sliding_window", None)
+        if window is not None and window < self.max_len:
+            raise ValueError(f"model config: sliding_window={window} is shorter than the context "
+                             f"({self.max_len} tokens); sliding-window attention is not supported")
+        attention_bias = bool(getattr(cfg, "attention_bias", False))
+        self.qk_norm = cfg.model_type == "qwen3"
+        self._parts = _layer_parts(
+            qk_norm=self.qk_norm, qkv_bias=cfg.model_type == "qwen2" or attention_bias,
+            o_bias=attention_bias and cfg.model_type != "qwen2",
+            mlp_bias=bool(getattr(cfg, "mlp_bias", False)))
         self._q_dim = self.n_heads * self.head_dim
         self._kv_dim = self.n_kv * self.head_dim
 
         # RoPE table computed as HF does (float32 positions x inv_freq), indexed by position.
-        d = self.head_dim
-        inv_freq = 1.0 / (rope["rope_theta"] ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
         freqs = torch.arange(self.max_len, dtype=torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self._cos = emb.cos().to(self.device, self.dtype)
-        self._sin = emb.sin().to(self.device, self.dtype)
+        self._cos = (emb.cos() * rope_scale).to(self.device, self.dtype)
+        self._sin = (emb.sin() * rope_scale).to(self.device, self.dtype)
 
         shape = (max_slots, self.n_kv, self.max_len, self.head_dim)
         self._k = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(self.n_layers)]
@@ -142,7 +184,7 @@ class Qwen3Engine:
         if not self.tied:
             names.append("lm_head.weight")
         for i in range(self.n_layers):
-            names += [f"model.layers.{i}.{p}" for parts in _LAYER_PARTS.values() for p in parts]
+            names += [f"model.layers.{i}.{p}" for parts in self._parts.values() for p in parts]
         return names
 
     @torch.no_grad()
@@ -177,7 +219,7 @@ class Qwen3Engine:
             self._top["lm_head"] = get(lm)
         for i, layer in enumerate(self._layers):
             prefix = f"model.layers.{i}."
-            for key, parts in _LAYER_PARTS.items():
+            for key, parts in self._parts.items():
                 full = [prefix + p for p in parts]
                 if any(n in touched for n in full):
                     tensors = [get(n) for n in full]
@@ -190,12 +232,15 @@ class Qwen3Engine:
 
     def _check_shapes(self) -> None:
         h = self._top["embed"].shape[1]
+        qkv = self._q_dim + 2 * self._kv_dim
         want = {
-            "qkv": (self._q_dim + 2 * self._kv_dim, h), "o": (h, self._q_dim),
-            "q_norm": (self.head_dim,), "k_norm": (self.head_dim,), "ln1": (h,), "ln2": (h,),
+            "qkv": (qkv, h), "o": (h, self._q_dim), "q_norm": (self.head_dim,),
+            "k_norm": (self.head_dim,), "ln1": (h,), "ln2": (h,), "qkv_b": (qkv,), "o_b": (h,),
         }
         for i, layer in enumerate(self._layers):
             for key, shape in want.items():
+                if key not in self._parts:
+                    continue
                 if tuple(layer[key].shape) != shape:
                     raise ValueError(f"layer {i} weight {key} has shape {tuple(layer[key].shape)}, expected {shape}")
         if self._top["embed"].shape[0] != self.vocab_size or self._top["lm_head"].shape != self._top["embed"].shape:
@@ -225,15 +270,20 @@ class Qwen3Engine:
         """h [B, T, H] -> q [B, heads, T, d], k/v [B, kv_heads, T, d] (normed, rotated)."""
         b, t, _ = h.shape
         # q and k heads are normed and rotated together (one op each instead of two).
-        qkv = F.linear(h, layer["qkv"]).view(b, t, self.n_heads + 2 * self.n_kv, self.head_dim)
+        qkv = F.linear(h, layer["qkv"], layer.get("qkv_b"))
+        qkv = qkv.view(b, t, self.n_heads + 2 * self.n_kv, self.head_dim)
         n_qk = self.n_heads + self.n_kv
-        qk = self._rms(qkv[:, :, :n_qk], layer["qk_norm"]).transpose(1, 2)
+        qk = qkv[:, :, :n_qk]
+        if self.qk_norm:
+            qk = self._rms(qk, layer["qk_norm"])
+        qk = qk.transpose(1, 2)
         q, k = self._rope(qk, cos, sin).split((self.n_heads, self.n_kv), dim=1)
         return q, k, qkv[:, :, n_qk:].transpose(1, 2)
 
     def _mlp_block(self, layer: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(self._rms(x, layer["ln2"]), layer["gate_up"]).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, layer["down"])
+        gate, up = F.linear(self._rms(x, layer["ln2"]), layer["gate_up"],
+                            layer.get("gate_up_b")).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, layer["down"], layer.get("down_b"))
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(self._rms(x, self._top["norm"]), self._top["lm_head"]).float()
@@ -282,7 +332,8 @@ class Qwen3Engine:
             self._k[li][slot_idx, :, :t] = k
             self._v[li][slot_idx, :, :t] = v
             a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-            x = x + F.linear(a.transpose(1, 2).reshape(len(slots), t, self._q_dim), layer["o"])
+            x = x + F.linear(a.transpose(1, 2).reshape(len(slots), t, self._q_dim), layer["o"],
+                             layer.get("o_b"))
             x = self._mlp_block(layer, x)
         self.lengths[list(slots)] = torch.as_tensor(lens, dtype=torch.long)
         if all_logits:
@@ -331,7 +382,7 @@ class Qwen3Engine:
             else:
                 keys, values = kc[:, :, :span].index_select(0, slot_idx), vc[:, :, :span].index_select(0, slot_idx)
             a = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
-            x = x + F.linear(a.transpose(1, 2).reshape(b, 1, self._q_dim), layer["o"])
+            x = x + F.linear(a.transpose(1, 2).reshape(b, 1, self._q_dim), layer["o"], layer.get("o_b"))
             x = self._mlp_block(layer, x)
         self.lengths[slot_host] += 1
         return self._logits(x[:, 0])
@@ -405,3 +456,7 @@ class Qwen3Engine:
     def free(self, slot: int) -> None:
         """Forget a slot's sequence (its cache rows are simply overwritten later)."""
         self.lengths[slot] = 0
+
+
+Qwen3Engine = DecoderEngine
+"""The engine's earlier name (it ran Qwen3 only); kept for existing callers."""

@@ -15,7 +15,7 @@ actor's trio thread.
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Any
 
 import trio
 
@@ -24,12 +24,11 @@ from actors.trainer._config import StepResult, TrainerConfig
 from actors.trainer._core import Trainer
 from actors.types import Trajectory
 from orchestrator.runtime import Actor, endpoint, span
-from orchestrator.weightsync import WeightMessage, WeightPublisher
+from orchestrator.weightsync import Precision, WeightMessage, WeightPublisher
 from policies import RecipeConfig
 
 __all__ = ["TrainerActor"]
 
-WirePrecision = Literal["bf16", "fp8"]
 
 
 def _frames(msg: WeightMessage) -> list[bytes]:
@@ -124,7 +123,7 @@ class TrainerActor(Actor):
 
     @endpoint
     def updates_for(self, receiver: str, have_version: int | None,
-                    precision: WirePrecision) -> list[list[bytes]]:
+                    precision: Precision) -> list[list[bytes]]:
         """Weight messages taking ``receiver`` from ``have_version`` (None or < 0: it holds
         nothing trustworthy) to the latest version: the delta chain or the newest keyframe
         plus the deltas after it, whichever is fewer bytes. Registers the receiver."""
@@ -137,12 +136,7 @@ class TrainerActor(Actor):
         self.publisher.ack(receiver, version)
 
     @endpoint
-    def forget(self, receiver: str) -> None:
-        """Stop keeping history for ``receiver`` (it died or left)."""
-        self.publisher.forget(receiver)
-
-    @endpoint
-    def keyframe(self, precision: WirePrecision) -> list[bytes]:
+    def keyframe(self, precision: Precision) -> list[bytes]:
         """The newest keyframe of ``precision`` (a new sampler's initial weights)."""
         return _frames(self.publisher.keyframe(precision))
 

@@ -2,7 +2,7 @@
 
 Layout of a checkpoint directory::
 
-    model/config.json          the model config (Qwen3), loadable by actors.models.build_model
+    model/config.json          the model config, loadable by actors.models.build_model
     model/model.safetensors    fp32 master weights, HF parameter names
     optimizer.safetensors      AdamW state, flattened: "exp_avg/<param>", "exp_avg_sq/<param>",
                                "step/<param>"; and "rng/torch_cpu" (uint8 generator state),
@@ -50,6 +50,8 @@ def save(trainer: Trainer, directory: str) -> str:
                   lambda p: Path(p).write_text(json.dumps(cfg, indent=1, sort_keys=True)))
     weights = {n: t.detach().to("cpu", torch.float32).contiguous()
                for n, t in trainer.model.state_dict().items()}
+    if trainer.model.config.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)   # the embedding itself (safetensors refuses aliases)
     _atomic_write(root / "model" / "model.safetensors",
                   lambda p: save_file(weights, p, metadata={"format": "pt"}))
 

@@ -5,6 +5,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from orchestrator.weightsync import Precision
 from policies import PoolMetrics, RecipeConfig
 
 __all__ = ["StepResult", "TrainerConfig"]
@@ -13,7 +14,7 @@ __all__ = ["StepResult", "TrainerConfig"]
 class TrainerConfig(BaseModel):
     """Optimiser, batching, precision and recipe settings of the trainer."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     model: dict[str, Any] | str | None = None
     """Model config dict (random init from ``seed``), a local checkpoint directory
@@ -43,7 +44,7 @@ class TrainerConfig(BaseModel):
     seed: int = 0
     """Seed of the model init (same seed, same weights as samplers building the model)
     and of torch's CPU generator."""
-    precisions: list[Literal["bf16", "fp8"]] = Field(default_factory=lambda: ["bf16"])
+    precisions: list[Precision] = Field(default_factory=lambda: ["bf16"])
     """Wire precisions published after every step (one snapshot + delta chain each)."""
     keyframe_interval: int = Field(10, ge=1)
     """A full keyframe every this many versions (deltas in between)."""

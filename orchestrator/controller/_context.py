@@ -84,6 +84,8 @@ class RunContext:
             max_new_tokens=cfg.task.max_new_tokens)
         self.due: dict[str, int] = {}  # group id -> trainer version when its batch is due
         self.replay: list[TaskSpec] = list(state.buffered)  # prompts to play before new ones
+        self.dataset: Any = None  # actors.env.TaskDataset of `[task] dataset`, or None
+        self.eval_dataset: Any = None  # held-out rows of `[task] eval_dataset`, or None
         self.rollout_scopes: set[trio.CancelScope] = set()
         self.stopping = False
         self.interrupted = False

@@ -3,7 +3,7 @@
 It runs, in one nursery: the producer (`_producer`), the trainer loop (`_training`),
 one weight-sync worker per sampler (`_weights`), a supervisor that respawns dead
 sampler and env ranks even when nothing is calling them, and the Ctrl-C watcher
-(`_signals`). `mode = "sync"` runs the same parts on-policy and in sequence: generate
+(`_signals`), and with `[eval] every` the evaluation loop (`orchestrator.evaluation`). `mode = "sync"` runs the same parts on-policy and in sequence: generate
 a batch, train on it, sync every sampler, repeat.
 
 Cancellation: cancelling `run` abandons the rollouts in flight (the meshes behind the
@@ -29,6 +29,7 @@ from orchestrator.controller._training import checkpoint, train_loop
 from orchestrator.controller._weights import sync_worker
 from orchestrator.controller.links import Checkpointer, Links
 from orchestrator.controller.state import ControllerState
+from orchestrator.evaluation import eval_loop
 from orchestrator.progress import Progress
 
 __all__ = ["Controller", "MetricsSink"]
@@ -61,9 +62,11 @@ class Controller:
     def __init__(self, cfg: RunConfig, links: Links, state: ControllerState, *,
                  scheduler: Scheduler, ledger: CostLedger, metrics: MetricsSink,
                  progress: Progress, checkpoints: Checkpointer | None = None,
-                 handle_sigint: bool = True) -> None:
+                 handle_sigint: bool = True, dataset: Any = None, eval_dataset: Any = None) -> None:
         self.ctx = RunContext(cfg, links, state, scheduler=scheduler, ledger=ledger,
                               metrics=metrics, progress=progress, checkpoints=checkpoints)
+        self.ctx.dataset = dataset  # TaskDataset rows become TaskSpec.params (`task_for`)
+        self.ctx.eval_dataset = eval_dataset
         self._handle_sigint = handle_sigint
 
     @property
@@ -90,6 +93,16 @@ class Controller:
         await checkpoint(self.ctx)
 
     async def run(self) -> None:
+        try:
+            await self._run()
+        except BaseExceptionGroup as group:
+            # One failure from a task of the run (the usual case): raise it as itself, so a
+            # caller can catch TrainerLost or ActorError.
+            if len(group.exceptions) == 1 and not isinstance(group.exceptions[0], BaseExceptionGroup):
+                raise group.exceptions[0] from None
+            raise
+
+    async def _run(self) -> None:
         ctx = self.ctx
         async with trio.open_nursery() as nursery:
             if self._handle_sigint:
@@ -101,7 +114,13 @@ class Controller:
             # Rollouts start in this same nursery: leaving it abandons the ones in flight,
             # whose slots stay counted as buffered.
             nursery.start_soon(produce, ctx, nursery)
+            evals_done = trio.Event()
+            if ctx.cfg.eval.every:
+                nursery.start_soon(eval_loop, ctx, evals_done)
+            else:
+                evals_done.set()
             await train_loop(ctx)
+            await evals_done.wait()  # an evaluation due at the last step finishes first
             nursery.cancel_scope.cancel()
 
     async def _supervise(self) -> None:

@@ -24,10 +24,15 @@ __all__ = ["produce", "task_for"]
 
 
 def task_for(ctx: RunContext, i: int) -> TaskSpec:
-    """Prompt `i` of the run: deterministic in the run's seed, so a replay is the same task."""
+    """Prompt `i` of the run: deterministic in the run's seed, so a replay is the same task.
+    With a dataset, prompt `i` plays the row `TaskDataset.index(i, seed)` (shuffled per
+    epoch), its columns merged over `[task] params`."""
     cfg = ctx.cfg
+    params = dict(cfg.task.params)
+    if ctx.dataset is not None:
+        params.update(ctx.dataset.params(i, cfg.seed))
     return TaskSpec(task=cfg.task.name, prompt_id=f"p{i}", group_id=f"g{i}",
-                    seed=cfg.seed * 1_000_003 + i, params=cfg.task.params)
+                    seed=cfg.seed * 1_000_003 + i, params=params)
 
 
 def _new_group(ctx: RunContext) -> None:

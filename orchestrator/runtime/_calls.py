@@ -25,36 +25,32 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar
+from typing import Any, Generic, ParamSpec, TypeVar
 
 import trio
 
 from ._actor import EndpointDef
-from ._conn import Connection, Pending
-from ._errors import ActorDied, ActorError
+from ._conn import Connection, ConnectionSource, Pending, reply_value
+from ._errors import ActorDied
 from ._tracing import current_traceparent
-from ._wire import decode, encode
-
-if TYPE_CHECKING:
-    from ._mesh import Mesh
+from ._wire import SCALARS, encode
 
 __all__ = ["EndpointRef"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
-_SCALARS = (int, float, str, bool, type(None))
 
 
 class EndpointRef(Generic[P, R]):
     """One endpoint on a set of ranks of a mesh (all of them, or one for ``mesh[i]``)."""
 
-    def __init__(self, mesh: Mesh[Any], ranks: list[int], name: str,
+    def __init__(self, src: ConnectionSource, ranks: list[int], name: str,
                  ep: EndpointDef[P, R] | None) -> None:
-        self._mesh = mesh
+        self._src = src
         self._ranks = ranks
         self._name = name
         self._ep = ep
-        self._qual = ep.spec.qualname if ep is not None else f"{mesh.name}.{name}"
+        self._qual = ep.spec.qualname if ep is not None else f"{src.name}.{name}"
 
     def __repr__(self) -> str:
         return f"<endpoint {self._qual} on ranks {self._ranks}>"
@@ -65,7 +61,7 @@ class EndpointRef(Generic[P, R]):
         if self._ep is not None:
             self._ep.spec.check_call(args, kwargs)
         frames: list[Any] = []
-        a = [v if type(v) in _SCALARS else encode(v, frames, where=f"{self._qual} argument {i}")
+        a = [v if type(v) in SCALARS else encode(v, frames, where=f"{self._qual} argument {i}")
              for i, v in enumerate(args)]
         header: dict[str, Any] = {"k": kind, "e": self._name, "a": a}
         if kwargs:
@@ -77,39 +73,24 @@ class EndpointRef(Generic[P, R]):
         return header, frames
 
     def _result(self, p: Pending) -> Any:
-        if p.error is not None:
-            e = p.error
-            if isinstance(e, ActorDied):
-                raise ActorDied(e.name, e.rank, e.reason)
-            raise e
-        h = p.header
-        assert h is not None
-        kind = h.get("k")
-        if kind == "ok":
-            value = h.get("v")
-            if len(p.frames) > 1 or type(value) not in _SCALARS:
-                value = decode(value, p.frames)
-            if self._ep is None:
-                return value
-            try:
-                return self._ep.spec.validate_return(value)
-            except TypeError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - pydantic ValidationError
-                raise TypeError(f"{self._qual} returned a value that does not match its "
-                                f"annotation: {exc}") from None
-        if kind == "err":
-            x = h.get("x") or {}
-            raise ActorError(str(x.get("type")), str(x.get("msg")), str(x.get("tb")))
-        if kind == "bad":
-            raise TypeError(f"rank {p.rank} rejected the call: {h.get('m')}")
-        raise ActorError("WireError", f"unexpected reply kind {kind!r}", "")
+        value = reply_value(p)
+        if self._ep is None:
+            return value
+        try:
+            return self._ep.spec.validate_return(value)
+        except TypeError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - pydantic ValidationError
+            raise TypeError(f"{self._qual} returned a value that does not match its "
+                            f"annotation: {exc}") from None
 
     async def _wait(self, p: Pending) -> Any:
         await p.wait()
         return self._result(p)
 
     # -- call kinds ---------------------------------------------------------------
+    # A call to a dead actor raises ActorDied after a trio checkpoint, never synchronously:
+    # a loop that retries on ActorDied still lets other tasks (and Ctrl-C) run.
     async def call_one(self, *args: P.args, **kwargs: P.kwargs) -> R:
         """Call exactly one actor (the target must have one rank) and return its value."""
         if len(self._ranks) != 1:
@@ -117,8 +98,12 @@ class EndpointRef(Generic[P, R]):
                              "(mesh[i]) or use call/choose")
         rank = self._ranks[0]
         header, frames = self._header("call", args, kwargs)
-        conn = self._mesh._ready_connection(rank) or await self._mesh._connection(rank)
-        p = conn.request(header, frames, reply=True, rank=rank)
+        try:
+            conn = self._src.connection_now(rank) or await self._src.connect(rank)
+            p = conn.request(header, frames, reply=True, rank=rank)
+        except ActorDied:
+            await trio.lowlevel.checkpoint()
+            raise
         assert p is not None
         return await self._wait(p)
 
@@ -128,14 +113,16 @@ class EndpointRef(Generic[P, R]):
         pending: list[Pending] = []
         try:
             for rank in self._ranks:
-                conn = await self._mesh._connection(rank)
+                conn = await self._src.connect(rank)
                 p = conn.request(dict(header), frames, reply=True, rank=rank)
                 assert p is not None
                 pending.append(p)
             return [await self._wait(p) for p in pending]
-        except BaseException:
+        except BaseException as exc:
             for p in pending:
                 p.abandon()
+            if isinstance(exc, ActorDied):
+                await trio.lowlevel.checkpoint()
             raise
 
     async def choose(self, *args: P.args, **kwargs: P.kwargs) -> R:
@@ -145,7 +132,7 @@ class EndpointRef(Generic[P, R]):
         first_death: ActorDied | None = None
         for rank in self._ranks:
             try:
-                conn = self._mesh._live_connection(rank)
+                conn = self._src.connection_now(rank)
             except ActorDied as exc:
                 first_death = first_death or exc
                 continue
@@ -156,11 +143,16 @@ class EndpointRef(Generic[P, R]):
                 best = (load, rank, conn)
         if best is None:
             if first_death is not None:
+                await trio.lowlevel.checkpoint()
                 raise first_death
             # Every candidate is restarting: wait for the first rank to come back.
-            return await EndpointRef(self._mesh, self._ranks[:1], self._name, self._ep
+            return await EndpointRef(self._src, self._ranks[:1], self._name, self._ep
                                      ).call_one(*args, **kwargs)
-        p = best[2].request(header, frames, reply=True, rank=best[1])
+        try:
+            p = best[2].request(header, frames, reply=True, rank=best[1])
+        except ActorDied:
+            await trio.lowlevel.checkpoint()
+            raise
         assert p is not None
         return await self._wait(p)
 
@@ -169,7 +161,7 @@ class EndpointRef(Generic[P, R]):
         header, frames = self._header("send", args, kwargs)
         for rank in self._ranks:
             try:
-                conn = self._mesh._live_connection(rank)
+                conn = self._src.connection_now(rank)
                 if conn is not None:
                     conn.request(dict(header), frames, reply=False)
             except ActorDied:
@@ -209,7 +201,7 @@ class _Stream(AsyncIterator[Any]):
         self._sent = True
         self._remaining = len(self._ref._ranks)
         for rank in self._ref._ranks:
-            conn = await self._ref._mesh._connection(rank)
+            conn = await self._ref._src.connect(rank)
             p = conn.request(dict(self._header), self._frames, reply=True, sink=self._sink,
                              rank=rank)
             assert p is not None

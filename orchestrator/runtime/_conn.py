@@ -20,17 +20,17 @@ import itertools
 import os
 from collections.abc import Callable
 from time import perf_counter
-from typing import Any
+from typing import Any, Protocol
 
 import trio
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from ._errors import ActorDied
-from ._wire import dumps, loads
+from ._errors import ActorDied, ActorError
+from ._wire import SCALARS, decode, dumps, loads
 from ._zsock import SPIN_S, ZSocket, context, log, tune
 
-__all__ = ["Connection", "Pending", "close_connection", "connection"]
+__all__ = ["Connection", "ConnectionSource", "Pending", "close_connection", "connection", "reply_value"]
 
 _EVENTS = (zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
            | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
@@ -74,6 +74,7 @@ class Pending:
             return
         conn = self.conn
         if conn.rtt_ewma < 2 * SPIN_S:  # replies come back fast: spin first (see _zsock)
+            conn.spun_waits += 1
             deadline = self.t0 + SPIN_S
             z = conn.z
             try:
@@ -117,6 +118,7 @@ class Connection:
         self.sticky = False  # set by the owner: stays dead until respawn
         self.connected = False
         self.rtt_ewma = 0.0  # seconds, over this connection's recent replies
+        self.spun_waits = 0  # waits that polled before parking (replies were coming back fast)
         self._ids = itertools.count(1)
         self._connect_timeout = connect_timeout
         self.scope = trio.CancelScope()
@@ -269,10 +271,50 @@ def connection(address: str, *, name: str, rank: int, server_key: bytes | None =
     return conn
 
 
-def close_connection(address: str, exc: ActorDied | None = None) -> None:
-    """Close the connection to ``address`` (if any), failing its pending calls with ``exc``."""
-    conn = _conns().pop(address, None)
-    if conn is not None:
-        if exc is not None:
-            conn.fail(exc, sticky=True)
-        conn.scope.cancel()
+def close_connection(conn: Connection, exc: ActorDied) -> None:
+    """Close ``conn`` for good, failing its pending and future calls with ``exc``."""
+    conn.fail(exc, sticky=True)
+    conn.scope.cancel()
+    conns = _conns()
+    if conns.get(conn.address) is conn:
+        del conns[conn.address]
+
+
+class ConnectionSource(Protocol):
+    """Where endpoint calls find the connection to a rank (a mesh handle implements it)."""
+
+    name: str
+
+    def connection_now(self, rank: int) -> Connection | None:
+        """The rank's connection if it can take a request now; None while the rank is
+        (re)starting; ActorDied if it is dead."""
+
+    async def connect(self, rank: int) -> Connection:
+        """The rank's connection, waiting while it (re)starts; ActorDied if it is dead."""
+
+
+def reply_value(p: Pending) -> Any:
+    """The value carried by a finished request's reply (None for a reply without one).
+
+    Raises what the reply says: ActorDied (the actor is gone), ActorError (the endpoint
+    raised; remote type, message and traceback), TypeError (arguments refused on arrival).
+    """
+    if p.error is not None:
+        e = p.error
+        if isinstance(e, ActorDied):
+            raise ActorDied(e.name, e.rank, e.reason)  # a fresh copy: one traceback per raise
+        raise e
+    h = p.header
+    assert h is not None
+    kind = h.get("k")
+    if kind == "ok":
+        value = h.get("v")
+        if len(p.frames) > 1 or type(value) not in SCALARS:
+            value = decode(value, p.frames)
+        return value
+    if kind == "err":
+        x = h.get("x") or {}
+        raise ActorError(str(x.get("type")), str(x.get("msg")), str(x.get("tb")))
+    if kind == "bad":
+        raise TypeError(f"rank {p.rank} rejected the call: {h.get('m')}")
+    raise ActorError("WireError", f"unexpected reply kind {kind!r}", "")

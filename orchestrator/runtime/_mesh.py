@@ -57,14 +57,18 @@ class Mesh(Generic[A]):
         self._identity = identity  # client keypair for tcp; None: this process's default
         self._cls_path = cls_path
         self._ep_names = endpoints
-        self._addresses = addresses
+        self._handle_addresses = addresses  # a handle's; the owner's mesh reads the owner's
         self._keys = keys
         self._owner = owner
         self._defs: dict[str, EndpointDef[Any, Any]] | None = None
         cls = _loaded_actor(cls_path)
         if cls is not None:
             self._defs = endpoints_of(cls)
-        self._refs = [ActorRef(self, r) for r in range(len(addresses))]
+        self._refs = [ActorRef(self, r) for r in range(len(self._addresses))]
+
+    @property
+    def _addresses(self) -> list[str]:
+        return self._owner.addresses if self._owner is not None else self._handle_addresses
 
     @property
     def addresses(self) -> list[str]:
@@ -117,8 +121,9 @@ class Mesh(Generic[A]):
             raise ValueError("malformed mesh descriptor")
         return cls(name, path, eps, addrs, keys)
 
-    # -- connections ----------------------------------------------------------------
-    async def _connection(self, rank: int) -> Connection:
+    # -- connections (ConnectionSource, used by endpoint calls) -----------------------
+    async def connect(self, rank: int) -> Connection:
+        """The rank's connection, waiting while it (re)starts; ActorDied if it is dead."""
         if self._owner is None:
             return self._remote_connection(rank)
         slot = self._owner.slots[rank]
@@ -129,15 +134,7 @@ class Mesh(Generic[A]):
             raise _copy(slot.died)
         return slot.conn
 
-    def _ready_connection(self, rank: int) -> Connection | None:
-        """Fast path: the owner's live connection, else None (then use ``_connection``)."""
-        owner = self._owner
-        if owner is None:
-            return None
-        slot = owner.slots[rank]
-        return slot.conn if slot.state == "live" else None
-
-    def _live_connection(self, rank: int) -> Connection | None:
+    def connection_now(self, rank: int) -> Connection | None:
         """The connection if usable now, None while restarting; ActorDied if dead."""
         if self._owner is None:
             conn = self._remote_connection(rank)
@@ -145,12 +142,12 @@ class Mesh(Generic[A]):
                 raise _copy(conn.dead)
             return conn
         slot = self._owner.slots[rank]
+        if slot.state == "live" and slot.conn is not None:
+            return slot.conn
         if slot.state == "starting":
             return None
-        if slot.state == "dead" or slot.conn is None:
-            assert slot.died is not None
-            raise _copy(slot.died)
-        return slot.conn
+        assert slot.died is not None
+        raise _copy(slot.died)
 
     def _remote_connection(self, rank: int) -> Connection:
         key = self._keys[rank]
@@ -292,15 +289,13 @@ async def _mesh_lifetime(cls: type[A], cls_path: str, name: str, procs: int,
             host_meshes[r % len(host_meshes)]._keys[0] if host_meshes
             else curve.public.decode() if curve is not None and transport == "tcp" else None
             for r in range(procs)]
-        mesh: Mesh[A] = Mesh(name, cls_path, list(endpoints_of(cls)), [""] * procs, keys,
-                             identity=curve)
         if curve is not None:
             set_default_identity(curve)
         owner = Owner(name=name, cls_path=cls_path, procs=procs, init=init,
-                       nursery=nursery, env=dict(env or {}), transport=transport, curve=curve,
-                       hosts=host_meshes, tcp_host=tcp_host, grace=grace, on_death=on_death,
-                       addresses=mesh._addresses)
-        mesh._owner = owner
+                      nursery=nursery, env=dict(env or {}), transport=transport, curve=curve,
+                      hosts=host_meshes, tcp_host=tcp_host, grace=grace, on_death=on_death)
+        mesh: Mesh[A] = Mesh(name, cls_path, list(endpoints_of(cls)), [], keys, owner=owner,
+                             identity=curve)
         try:
             await owner.start_all()
             yield mesh

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import trio
 
-from ._conn import Connection, Pending, _conns, connection
+from ._conn import Connection, close_connection, connection, reply_value
 from ._curve import Curve
 from ._errors import ActorDied, ActorError
 from ._proc import ActorProcess, child_env, spawn_local, stop_all
@@ -47,8 +47,8 @@ class Owner:
     def __init__(self, *, name: str, cls_path: str, procs: int, init: tuple[Any, list[Any]],
                  nursery: trio.Nursery, env: dict[str, str], transport: str, curve: Curve | None,
                  hosts: list[Mesh[Any]], tcp_host: str, grace: float,
-                 on_death: Callable[[ActorDied], None] | None, addresses: list[str]) -> None:
-        self.addresses = addresses  # the mesh handle's list: respawns update it in place
+                 on_death: Callable[[ActorDied], None] | None) -> None:
+        self.addresses = [""] * procs  # each rank's address; a respawn may change it
         self.name, self.cls_path, self.init = name, cls_path, init
         self.nursery, self.env, self.transport, self.curve = nursery, env, transport, curve
         self.hosts, self.tcp_host, self.grace, self.on_death = hosts, tcp_host, grace, on_death
@@ -91,7 +91,7 @@ class Owner:
         p = conn.request({"k": "init", "a": a[0], "w": a[1]}, frames, reply=True, rank=rank)
         assert p is not None
         await p.wait()
-        _init_result(p)
+        reply_value(p)
         if slot.proc is proc and slot.state == "starting":
             slot.state = "live"
             slot.ready.set()
@@ -129,7 +129,7 @@ class Owner:
         slot.state, slot.died = "dead", exc
         slot.ready.set()
         if slot.conn is not None:
-            _close(slot.conn, exc)
+            close_connection(slot.conn, exc)
             slot.conn = None
         if self.on_death is not None:
             try:
@@ -147,7 +147,7 @@ class Owner:
         slot.state, slot.died, slot.ready = "starting", None, trio.Event()
         slot.proc = None
         if slot.conn is not None:
-            _close(slot.conn, ActorDied(self.name, rank, "respawned"))
+            close_connection(slot.conn, ActorDied(self.name, rank, "respawned"))
             slot.conn = None
         self.nursery.start_soon(self._restart, rank, old)
 
@@ -168,30 +168,10 @@ class Owner:
         for rank, slot in enumerate(self.slots):
             exc = ActorDied(self.name, rank, "mesh closed")
             if slot.conn is not None:
-                _close(slot.conn, exc)
+                close_connection(slot.conn, exc)
                 slot.conn = None
             slot.state, slot.died = "dead", exc
             slot.ready.set()
         await stop_all(self.procs, self.grace)
         if self.tmpdir is not None:
             shutil.rmtree(self.tmpdir, ignore_errors=True)
-
-
-def _close(conn: Connection, exc: ActorDied) -> None:
-    conn.fail(exc, sticky=True)
-    conn.scope.cancel()
-    conns = _conns()
-    if conns.get(conn.address) is conn:
-        del conns[conn.address]
-
-
-def _init_result(p: Pending) -> None:
-    if p.error is not None:
-        raise p.error
-    h = p.header or {}
-    if h.get("k") == "ok":
-        return
-    x = h.get("x") or {}
-    if h.get("k") == "err":
-        raise ActorError(str(x.get("type")), str(x.get("msg")), str(x.get("tb")))
-    raise TypeError(f"actor rejected its constructor arguments: {h.get('m')}")

@@ -26,12 +26,11 @@ import zmq
 from . import _tracing
 from ._actor import Actor, EndpointDef, _Spec, endpoints_of
 from ._errors import WireError
-from ._wire import decode, dumps, encode, loads
+from ._wire import SCALARS, decode, dumps, encode, loads
 from ._zsock import ZSocket, log
 
 __all__ = ["Server", "exception_info"]
 
-_SCALARS = (int, float, str, bool, type(None))
 _MAX_IDLE = 32  # idle worker tasks kept for reuse
 
 
@@ -97,7 +96,7 @@ class Server:
     def _answer(self, ident: bytes, rid: Any, value: Any, spec: _Spec | None) -> None:
         frames: list[Any] = []
         try:
-            tree = value if type(value) in _SCALARS else encode(
+            tree = value if type(value) in SCALARS else encode(
                 value, frames, where="return value" if spec is None
                 else f"{spec.qualname} return value")
         except TypeError as exc:
@@ -178,7 +177,7 @@ class Server:
         a, w = header.get("a", []), header.get("w", {})
         if type(a) is not list or type(w) is not dict:
             raise WireError("arguments must be a list and keyword arguments an object")
-        if len(frames) == 1 and not w and all(type(x) in _SCALARS for x in a):
+        if len(frames) == 1 and not w and all(type(x) in SCALARS for x in a):
             return a, w
         args, kwargs = decode([a, w], frames)
         return args, kwargs

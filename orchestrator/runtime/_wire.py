@@ -33,9 +33,9 @@ from pydantic import BaseModel
 
 from ._errors import WireError
 
-__all__ = ["decode", "dumps", "encode", "loads", "register_handle_decoder"]
+__all__ = ["SCALARS", "decode", "dumps", "encode", "loads", "register_handle_decoder"]
 
-_SCALARS = (int, float, str, bool, type(None))
+SCALARS = (int, float, str, bool, type(None))
 _SMALL_COPY = 1 << 16  # frames below this are copied into aligned, writable memory
 _handle_decoders: dict[str, Callable[[dict[str, Any]], Any]] = {}
 _dtypes: dict[str, Any] | None = None
@@ -86,7 +86,7 @@ def encode(value: Any, frames: list[Any], *, where: str = "value") -> Any:
     bytearray until the call that carries it has been answered.
     """
     t = type(value)
-    if t in _SCALARS:
+    if t in SCALARS:
         return value
     if t is list:
         return [encode(v, frames, where=f"{where}[{i}]") for i, v in enumerate(value)]
@@ -209,7 +209,7 @@ def decode(tree: Any, frames: list[Any]) -> Any:
 
 def _decode(x: Any, fr: _Frames, where: str, depth: int) -> Any:
     t = type(x)
-    if t in _SCALARS:
+    if t in SCALARS:
         return x
     if depth > 200:
         raise WireError(f"{where}: nesting too deep")

@@ -73,9 +73,9 @@ async def test_zero_budget_pool_never_trains_stale_and_no_prompt_is_lost(small_r
         if pool["rollouts"]:
             assert pool["staleness_max"] == 0, m
     c = result.counts
-    assert c["groups_in"] == c["groups_trained"] + c["groups_buffered"] + c["groups_abandoned"]
+    assert c["groups_in"] == c["groups_trained"] + c["groups_buffered"] + c["groups_skipped"]
     assert c["groups_trained"] == 4 * cfg.rollout.prompts_per_step
-    assert c["groups_abandoned"] == 0
+    assert c["groups_skipped"] == 0
     dropped_spans = [s for s in read_jsonl(cfg.run_dir / "traces.jsonl") if s["name"] == "rollout.dropped"]
     assert len([s for s in dropped_spans if s["attributes"]["reason"] == "stale"]) == c["dropped_stale"]
     assert all(s["attributes"]["staleness"] > 0 for s in dropped_spans if s["attributes"]["pool"] == "h100-fp8")

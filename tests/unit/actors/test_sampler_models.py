@@ -45,4 +45,4 @@ def test_checkpoint_directory_round_trip(tmp_path) -> None:
     with pytest.raises(FileNotFoundError, match="config.json"):
         build_model(tmp_path / "nowhere")
     with pytest.raises(ValueError, match="model_type"):
-        build_model({**cfg, "model_type": "llama"})
+        build_model({**cfg, "model_type": "gpt_neox"})

@@ -56,3 +56,39 @@ def test_unknown_section_and_bad_override_are_refused():
         load_config(raw={"colour": "red", "pools": [{"name": "a", "gpu": "cpu"}]})
     with pytest.raises(ConfigError, match="key=value"):
         apply_overrides({}, ["steps"])
+
+
+def _fields(model, prefix=""):
+    """Every leaf field of a config model, as dotted names."""
+    from orchestrator.confighelp import _model_of
+
+    for name, field in model.model_fields.items():
+        sub = _model_of(field.annotation)
+        if sub is None:
+            yield prefix + name, field
+        else:
+            yield from _fields(sub, f"{prefix}{name}.")
+
+
+def test_config_help_documents_every_field_from_the_models():
+    from orchestrator.config import RunConfig
+    from orchestrator.confighelp import config_help
+
+    text = config_help()
+    leaves = list(_fields(RunConfig))
+    assert len(leaves) > 40
+    for dotted, field in leaves:
+        assert field.description, f"{dotted} has no docstring"
+        name = dotted.rsplit(".", 1)[-1]
+        assert f"  {name}: " in text, dotted
+        assert field.description.splitlines()[0].strip() in text, dotted
+    assert "[checkpoint]" in text and "[[pools]]" in text
+    assert "max_restarts: int = 3" in text
+
+
+def test_flotilla_config_prints_one_section_and_refuses_an_unknown_one():
+    out = _cli("config", "checkpoint")
+    assert out.returncode == 0 and out.stdout.startswith("[checkpoint]")
+    assert "every_steps: int | None = 50" in out.stdout and "rollout" not in out.stdout
+    bad = _cli("config", "colour")
+    assert bad.returncode == 2 and "no config section 'colour'" in bad.stderr

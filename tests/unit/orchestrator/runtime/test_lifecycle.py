@@ -172,7 +172,7 @@ async def test_idle_mesh_burns_no_cpu() -> None:
 _CONTROLLER = """
 import sys, trio
 from orchestrator.runtime import open_mesh
-from tests.unit.runtime._actors import Counter
+from tests.unit.orchestrator.runtime._actors import Counter
 
 async def main():
     async with open_mesh(Counter, 0, procs=2) as mesh:

@@ -1,0 +1,84 @@
+"""Task instances from a file: one JSONL/JSON/Parquet row per episode's ``TaskSpec.params``.
+
+``[task] dataset = "data/train.jsonl"`` gives one task instance per row.  Prompt ``i``
+of a run plays row ``order(epoch)[i mod n]`` with ``epoch = i // n``, where
+``order(epoch)`` is a permutation seeded by the run's seed and the epoch: rows are
+shuffled per epoch, every row is played once per epoch, and because the row is a
+function of the prompt index alone, a resumed run (which continues at the saved
+prompt index) continues at the same row.
+
+Files are read with the ``datasets`` library's local loaders (``json`` for
+``.jsonl``/``.json``, ``parquet`` for ``.parquet``); nothing is downloaded.
+"""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+__all__ = ["DatasetError", "TaskDataset"]
+
+_LOADERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+
+
+class DatasetError(ValueError):
+    """A dataset file that cannot be used; the message names the file (and row)."""
+
+
+class TaskDataset:
+    """The rows of one dataset file, as task parameter dicts (see the module docstring)."""
+
+    def __init__(self, rows: list[dict[str, Any]], source: str = "<rows>") -> None:
+        if not rows:
+            raise DatasetError(f"dataset {source}: no rows")
+        for i, row in enumerate(rows):
+            if not isinstance(row, dict):
+                raise DatasetError(f"dataset {source} row {i}: not an object")
+        self.rows = rows
+        self.source = source
+        self._orders: dict[tuple[int, int], list[int]] = {}
+
+    @classmethod
+    def load(cls, path: str | Path) -> TaskDataset:
+        """Read a local ``.jsonl``/``.json``/``.parquet`` file with ``datasets``.
+
+        Raises DatasetError naming the file for a missing file, an unknown suffix or
+        content the loader rejects.
+        """
+        p = Path(path)
+        loader = _LOADERS.get(p.suffix.lower())
+        if loader is None:
+            raise DatasetError(f"dataset {path}: unknown file type {p.suffix!r} "
+                               f"(use {', '.join(_LOADERS)})")
+        if not p.is_file():
+            raise DatasetError(f"dataset {path}: no such file")
+        import datasets
+
+        datasets.disable_progress_bars()
+        try:
+            ds = datasets.load_dataset(loader, data_files=str(p.resolve()), split="train",
+                                       keep_in_memory=True)
+        except Exception as e:  # noqa: BLE001 - the loader's many error types, one line
+            msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise DatasetError(f"dataset {path}: cannot be read: {msg}") from e
+        # Rows as plain Python: they travel to the env actors inside TaskSpec.params (JSON).
+        rows = [{k: v for k, v in row.items() if v is not None} for row in ds.to_list()]
+        return cls(rows, str(path))
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def index(self, i: int, seed: int) -> int:
+        """Row played by prompt ``i`` of a run seeded ``seed``."""
+        epoch, pos = divmod(i, len(self.rows))
+        key = (seed, epoch)
+        order = self._orders.get(key)
+        if order is None:
+            order = list(range(len(self.rows)))
+            random.Random(f"{seed}/{epoch}").shuffle(order)
+            self._orders = {key: order}   # one epoch at a time is all a run needs
+        return order[pos]
+
+    def params(self, i: int, seed: int) -> dict[str, Any]:
+        """The task parameters of prompt ``i`` (a copy of its row)."""
+        return dict(self.rows[self.index(i, seed)])

@@ -1,0 +1,173 @@
+"""The controller over in-memory links: staleness, due versions, hold-backs, faults, stop
+and resume. No processes and no sleeps: trio's MockClock jumps over every wait."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import trio
+
+from orchestrator.controller import ControllerState, TrainerLost
+
+from .fakes import TOKENS, FakeEnvs, Harness, run_config
+
+
+def _balanced(h: Harness) -> None:
+    c = h.controller.counts()
+    assert c["groups_in"] == c["groups_trained"] + c["groups_buffered"] + c["groups_skipped"]
+
+
+@pytest.mark.parametrize("budget", [0, 4])
+async def test_trained_trajectories_stay_within_each_pools_budget(autojump_clock, budget):
+    cfg = run_config(steps=8, pools=[
+        {"name": "cheap", "gpu": "cpu", "staleness_budget": budget, "max_concurrent_rollouts": 4},
+        {"name": "dear", "gpu": "cpu", "price_per_gpu_hour": 2.0, "staleness_budget": budget,
+         "max_concurrent_rollouts": 4}])
+    h = Harness(cfg)
+    await h.controller.run()
+    assert h.state.step == 8 and len(h.trainer.batches) == 8
+    stale = h.staleness()
+    assert max(s for _, s in stale) <= budget
+    if budget == 4:  # sampling runs ahead: some trajectories are off-policy
+        assert max(s for _, s in stale) >= 1
+    assert [r["step"] for r in h.metrics.rows] == list(range(1, 9))
+    _balanced(h)
+
+
+async def test_stale_trajectories_are_dropped_and_their_slots_retried(autojump_clock):
+    # Budget 0 on a pool that keeps generating while the trainer moves on: what lands
+    # after a step is stale; it is dropped and its slot re-run, never trained.
+    cfg = run_config(steps=6, rollout={"max_buffered_groups": 4},
+                     pools=[{"name": "only", "gpu": "cpu", "staleness_budget": 0,
+                             "max_concurrent_rollouts": 8}])
+    h = Harness(cfg, envs=FakeEnvs(episode_s=0.3))
+    await h.controller.run()
+    assert all(s == 0 for _, s in h.staleness())
+    counts = h.controller.counts()
+    assert counts["rollouts_trained"] == 6 * 4
+    assert h.metrics.rows[-1]["dropped_stale"] == counts["dropped_stale"]
+    _balanced(h)
+
+
+async def test_rollouts_ask_for_their_groups_due_version(autojump_clock):
+    cfg = run_config(steps=6, rollout={"max_buffered_groups": 6},
+                     pools=[{"name": "only", "gpu": "cpu", "staleness_budget": 1,
+                             "max_concurrent_rollouts": 16}])
+    h = Harness(cfg)
+    await h.controller.run()
+    # Groups queued a few batches ahead asked for weights newer than the trainer held at
+    # the time, so nothing generated early went stale in the buffer.
+    assert max(mv for _, _, mv in h.envs.started) >= 3
+    assert h.controller.counts()["dropped_stale"] == 0
+
+
+async def test_held_back_rollouts_do_not_move_the_rollout_length_estimate(autojump_clock):
+    cfg = run_config(steps=6, rollout={"max_buffered_groups": 6},
+                     pools=[{"name": "only", "gpu": "cpu", "staleness_budget": 0,
+                             "max_concurrent_rollouts": 16}])
+    h = Harness(cfg)
+    releases = 0
+    release = h.scheduler.release
+
+    def counting_release(pool: str) -> None:
+        nonlocal releases
+        releases += 1
+        release(pool)
+
+    h.scheduler.release = counting_release  # type: ignore[method-assign]
+    await h.controller.run()
+    assert releases > 10  # work ahead waited for its weights many times
+    # Every finished rollout generated TOKENS tokens; hold-backs counted as empty rollouts
+    # would pull the estimate far below that.
+    assert h.scheduler.mean_rollout_tokens == pytest.approx(TOKENS, rel=0.05)
+
+
+async def test_a_sampler_dying_mid_rollout_is_respawned_resynced_and_its_rollouts_retried(autojump_clock):
+    cfg = run_config(steps=8)
+    h = Harness(cfg, envs=FakeEnvs(episode_s=0.5))
+    pool = h.pools["cheap"]
+    async with trio.open_nursery() as n:
+        n.start_soon(h.controller.run)
+        while h.state.step < 3:
+            await trio.sleep(0.05)
+        pool.kill(0)
+        while h.state.step < 8:
+            await trio.sleep(0.05)
+    assert h.state.step == 8
+    assert pool.respawns == 1 and pool.held[0] >= 3  # a keyframe brought it back
+    assert all(r["pools"]["cheap"]["busy_s"] >= 0 for r in h.metrics.rows)
+    assert h.ledger.report().totals.cost_usd >= 0
+    _balanced(h)
+
+
+async def test_a_failing_environment_never_crashes_the_run(autojump_clock):
+    h = Harness(run_config(steps=6), envs=FakeEnvs(fail_rate=0.3, seed=1))
+    await h.controller.run()
+    assert h.state.step == 6
+    assert all(not t.failed for t in h.trained())
+    assert h.metrics.rows[-1]["dropped_failed"] > 0
+    _balanced(h)
+
+
+async def test_ctrl_c_mid_step_finishes_the_step_and_keeps_the_buffered_prompts(autojump_clock):
+    h = Harness(run_config(steps=20), handle_sigint=True)
+    h.trainer.gate = trio.Event()
+    async with trio.open_nursery() as n:
+        n.start_soon(h.controller.run)
+        await h.trainer.entered.wait()
+        os.kill(os.getpid(), signal.SIGINT)
+        await trio.sleep(1.0)
+        assert h.controller.interrupted and h.state.step == 0  # the step is still running
+        h.trainer.gate.set()
+    assert h.state.step == 1 and h.controller.interrupted
+    await h.controller.checkpoint()
+    saved = h.checkpoints.saves[-1]
+    assert saved.step == 1 and len(saved.buffered) >= 1
+    assert saved.buffer.groups_in == saved.buffer.groups_trained + len(saved.buffered)
+
+
+async def test_resume_round_trip_replays_the_saved_prompts_first(autojump_clock, tmp_path):
+    h = Harness(run_config(steps=3))
+    await h.controller.run()
+    await h.controller.checkpoint()
+    path = h.state.save(tmp_path)
+    loaded = ControllerState.load(tmp_path)
+    assert loaded == h.state and path.name == "controller_state.json"
+    replay = [t.prompt_id for t in loaded.buffered]
+    assert replay  # the run stopped with groups buffered
+
+    resumed = Harness(run_config(steps=6), state=loaded)
+    await resumed.controller.run()
+    first_trained = [t.prompt_id for t in resumed.trained()][: 2 * len(replay)]
+    assert sorted(set(first_trained)) == sorted(replay)
+    c = resumed.controller.counts()
+    assert c["groups_in"] == c["groups_trained"] + c["groups_buffered"] + c["groups_skipped"]
+    assert c["groups_trained"] == 6 * 2  # six steps of two prompts, counted across the resume
+
+
+async def test_controller_state_refuses_a_malformed_file(tmp_path):
+    (tmp_path / "controller_state.json").write_text('{"step": -1}')
+    with pytest.raises(ValueError, match="step"):
+        ControllerState.load(tmp_path)
+
+
+async def test_a_dead_trainer_is_restored_from_the_last_checkpoint(autojump_clock):
+    h = Harness(run_config(steps=8, checkpoint={"every_steps": 2}))
+    h.trainer.die_at = 6  # dies during step 6; the last checkpoint is at step 4
+    await h.controller.run()
+    assert h.state.step == 8 and h.trainer.restarts == 1 and h.state.trainer_restarts == 1
+    # Step 5 was trained twice (once before the death), nothing more.
+    assert [r["step"] for r in h.metrics.rows] == list(range(1, 9))
+    assert len(h.trainer.batches) == 8 + 1
+    assert all(p.resets == 1 for p in h.pools.values())  # samplers accept the older keyframe
+    newest = max(v for v, _ in h.trainer.batches)
+    assert newest == 7
+
+
+async def test_a_trainer_dying_past_max_restarts_ends_the_run_naming_it(autojump_clock):
+    h = Harness(run_config(steps=8, checkpoint={"max_restarts": 0}))
+    h.trainer.die_at = 2
+    with pytest.raises(TrainerLost, match="trainer actor died"):
+        await h.controller.run()
