@@ -13,6 +13,9 @@ requests (naming the field), 401 no/unknown session key, 404 unknown route or
 session, 409 a closed session, 502 a sampler failure.  A handler's failure never
 stops the server: each request is its own task in hypercorn's nursery.
 
+Every chat response carries ``x-flotilla-sampler-ms``: how long the request waited on
+the sampler (the rest of its latency is the gateway's own).
+
 Runs in the environment actor's own trio loop (``serve_gateway`` is a structured
 lifetime started with ``nursery.start``), so a request handler awaits the sampler
 like any other actor task and never blocks the loop.
@@ -92,8 +95,11 @@ def build_app(lookup: Callable[[str], Session | None], model_name: str) -> Starl
             response, pieces = await session.chat(req)
         except GatewayError as e:
             return _error(e)
+        # The session lock is released, but a session serves one request at a time by
+        # contract, so its last sampler wait is this request's.
+        timing = {"x-flotilla-sampler-ms": f"{session.last_sampler_s * 1e3:.3f}"}
         if not req.stream:
-            return JSONResponse(response)
+            return JSONResponse(response, headers=timing)
         chunks = stream_chunks(response, pieces)
 
         async def events() -> Any:
@@ -101,7 +107,7 @@ def build_app(lookup: Callable[[str], Session | None], model_name: str) -> Starl
                 yield f"data: {json.dumps(c)}\n\n"
             yield "data: [DONE]\n\n"
         return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+                                 headers={"Cache-Control": "no-cache", **timing})
 
     async def completions(request: Request) -> Response:
         try:

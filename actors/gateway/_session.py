@@ -142,6 +142,8 @@ class Session:
     closed: bool = False
     sampler_seconds: float = 0.0
     """Time spent waiting on the sampler (the rest of a request's latency is the gateway's)."""
+    last_sampler_s: float = 0.0
+    """The last request's wait on the sampler (sent as the ``x-flotilla-sampler-ms`` header)."""
     started: float = field(default_factory=time.perf_counter)
     _lock: trio.Lock = field(default_factory=trio.Lock)
 
@@ -268,7 +270,8 @@ class Session:
         except Exception as e:  # noqa: BLE001 - the harness gets a 502, the episode a failure
             raise GatewayError(502, f"sampler failed: {type(e).__name__}: {e}", type="server_error") from e
         finally:
-            self.sampler_seconds += time.perf_counter() - t0
+            self.last_sampler_s = time.perf_counter() - t0
+            self.sampler_seconds += self.last_sampler_s
         if result.finish_reason == "abort":
             raise GatewayError(502, "sampler aborted the generation", type="server_error")
         self.turns += 1
