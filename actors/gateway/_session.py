@@ -302,8 +302,10 @@ class Session:
     def trajectory(self, reward: float, *, failed: bool = False, error: str | None = None) -> Trajectory:
         """The episode's trajectory: the last segment (see the module docstring)."""
         seg = self.segments[-1] if self.segments else _Segment("chat", EpisodeBuilder([]))
-        return seg.builder.build(task=self.task, pool=self.pool, reward=reward, turns=seg.turns,
+        traj = seg.builder.build(task=self.task, pool=self.pool, reward=reward, turns=seg.turns,
                                  seconds=time.perf_counter() - self.started, failed=failed, error=error)
+        traj.segments = max(1, len(self.segments))
+        return traj
 
     def segment_stats(self) -> dict[str, int]:
         """segments, and generated tokens of earlier segments (not trained on)."""

@@ -86,14 +86,14 @@ async def test_tool_call_episode_records_exactly_the_sampled_and_template_ids(to
     assert traj.versions.tolist() == [7] * int(mask.sum())
     assert traj.support_ids[::3].tolist() == traj.tokens[mask].tolist()
     torch.testing.assert_close(traj.support_logq[:3].exp(), torch.tensor([0.5, 0.3, 0.2]))
-    assert stats["segments"] == 1 and stats["dropped_generated"] == 0
+    assert stats["segments"] == 1 and stats["dropped_generated"] == 0 and traj.segments == 1
 
 
 async def test_rewritten_history_starts_a_new_segment(tok_dir, fmt) -> None:
     traj, replies, seen, stats = await _episode(tok_dir, fmt, "agent_tool.py", [TOOL_REPLY, ANSWER, AGAIN],
                                                 {"question": "What is 2+3?", "rewrite": True})
     assert not traj.failed, traj.error
-    assert stats["segments"] == 2
+    assert stats["segments"] == 2 and traj.segments == 2
     assert stats["dropped_generated"] == len(replies[0]) + len(replies[1])
     # The trajectory is the new segment alone: the rewritten history rendered afresh, then the reply.
     assert len(seen) == 3
