@@ -18,6 +18,10 @@ from orchestrator.runtime import open_mesh
 from tests.unit.gateway._actors import ReplaySampler, tiny_tokenizer_dir
 
 HERE = Path(__file__).parent
+
+# Each test starts an environment actor, a sampler actor and (three of them) a harness
+# process importing the openai client: several seconds each.
+pytestmark = pytest.mark.slow
 TOOL_REPLY = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call><|im_end|>'
 ANSWER = "The answer is 5.<|im_end|>"
 AGAIN = "5<|im_end|>"
@@ -116,3 +120,32 @@ async def test_crashed_harness_fails_with_its_stderr_and_the_prompt_is_retried(t
     assert drop is not None and drop.reason == "failed" and buf.counters.dropped_failed == 1
     retry = buf.next_slot()
     assert retry is not None and retry.index == slot.index and retry.attempt == slot.attempt + 1
+
+
+async def test_entrypoint_harness_on_the_torch_sampler_reuses_the_session_prefix(tok_dir, fmt) -> None:
+    """The real sampler behind the gateway: every turn after the first starts from the
+    session's cached prefix, the trajectory's generated tokens are what the client was told
+    it got, and the session's cache is freed when the episode ends."""
+    from actors.sampler import SamplerActor
+    from actors.tiny import family_config
+
+    cfg = EnvConfig(harness=HarnessConfig(entrypoint=f"{HERE / 'agents.py'}:three_turns", timeout_s=60,
+                                          max_new_tokens=16), model_path=str(tok_dir), max_seq_len=256)
+    model = family_config("qwen3", fmt.vocab_size)
+    async with open_mesh(EnvActor, cfg, procs=1, name="env") as env, \
+            open_mesh(SamplerActor, "cpu-pool", "fp32", model, "cpu", init_seed=0, max_batch=4, seed=3,
+                      procs=1, name="sampler") as sampler:
+        task = TaskSpec(task="chat", prompt_id="p0", group_id="g0", params={"question": "What is 2+3?"})
+        traj = await env[0].run_episode.call_one(sampler[0], task, SamplingParams(top_k=16))
+        stats = await sampler[0].stats.call_one()
+    assert not traj.failed, traj.error
+    assert traj.pool == "cpu-pool" and traj.versions.tolist() == [0] * traj.num_generated
+    assert stats["prefix_hits"] == 2 and stats["prefix_tokens_reused"] > 0
+    assert stats["parked_sessions"] == 0
+    if traj.segments == 1:   # one conversation: every token the client was told of is here
+        assert traj.reward == traj.num_generated and traj.turns == 3
+    # Only generated tokens are trained on, and they are the support rows' tokens.
+    rows = traj.support_offsets.tolist()
+    sampled = traj.tokens[traj.loss_mask].tolist()
+    for i, tok in enumerate(sampled):
+        assert tok in traj.support_ids[rows[i]:rows[i + 1]].tolist()
