@@ -425,9 +425,11 @@ class WordChatFormat:
         return {"role": "assistant", "content": self.chat.decode(generated)}
 
 
-def load_chat_format(model_path: str | Path | None) -> ChatFormat:
+def load_chat_format(model_path: str | Path | None,
+                     template_kwargs: dict[str, Any] | None = None) -> ChatFormat:
     """The chat format of a run: the checkpoint's tokenizer when ``model_path`` holds one,
-    else the built-in word tokenizer.
+    else the built-in word tokenizer. ``template_kwargs`` go to the chat template (e.g.
+    ``{"enable_thinking": False}`` for Qwen3).
 
     A directory counts as holding a tokenizer when it has ``tokenizer.json`` or
     ``tokenizer_config.json``; such a tokenizer without a chat template raises ValueError.
@@ -435,5 +437,5 @@ def load_chat_format(model_path: str | Path | None) -> ChatFormat:
     if model_path is not None:
         d = Path(model_path)
         if (d / "tokenizer.json").is_file() or (d / "tokenizer_config.json").is_file():
-            return HFChatFormat.from_dir(d)
+            return HFChatFormat.from_dir(d, template_kwargs=template_kwargs)
     return WordChatFormat()

@@ -96,7 +96,10 @@ class Trajectory(BaseModel):
     failed: bool = False
     """True when the environment raised or timed out; such trajectories are not trained on."""
     error: str | None = None
-    """What went wrong when ``failed``."""
+    """What went wrong when ``failed`` (one line: exception type and message)."""
+    error_traceback: str | None = None
+    """The end of the failure's traceback (at most ~2,000 characters), when ``failed``
+    by an exception: where in the environment (or sampler call) it happened."""
     turns: int
     """Assistant turns played."""
     segments: int = 1

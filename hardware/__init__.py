@@ -15,7 +15,7 @@ Pure Python + pydantic: importing `hardware` imports nothing else of Flotilla's 
 from hardware.catalog import CATALOG, SOURCES, GpuSpec, canonical_gpu, catalog_markdown, gpu_spec
 from hardware.describe import describe, model_spec_from_table
 from hardware.ledger import CostLedger, CostReport, CostTotals, Counterfactual, PoolCost
-from hardware.pools import DEFAULT_ROLLOUTS_PER_GPU, HardwareConfig, PoolConfig, PoolList
+from hardware.pools import DEFAULT_ROLLOUTS_PER_GPU, HardwareConfig, PoolConfig, PoolList, check_devices
 from hardware.scheduler import PoolState, Scheduler
 from hardware.simulate import FleetSim, SimPlacement, SimPoolStats, SimResult
 from hardware.throughput import (
@@ -54,6 +54,7 @@ __all__ = [
     "bytes_per_param",
     "canonical_gpu",
     "catalog_markdown",
+    "check_devices",
     "decode_step_seconds",
     "describe",
     "fit_batch_per_gpu",

@@ -15,7 +15,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInf
 
 from hardware.catalog import CATALOG, GpuSpec, canonical_gpu
 
-__all__ = ["PoolConfig", "PoolList", "HardwareConfig", "DEFAULT_ROLLOUTS_PER_GPU"]
+__all__ = ["PoolConfig", "PoolList", "HardwareConfig", "DEFAULT_ROLLOUTS_PER_GPU", "check_devices"]
 
 DEFAULT_ROLLOUTS_PER_GPU = 64
 """Concurrent rollouts per GPU when a pool does not say (a typical decode batch per GPU)."""
@@ -177,3 +177,16 @@ class HardwareConfig(BaseModel):
     def from_toml(cls, path: str | Path) -> HardwareConfig:
         """Read a TOML file (a run config or a pools-only file) and validate its `[[pools]]`."""
         return cls.from_toml_text(Path(path).read_text())
+
+
+def check_devices(pools: list[PoolConfig], cuda_devices: int) -> None:
+    """Refuse pools this machine cannot run: a `cuda` pool when it has `cuda_devices` == 0
+    CUDA GPUs (a pool placed on remote hosts is not checked here). Raises ValueError
+    naming the pool's index and field; the caller says how many GPUs it sees (the
+    registry itself never imports torch)."""
+    for i, p in enumerate(pools):
+        if p.device == "cuda" and cuda_devices == 0 and not getattr(p, "hosts", None):
+            how = "set" if "device" in p.model_fields_set else f"the default for gpu {p.gpu!r}"
+            raise ValueError(f"pools.{i}.device: pool {p.name!r} needs CUDA (device 'cuda', {how}) but this "
+                             f"machine has no CUDA GPU; use device = \"cpu\" to emulate the pool here")
+

@@ -14,7 +14,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from actors.trainer import TrainerConfig
 from hardware import PoolList
@@ -30,6 +30,7 @@ __all__ = [
     "RunConfig",
     "TaskSection",
     "apply_overrides",
+    "check_runnable",
     "load_config",
 ]
 
@@ -52,9 +53,34 @@ class ModelSection(_Section):
     """Fields of the built-in model config to change (hidden_size, num_hidden_layers, ...)."""
     seed: int = 0
     """Seed of the random init when no path is given."""
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Extra variables for the checkpoint's chat template (e.g. `{ enable_thinking = false }`
+    for Qwen3)."""
     max_seq_len: int = Field(default=256, ge=8)
     """Context length of an episode (prompt, replies and observations, in tokens): an episode
     ends before a turn that could pass it, and samplers size their KV cache to it."""
+
+    @field_validator("overrides")
+    @classmethod
+    def _known_fields(cls, v: dict[str, Any]) -> dict[str, Any]:
+        """Each override names a field of the built-in config and has its type; sizes are ≥ 1."""
+        from actors.models import default_model_config
+
+        base = default_model_config()
+        for key, value in v.items():
+            if key not in base:
+                raise ValueError(f"{key}: not a field of the built-in model config "
+                                 f"(known: {', '.join(sorted(base))})")
+            want = type(base[key])
+            if want is float and type(value) is int:
+                value = float(value)
+            if type(value) is not want:
+                raise ValueError(f"{key}: expected {want.__name__}, got {value!r}")
+            if want is int and key != "vocab_size" and value < 1:
+                raise ValueError(f"{key}: must be ≥ 1, got {value}")
+            if want is float and not value > 0:  # also refuses NaN
+                raise ValueError(f"{key}: must be > 0, got {value}")
+        return v
 
 
 class TaskSection(_Section):
@@ -165,6 +191,15 @@ class RunConfig(_Section):
     pools: PoolList = Field(min_length=1)
     """Sampler pools ([[pools]] tables, hardware.PoolConfig), names unique."""
 
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, v: str) -> str:
+        """A single path component, so a run's outputs cannot land outside `run_root`."""
+        if not v or v in (".", "..") or any(c in v for c in "/\\\0") or v.startswith("-"):
+            raise ValueError(f"run name {v!r} must be one plain folder name (no '/', '\\', "
+                             "'..', leading '-' or NUL)")
+        return v
+
     @property
     def run_dir(self) -> Path:
         return Path(self.run_root) / self.name
@@ -196,7 +231,7 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
             raise ConfigError(f"--set {item!r}: expected key=value")
         node: Any = raw
         parts = key.strip().split(".")
-        for part in parts[:-1]:
+        for i, part in enumerate(parts[:-1]):
             if isinstance(node, list):
                 try:
                     node = node[int(part)]
@@ -204,6 +239,10 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
                     raise ConfigError(f"--set {item!r}: no list element {part!r}") from None
             else:
                 node = node.setdefault(part, {})
+            if not isinstance(node, (dict, list)):
+                where = ".".join(parts[: i + 1])
+                raise ConfigError(f"--set {item!r}: {where} is a value ({node!r}), not a section "
+                                  f"with fields")
         last = parts[-1]
         if isinstance(node, list):
             raise ConfigError(f"--set {item!r}: cannot replace a whole list element")
@@ -212,6 +251,9 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
 
 
 def _format_error(source: str, err: ValidationError) -> str:
+    if err.error_count() == 1:  # the common case, on one line
+        e = err.errors()[0]
+        return f"{source}: {'.'.join(str(p) for p in e['loc']) or '<root>'}: {e['msg']}"
     lines = [f"{source}: invalid config"]
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"]) or "<root>"
@@ -242,3 +284,27 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         return RunConfig.model_validate(raw)
     except ValidationError as e:
         raise ConfigError(_format_error(source, e)) from None
+
+
+def check_runnable(cfg: RunConfig) -> None:
+    """What validation alone cannot know, checked before any actor starts: that this
+    machine has the devices the config asks for, and that the task exists and accepts its
+    params (`actors.env.check_task`). Raises ConfigError naming the field. Imports torch."""
+    import torch
+
+    from actors.env import TaskCheckError, check_task
+    from hardware import check_devices
+
+    cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    try:
+        check_devices(list(cfg.pools), cuda)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if cfg.trainer.device == "cuda" and cuda == 0:
+        raise ConfigError("trainer.device: 'cuda' but this machine has no CUDA GPU; use \"cpu\"")
+    if cfg.task.dataset is not None:
+        return  # the rows complete the params: orchestrator.preflight checks the task on them
+    try:
+        check_task(cfg.task.name, cfg.task.params, cfg.task.modules)
+    except TaskCheckError as e:
+        raise ConfigError(str(e)) from None

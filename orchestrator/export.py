@@ -33,7 +33,7 @@ def export_run(run_dir: str | Path, out_dir: str | Path, *, step: int | None = N
     """Export the checkpoint of `run_dir` to `out_dir` (see the module docstring)."""
     import torch
 
-    from actors.chat import load_chat_format
+    from actors.chat import HFChatFormat, load_chat_format
     from actors.models import build_model
     from actors.tokenizer import build_tokenizer
     from orchestrator.controller import STATE_FILE, ControllerState
@@ -52,12 +52,16 @@ def export_run(run_dir: str | Path, out_dir: str | Path, *, step: int | None = N
     run_cfg = json.loads((run_dir / "config.json").read_text())
     model_path = (run_cfg.get("model") or {}).get("path")
 
+    if model_path:
+        fmt = load_chat_format(model_path)
+        if not isinstance(fmt, HFChatFormat):
+            raise ExportError(f"the run's model.path {model_path!r} holds no tokenizer (moved, or "
+                              f"not relative to {Path.cwd()}?)")
+        tokenizer = fmt.tokenizer
+    else:
+        tokenizer = build_tokenizer()   # carries the word layout's chat template
     model = build_model(ckpt / "model").to(getattr(torch, dtype))
     model.save_pretrained(out_dir)
-    fmt = load_chat_format(model_path) if model_path else None
-    tokenizer = getattr(fmt, "tokenizer", None) if fmt is not None else None
-    if tokenizer is None:
-        tokenizer = build_tokenizer()   # carries the word layout's chat template
     tokenizer.save_pretrained(out_dir)
     (out_dir / "flotilla_export.json").write_text(json.dumps(
         {"run_dir": str(run_dir.resolve()), "step": have, "dtype": dtype,

@@ -9,9 +9,9 @@
   keeps per parameter (the trainer's fp32 weights, gradients and AdamW moments plus
   its wire snapshots; each CPU sampler's compute copy and snapshot) fits in the
   memory available now -- otherwise the message gives both sizes;
-* the task: `[task] modules` import, `[task] name` is registered, and the task accepts
-  its parameters (built once with `[task] params` merged with the first row of each
-  dataset);
+* the task: `[task] modules` import (dotted names or `.py` paths), `[task] name` is
+  registered, and the task accepts its parameters (`actors.env.check_task` with
+  `[task] params` merged with the first row of each dataset);
 * the datasets load.
 
 GPU memory is not checked here (this check sees host memory only): a CUDA trainer or
@@ -87,7 +87,7 @@ def _check_model(cfg: RunConfig) -> int:
             params, _ = checkpoint_params(path)
         except (ValueError, FileNotFoundError, TypeError) as e:
             raise ConfigError(f"model.path {path!r}: {e}") from None
-        _check_tokenizer(path, hf.vocab_size)
+        _check_tokenizer(path, hf.vocab_size, cfg.model.chat_template_kwargs)
     positions = getattr(hf, "max_position_embeddings", None)
     if positions is not None and cfg.model.max_seq_len > positions:
         raise ConfigError(f"model.max_seq_len={cfg.model.max_seq_len} exceeds the model's "
@@ -95,13 +95,16 @@ def _check_model(cfg: RunConfig) -> int:
     return params
 
 
-def _check_tokenizer(path: str, model_vocab: int) -> None:
+def _check_tokenizer(path: str, model_vocab: int, template_kwargs: dict[str, Any]) -> None:
     from actors.chat import HFChatFormat, load_chat_format
 
     try:
-        fmt = load_chat_format(path)
-    except (ValueError, OSError) as e:
-        raise ConfigError(f"model.path {path!r}: tokenizer: {e}") from None
+        fmt = load_chat_format(path, template_kwargs)
+        if isinstance(fmt, HFChatFormat):  # the template must render (Jinja errors surface here)
+            fmt.render([{"role": "user", "content": "hi"}], generation_prompt=True)
+    except Exception as e:  # noqa: BLE001 - tokenizer/Jinja errors of many types, one line
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"model.path {path!r}: tokenizer: {msg}") from None
     if isinstance(fmt, HFChatFormat) and fmt.vocab_size > model_vocab:
         raise ConfigError(f"model.path {path!r}: the tokenizer has {fmt.vocab_size} tokens but "
                           f"the model only {model_vocab} embedding rows")
@@ -120,36 +123,24 @@ def _check_memory(params: int, cfg: RunConfig) -> None:
 
 
 def _check_task(cfg: RunConfig, dataset: Any, eval_dataset: Any) -> list[str]:
-    from actors.env import TaskModuleError, import_task_modules, make_env, registered_tasks
-    from actors.types import TaskSpec
+    from actors.env import TaskCheckError, check_task
 
     modules = [str(Path(m).resolve()) if m.endswith(".py") or "/" in m else m
                for m in cfg.task.modules]
-    try:
-        import_task_modules(modules)
-    except TaskModuleError as e:
-        raise ConfigError(f"task.modules: {e}") from None
     if cfg.task.kind == "harness":   # no registered environment: the harness is the task
         _check_harness(cfg)
         return modules
-    if cfg.task.name not in registered_tasks():
-        raise ConfigError(f"task.name {cfg.task.name!r} is not a registered task; registered: "
-                          f"{registered_tasks()} (add the module that registers it to task.modules)")
     if cfg.eval.every and dataset is not None and eval_dataset is None:
         raise ConfigError("eval: task.dataset is set but task.eval_dataset is not (evaluation "
                           "plays held-out rows)")
     samples = [(d.rows[0], f"{d.source} row 0") for d in (dataset, eval_dataset) if d is not None]
     if dataset is None:   # the task's own params make the instances
-        samples.insert(0, ({}, "task.params"))
+        samples.insert(0, ({}, ""))
     for row, where in samples:
-        params = {**cfg.task.params, **row}
         try:
-            make_env(TaskSpec(task=cfg.task.name, prompt_id="check", group_id="check",
-                              params=params))
-        except Exception as e:  # noqa: BLE001 - whatever the task's constructor raises
-            msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            raise ConfigError(f"task {cfg.task.name!r} rejected its parameters ({where}): "
-                              f"{type(e).__name__}: {msg}") from None
+            check_task(cfg.task.name, {**cfg.task.params, **row}, modules)
+        except TaskCheckError as e:
+            raise ConfigError(f"{e} (with {where})" if where else str(e)) from None
     return modules
 
 

@@ -14,15 +14,16 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import trio
 
-from orchestrator.config import ConfigError, RunConfig, load_config
+from orchestrator.checkpoints import latest_checkpoint, repair_jsonl, save_checkpoint_dir, write_file_atomic
+from orchestrator.config import ConfigError, RunConfig, check_runnable, load_config
 from orchestrator.controller import STATE_FILE, Controller, ControllerState, Links, TrainerLink
 from orchestrator.controller.meshes import MeshEnvs, MeshPool, MeshTrainer
 from orchestrator.preflight import preflight
@@ -30,7 +31,7 @@ from orchestrator.progress import Progress
 from orchestrator.runtime import open_mesh, span
 from orchestrator.telemetry import MetricsLog, setup_run_telemetry
 
-__all__ = ["DiskCheckpoints", "RunResult", "run", "run_async", "run_from_cli"]
+__all__ = ["DiskCheckpoints", "RunHandles", "RunResult", "run", "run_async", "run_from_cli"]
 
 
 @dataclass
@@ -74,37 +75,48 @@ def _truncate_metrics(path: Path, last_step: int) -> None:
     rows = MetricsLog.read(path)
     keep = [r for r in rows if r["step"] <= last_step]
     if len(keep) != len(rows):
-        path.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in keep))
+        write_file_atomic(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in keep).encode())
 
 
 class DiskCheckpoints:
     """Checkpoints in `runs/<name>/checkpoint/`: the trainer's files and the controller's
-    state, written to a fresh directory first and swapped in only when whole."""
+    state, written to a fresh directory, fsynced and swapped in by renames only when whole
+    (`orchestrator.checkpoints`), so a crash at any moment leaves a complete checkpoint."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
 
     async def save(self, trainer: TrainerLink, state: ControllerState) -> None:
-        tmp = self.directory.with_name(self.directory.name + ".tmp")
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        await trainer.save_checkpoint(str(tmp))
-        state.save(tmp)
-        if self.directory.exists():
-            shutil.rmtree(self.directory)
-        os.replace(tmp, self.directory)
+        async def write(staging: Path) -> None:
+            await trainer.save_checkpoint(str(staging))
+            state.save(staging)
+
+        await save_checkpoint_dir(self.directory.parent, write, meta={"step": state.step},
+                                  name=self.directory.name)
 
     async def restore(self, trainer: TrainerLink) -> tuple[int, int]:
+        latest_checkpoint(self.directory.parent, name=self.directory.name)  # finish an interrupted swap
         version = await trainer.restart()  # its constructor reads self.directory
         step = ControllerState.load(self.directory).step if (self.directory / STATE_FILE).exists() else 0
         return version, step
 
 
-async def run_async(cfg: RunConfig, *, resume: bool = False, progress: Progress | None = None) -> RunResult:
+@dataclass
+class RunHandles:
+    """A live run, for `run_async(observer=...)`: its controller and actor meshes (keys
+    `trainer`, `env`, `pool:<name>`), e.g. for fault injection or a custom dashboard."""
+
+    controller: Controller
+    meshes: dict[str, Any]
+
+
+async def run_async(cfg: RunConfig, *, resume: bool = False, progress: Progress | None = None,
+                    observer: Callable[[RunHandles], Awaitable[None]] | None = None) -> RunResult:
     """Run (or resume) training to `cfg.steps`; see the module docstring.
 
     Cancellation stops every actor process; an interrupt (SIGINT) finishes the step in
-    progress, checkpoints and returns with `interrupted=True`.
+    progress, checkpoints and returns with `interrupted=True`. `observer`, if given, runs
+    beside the controller once the actors are up, and is cancelled when the run ends.
     """
     from actors.env import EnvActor, EnvConfig
     from actors.sampler import SamplerActor
@@ -112,18 +124,21 @@ async def run_async(cfg: RunConfig, *, resume: bool = False, progress: Progress 
     from hardware import CostLedger, Scheduler, ThroughputModel
 
     t0 = time.monotonic()
+    check_runnable(cfg)  # devices, task and params: one line naming the field, before any actor starts
     checked = preflight(cfg)  # model, memory, task modules, datasets: before any process
     run_dir = cfg.run_dir
     ckpt_dir = run_dir / "checkpoint"
     progress = progress or Progress(cfg.steps)
     state = ControllerState()
     if resume:
-        if not (ckpt_dir / STATE_FILE).exists():
-            raise ConfigError(f"{run_dir}: no checkpoint to resume from ({ckpt_dir / STATE_FILE} missing)")
+        if latest_checkpoint(run_dir) is None:  # also resolves an interrupted replacement
+            raise ConfigError(f"{run_dir}: no complete checkpoint to resume from")
         try:
             state = ControllerState.load(ckpt_dir)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        for log in ("metrics.jsonl", "traces.jsonl"):
+            repair_jsonl(run_dir / log, warn=lambda m: progress.message(f"flotilla: warning: {m}"))
         _truncate_metrics(run_dir / "metrics.jsonl", state.step)
     else:
         if (run_dir / "metrics.jsonl").exists():
@@ -162,6 +177,7 @@ async def run_async(cfg: RunConfig, *, resume: bool = False, progress: Progress 
         "env": open_mesh(EnvActor, _env_config(cfg, EnvConfig(
                              step_timeout_s=cfg.task.episode_timeout_s, max_seq_len=cfg.model.max_seq_len,
                              model_path=model_cfg if isinstance(model_cfg, str) else None,
+                             chat_template_kwargs=cfg.model.chat_template_kwargs,
                              task_modules=checked.task_modules)),
                          procs=cfg.task.env_actors, name="env", env=env),
     }
@@ -185,7 +201,11 @@ async def run_async(cfg: RunConfig, *, resume: bool = False, progress: Progress 
                                 metrics=metrics, progress=progress, checkpoints=checkpoints,
                                 dataset=checked.dataset, eval_dataset=checked.eval_dataset)
         try:
-            await controller.run()
+            async with trio.open_nursery() as beside:
+                if observer is not None:
+                    beside.start_soon(observer, RunHandles(controller, opened))
+                await controller.run()
+                beside.cancel_scope.cancel()
             if not controller.abandoned:
                 with trio.CancelScope(shield=True):
                     await controller.checkpoint()

@@ -7,6 +7,7 @@ plays episodes of it against a sampler, returning ``Trajectory`` objects.
 from actors.env._actor import EnvActor, EnvConfig
 from actors.env._chat_dataset import ChatDataset
 from actors.env._dataset import DatasetError, TaskDataset
+from actors.env._check import TaskCheckError, check_task
 from actors.env._episode import EpisodeBuilder
 from actors.env._interface import (
     Environment,
@@ -16,6 +17,7 @@ from actors.env._interface import (
     make_task_specs,
     register_task,
     registered_tasks,
+    task_factory,
 )
 from actors.env._modules import TaskModuleError, import_task_modules, resolve_callable
 from actors.env._tasks import Arithmetic, GuessNumber, first_int, guess_number_optimal
@@ -33,6 +35,8 @@ __all__ = [
     "StepOutcome",
     "TaskDataset",
     "TaskModuleError",
+    "TaskCheckError",
+    "check_task",
     "first_int",
     "guess_number_optimal",
     "import_task_modules",
@@ -41,4 +45,5 @@ __all__ = [
     "register_task",
     "registered_tasks",
     "resolve_callable",
+    "task_factory",
 ]

@@ -9,15 +9,18 @@ task per call); environments are fresh instances per episode.
 from __future__ import annotations
 
 import random
+import sys
 import uuid
 from typing import Any
 
 import trio
 from pydantic import BaseModel, ConfigDict, Field
 
-from actors.env._episode import EpisodeLimits, play_episode
+from actors.env._episode import EnvCalls, EpisodeLimits, play_episode
 from actors.env._interface import registered_tasks
 from actors.env._modules import import_task_modules
+from actors.env._threads import EnvThreads
+from actors.env._watchdog import LoopWatchdog
 from actors.sampler import GenerateRequest, GenerateResult
 from actors.chat import load_chat_format
 from actors.types import SamplingParams, TaskSpec, Trajectory
@@ -41,10 +44,19 @@ class EnvConfig(BaseModel):
     model_path: str | None = None
     """The model's checkpoint directory: its tokenizer and chat template render the turns.
     None (or a directory without a tokenizer): the built-in word tokenizer."""
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Extra variables for the chat template (e.g. ``{"enable_thinking": false}``)."""
     task_modules: list[str] = Field(default_factory=list)
     """Modules (dotted names or ``.py`` paths) imported at start-up so their
     ``@register_task`` environments exist in the actor's process (the built-in tasks are
     always there)."""
+    env_threads: int = Field(16, ge=1)
+    """Worker threads per task for plain environment methods. A call stuck past its
+    timeout keeps its thread until it returns; once all are stuck, further calls of that
+    task fail at their timeout (other tasks are unaffected)."""
+    loop_stall_s: float = Field(1.0, gt=0.0)
+    """An event-loop step longer than this is reported, naming the async environment
+    call that blocked the loop."""
     harness: Any = None
     """``actors.gateway.HarnessConfig``: every episode runs this harness against the actor's
     OpenAI-compatible gateway instead of a registered environment (None: no gateway); the
@@ -57,15 +69,22 @@ class EnvActor(Actor):
     Endpoints never raise for environment or sampler trouble: errors and timeouts
     come back as ``failed=True`` trajectories with the error text and reward 0, and
     the actor keeps serving. Cancelling a ``run_episode`` call (the caller's cancel
-    scope) abandons its generate call and its environment.
+    scope) abandons its generate call and its environment. Plain environment methods run
+    in bounded per-task threads (stuck calls are counted in ``stats``); a watchdog names
+    an async environment that blocks the event loop (on stderr, rate-limited, and in
+    ``stats``).
     """
 
     def __init__(self, config: EnvConfig | None = None) -> None:
         self.config = config if config is not None else EnvConfig()
         import_task_modules(self.config.task_modules)
-        self.chat = load_chat_format(self.config.model_path)
+        self.chat = load_chat_format(self.config.model_path, self.config.chat_template_kwargs)
         self.limits = EpisodeLimits(self.config.step_timeout_s, self.config.generate_timeout_s,
                                     self.config.max_seq_len)
+        self.threads = EnvThreads(self.config.env_threads)
+        self.watchdog = LoopWatchdog(lambda line: print(line, file=sys.stderr, flush=True),
+                                     threshold_s=self.config.loop_stall_s)
+        self.calls = EnvCalls(self.threads, self.watchdog)
         self.episodes = 0
         self.failed = 0
         self.running = 0
@@ -76,7 +95,9 @@ class EnvActor(Actor):
             self.config.harness = HarnessConfig.model_validate(self.config.harness)
 
     async def on_start(self, nursery: trio.Nursery) -> None:
-        """With a harness configured: start the gateway (it serves until the actor stops)."""
+        """Start the event-loop watchdog and, with a harness configured, the gateway (both
+        stop with the actor)."""
+        await nursery.start(self.watchdog.run)
         if self.config.harness is not None:
             from actors.gateway import Gateway
 
@@ -106,7 +127,8 @@ class EnvActor(Actor):
                 traj = await play_episode(
                     generate, GenerateRequest, task, sampling, min_version,
                     chat=self.chat, limits=self.limits,
-                    request_prefix=f"{task.prompt_id}/{uuid.uuid4().hex[:12]}", span=span)
+                    request_prefix=f"{task.prompt_id}/{uuid.uuid4().hex[:12]}", span=span,
+                    calls=self.calls)
         finally:
             self.running -= 1
         self.episodes += 1
@@ -148,10 +170,16 @@ class EnvActor(Actor):
         return registered_tasks()
 
     @endpoint
-    def stats(self) -> dict[str, int]:
-        """Episodes finished, failed, and running now; with a gateway also its sessions,
-        segments and the generated tokens of earlier segments (not trained on)."""
-        out = {"episodes": self.episodes, "failed": self.failed, "running": self.running}
+    def stats(self) -> dict[str, Any]:
+        """Episodes finished, failed and running now; environment calls stuck in their
+        threads now (per task) and ever; event-loop stalls (count, longest, last culprit);
+        with a gateway also its sessions, segments and the generated tokens of earlier
+        segments (not trained on)."""
+        out = {"episodes": self.episodes, "failed": self.failed, "running": self.running,
+               "stuck_calls": self.threads.stuck(), "stuck_calls_total": self.threads.stuck_total(),
+               "env_threads": self.threads.per_task, "loop_stalls": self.watchdog.stalls,
+               "loop_stall_longest_s": round(self.watchdog.longest_s, 3),
+               "loop_stall_last": self.watchdog.last_blocker}
         if self.gateway is not None:
             out.update(sessions=self.gateway.opened, segments=self.gateway.segments,
                        dropped_generated=self.gateway.dropped_generated)

@@ -37,7 +37,6 @@ def _reward_fn(ref: str) -> Callable[..., Any]:
 class ChatDataset(Environment):
     """One dataset row, one reply, one reward (see the module docstring)."""
 
-    blocking = False
     max_turns = 1
 
     def __init__(self, answer: Any = None, prompt: str | None = None,

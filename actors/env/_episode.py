@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import inspect
 import time
+import traceback
+from contextlib import nullcontext
 from dataclasses import dataclass
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -21,9 +23,11 @@ import trio
 
 from actors.chat import ChatFormat, Conversation, Message
 from actors.env._interface import Environment, StepOutcome, make_env
+from actors.env._threads import EnvThreads
+from actors.env._watchdog import LoopWatchdog
 from actors.types import SamplingParams, TaskSpec, Trajectory
 
-__all__ = ["EpisodeBuilder", "EpisodeLimits", "play_episode"]
+__all__ = ["EnvCalls", "EpisodeBuilder", "EpisodeLimits", "play_episode"]
 
 
 class EpisodeTimeout(Exception):
@@ -74,7 +78,8 @@ class EpisodeBuilder:
         self._versions += [int(v) for v in versions]
 
     def build(self, *, task: TaskSpec, pool: str, reward: float, turns: int, seconds: float,
-              failed: bool = False, error: str | None = None) -> Trajectory:
+              failed: bool = False, error: str | None = None,
+              error_traceback: str | None = None) -> Trajectory:
         counts = torch.cat(self._counts) if self._counts else torch.zeros(0, dtype=torch.int64)
         offsets = torch.zeros(counts.numel() + 1, dtype=torch.int64)
         offsets[1:] = torch.cumsum(counts, 0)
@@ -88,7 +93,7 @@ class EpisodeBuilder:
             support_logq=(torch.cat(self._logq) if self._logq
                           else torch.zeros(0, dtype=torch.float32)),
             versions=torch.tensor(self._versions, dtype=torch.int32),
-            reward=0.0 if failed else reward, failed=failed, error=error,
+            reward=0.0 if failed else reward, failed=failed, error=error, error_traceback=error_traceback,
             turns=turns, seconds=seconds)
 
 
@@ -101,23 +106,37 @@ class EpisodeLimits:
     max_seq_len: int
 
 
-async def _call_env(env: Environment, fn: Callable[..., Any], *args: Any, timeout: float,
-                    what: str) -> Any:
+TRACEBACK_TAIL = 2000
+"""Characters of a failed episode's traceback kept on its trajectory (the end: the
+frames nearest the error, usually the environment's own)."""
+
+
+@dataclass(frozen=True)
+class EnvCalls:
+    """How an episode calls its environment: the actor's bounded threads for plain
+    methods and its loop watchdog (None: unwatched) for async ones."""
+
+    threads: EnvThreads
+    watchdog: LoopWatchdog | None = None
+
+
+async def _call_env(calls: EnvCalls, env: Environment | None, task: str, fn: Callable[..., Any], *args: Any,
+                    timeout: float, what: str) -> Any:
     """Run an environment method (plain or async) under ``timeout`` seconds.
 
-    Plain methods of a ``blocking`` environment run in a worker thread that is
-    abandoned on timeout, so a stuck environment cannot block the actor.
+    Plain methods run in one of the task's worker threads (EnvThreads: abandoned on
+    timeout, counted as stuck while they still run); async ones on the loop, labelled
+    for the watchdog. Raises EnvCallTimeout / EpisodeTimeout past the limit.
     """
-    with trio.move_on_after(timeout) as cs:
-        if inspect.iscoroutinefunction(fn):
-            return await fn(*args)
-        if env.blocking:
-            out = await trio.to_thread.run_sync(fn, *args, abandon_on_cancel=True)
-        else:
-            out = fn(*args)
-        if inspect.isawaitable(out):
-            return await out
-        return out
+    if not inspect.iscoroutinefunction(fn):
+        out = await calls.threads.run(task, fn, *args, timeout=timeout, what=what)
+        if not inspect.isawaitable(out):
+            return out
+        fn, args = (lambda: out), ()  # a plain method that returned an awaitable: await it on the loop
+    name = f"async environment {type(env).__name__}.{getattr(fn, '__name__', what)} (task {task!r})"
+    label = calls.watchdog.label(name) if calls.watchdog is not None else nullcontext()
+    with trio.move_on_after(timeout) as cs, label:
+        return await fn(*args)
     assert cs.cancelled_caught
     raise EpisodeTimeout(f"environment {what} timed out after {timeout:g} s")
 
@@ -144,6 +163,7 @@ async def play_episode(
     limits: EpisodeLimits,
     request_prefix: str,
     span: Callable[..., Any],
+    calls: EnvCalls,
 ) -> Trajectory:
     """Play ``task`` to the end against ``generate`` and return its trajectory.
 
@@ -155,17 +175,19 @@ async def play_episode(
     that leaves no room for one turn is a failure).
 
     Errors: an exception from the environment or the sampler, or a timeout, ends
-    the episode as ``failed=True`` with the error text and reward 0 (the tokens so
-    far are kept for inspection). Cancellation of the caller propagates.
+    the episode as ``failed=True`` with the error text, the tail of its traceback
+    and reward 0 (the tokens so far are kept for inspection). Cancellation of the
+    caller propagates.
     """
     t0 = time.perf_counter()
     builder = EpisodeBuilder([])
     reward, turns, pool = 0.0, 0, ""
     with span("rollout", task=task.task, prompt_id=task.prompt_id, group_id=task.group_id) as sp:
         try:
-            env = make_env(task)
+            env = await _call_env(calls, None, task.task, make_env, task, timeout=limits.step_timeout_s,
+                                  what="construction")
             with span("env.step", task=task.task, turn=0, kind="reset"):
-                obs = await _call_env(env, env.reset, task, timeout=limits.step_timeout_s,
+                obs = await _call_env(calls, env, task.task, env.reset, task, timeout=limits.step_timeout_s,
                                       what="reset")
             convo = Conversation(chat, tools=env.tools)
             builder.add_context(convo.add(_messages(obs)))
@@ -204,7 +226,7 @@ async def play_episode(
                     args += (message,)
                 with span("env.step", task=task.task, pool=pool, turn=turn, kind="step"):
                     outcome = _as_outcome(await _call_env(
-                        env, env.step, *args,
+                        calls, env, task.task, env.step, *args,
                         timeout=limits.step_timeout_s, what=f"step (turn {turn})"))
                 reward += float(outcome.reward)
                 if outcome.done:
@@ -214,8 +236,10 @@ async def play_episode(
                                  seconds=time.perf_counter() - t0)
         except Exception as exc:  # environment/sampler errors end the episode, not the actor
             error = f"{type(exc).__name__}: {exc}"
+            tail = "".join(traceback.format_exception(exc))[-TRACEBACK_TAIL:]
             traj = builder.build(task=task, pool=pool, reward=0.0, turns=turns,
-                                 seconds=time.perf_counter() - t0, failed=True, error=error)
+                                 seconds=time.perf_counter() - t0, failed=True, error=error,
+                                 error_traceback=tail)
         _set(sp, pool=traj.pool, turn=traj.turns, reward=traj.reward, failed=traj.failed,
              tokens=int(traj.tokens.numel()), generated=traj.num_generated)
         return traj

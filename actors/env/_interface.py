@@ -5,7 +5,10 @@ An environment plays one episode: ``reset`` gives the first observation, each
 and whether the episode is over. Observations are text or token ids (one user
 turn), or chat messages (a dict or a list of dicts, e.g. ``tool`` results); the
 run's chat format renders them (``actors.chat``) and their tokens are never
-trained on. Methods may be plain or ``async``.
+trained on. Methods may be plain or ``async``; plain ones
+always run in a worker thread (bounded per task, see ``_threads``), async ones on the
+actor's event loop, where they must never call blocking code (a watchdog names an
+async environment that does).
 
 A fresh environment instance is built for every episode from the registry
 (``make_env(task)`` calls the registered factory with ``task.params``), so
@@ -28,6 +31,7 @@ __all__ = [
     "make_task_specs",
     "register_task",
     "registered_tasks",
+    "task_factory",
 ]
 
 Observation = str | list[int] | dict[str, Any] | list[dict[str, Any]]
@@ -65,18 +69,26 @@ class Environment:
       params' limit.
     - ``tools``: OpenAI-style function schemas handed to the chat template (None: no
       tools); the reply's tool calls arrive in ``message["tool_calls"]``.
-    - ``blocking``: plain (non-async) methods run in a worker thread so a slow or
-      stuck environment cannot block the actor and its timeout can fire; set False
-      for cheap pure-Python environments to skip the thread hop.
+
+    Plain (non-async) methods, and the constructor, always run in a worker thread,
+    so a slow or stuck environment cannot block the actor and its timeout fires; the
+    threads of one task are bounded (``EnvConfig.env_threads``), and calls stuck past
+    their timeout are counted in the actor's ``stats``. ``async`` methods run on the
+    actor's event loop: they must await, never block (a watchdog reports one that does).
+
+    Params: the constructor receives ``task.params`` and should raise ValueError or
+    TypeError for bad ones; ``actors.env.check_task`` constructs one instance before
+    the run starts to check them. An environment whose constructor is expensive or
+    has side effects defines a ``validate_params(params)`` classmethod instead.
 
     Errors: any exception from ``reset``/``step`` ends the episode as a failed
-    trajectory (reward 0, the error text recorded); the actor keeps serving.
+    trajectory (reward 0, the error text and the tail of its traceback recorded);
+    the actor keeps serving.
     """
 
     max_turns: int = 1
     max_new_tokens: int | None = None
     tools: list[dict[str, Any]] | None = None
-    blocking: bool = True
 
     def reset(self, task: TaskSpec) -> Observation | Awaitable[Observation]:
         raise NotImplementedError(f"{type(self).__name__}.reset")
@@ -113,6 +125,11 @@ def _qualname(f: Any) -> str:
 def registered_tasks() -> list[str]:
     """Names of the registered tasks, sorted."""
     return sorted(_REGISTRY)
+
+
+def task_factory(name: str) -> EnvFactory | None:
+    """The factory registered under ``name``, or None."""
+    return _REGISTRY.get(name)
 
 
 def make_env(task: TaskSpec) -> Environment:

@@ -43,8 +43,6 @@ class GuessNumber(Environment):
     is ``secret`` when given (tests and evaluation sweep all secrets this way).
     """
 
-    blocking = False
-
     def __init__(self, n: int = 15, max_turns: int = 4, max_new_tokens: int = 1,
                  secret: int | None = None) -> None:
         if not 2 <= n <= MAX_INT + 1:
@@ -84,7 +82,6 @@ class Arithmetic(Environment):
     0..max_sum−a. One token per answer by default (``max_new_tokens=1``).
     """
 
-    blocking = False
     max_turns = 1
 
     def __init__(self, max_sum: int = MAX_INT, max_new_tokens: int = 1) -> None:

@@ -198,10 +198,12 @@ class SamplerActor(Actor):
                 from_version=self._backend.version, wire_bytes=sum(m.nbytes for m in messages),
             ) as s:
                 for msg in messages:
-                    before = self._receiver.snapshot
+                    before, held = self._receiver.snapshot, self._receiver.version
                     version = await trio.to_thread.run_sync(self._receiver.apply, msg)
                     snapshot = self._receiver.snapshot
-                    assert snapshot is not None
+                    if version == held and snapshot is before:
+                        continue  # staged: a keyframe path still below the held version
+                    assert snapshot is not None and version is not None
                     new_hashes = {t.name: t.hash for t in msg.meta.tensors}
                     changed = None
                     if snapshot is before and new_hashes.keys() == self._hashes.keys():

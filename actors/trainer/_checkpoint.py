@@ -16,12 +16,13 @@ trainer would have taken (same config, same batch, same thread count).
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from orchestrator.checkpoints import write_file_atomic
 
 if TYPE_CHECKING:
     from actors.trainer._core import Trainer
@@ -32,12 +33,6 @@ FORMAT = "flotilla.trainer/1"
 _MOMENTS = ("exp_avg", "exp_avg_sq", "step")
 
 
-def _atomic_write(path: Path, write: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    write(str(tmp))
-    os.replace(tmp, path)
-
-
 def save(trainer: Trainer, directory: str) -> str:
     """Write ``trainer``'s full state under ``directory`` (created); returns its path."""
     root = Path(directory)
@@ -46,14 +41,14 @@ def save(trainer: Trainer, directory: str) -> str:
     if done.exists():
         done.unlink()   # the directory is incomplete until the new trainer.json lands
     cfg = trainer.model_config
-    _atomic_write(root / "model" / "config.json",
-                  lambda p: Path(p).write_text(json.dumps(cfg, indent=1, sort_keys=True)))
+    # trainer.json is written last, atomically: the directory is a checkpoint only once it
+    # is there, so the files before it need no care of their own.
+    (root / "model" / "config.json").write_text(json.dumps(cfg, indent=1, sort_keys=True))
     weights = {n: t.detach().to("cpu", torch.float32).contiguous()
                for n, t in trainer.model.state_dict().items()}
     if trainer.model.config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)   # the embedding itself (safetensors refuses aliases)
-    _atomic_write(root / "model" / "model.safetensors",
-                  lambda p: save_file(weights, p, metadata={"format": "pt"}))
+    save_file(weights, str(root / "model" / "model.safetensors"), metadata={"format": "pt"})
 
     opt: dict[str, torch.Tensor] = {}
     for name, p in trainer.params.items():
@@ -64,11 +59,11 @@ def save(trainer: Trainer, directory: str) -> str:
     opt["rng/torch_cpu"] = torch.get_rng_state()
     if trainer.device.type == "cuda":
         opt["rng/torch_cuda"] = torch.cuda.get_rng_state(trainer.device)
-    _atomic_write(root / "optimizer.safetensors", lambda p: save_file(opt, p))
+    save_file(opt, str(root / "optimizer.safetensors"))
 
     meta = {"format": FORMAT, "version": trainer.version, "params": list(trainer.params),
             "config": trainer.config.model_dump(mode="json")}
-    _atomic_write(done, lambda p: Path(p).write_text(json.dumps(meta, indent=1)))
+    write_file_atomic(done, json.dumps(meta, indent=1).encode())
     return str(root)
 
 

@@ -33,7 +33,6 @@ class Opposite(Environment):
     ``score(reply, answer)``."""
 
     max_turns = 1
-    blocking = False
 
     def __init__(self, word: str, answer: str, max_new_tokens: int = 4) -> None:
         if not word or not answer:

@@ -10,7 +10,7 @@ over actor meshes, tests over in-memory fakes.
 from orchestrator.controller._controller import Controller, MetricsSink
 from orchestrator.controller._training import TrainerLost
 from orchestrator.controller.links import Checkpointer, EnvLink, Links, PoolLink, TrainerLink
-from orchestrator.controller.state import STATE_FILE, ControllerState, write_atomic
+from orchestrator.controller.state import STATE_FILE, ControllerState
 
 __all__ = [
     "STATE_FILE",
@@ -23,5 +23,4 @@ __all__ = [
     "PoolLink",
     "TrainerLink",
     "TrainerLost",
-    "write_atomic",
 ]

@@ -81,6 +81,11 @@ class Controller:
     def abandoned(self) -> bool:
         return self.ctx.abandoned
 
+    @property
+    def restoring_trainer(self) -> bool:
+        """A dead trainer is being restored from the last checkpoint now."""
+        return not self.ctx.trainer_alive.is_set()
+
     def counts(self) -> dict[str, int]:
         return self.ctx.buffer.counts()
 

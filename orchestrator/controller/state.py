@@ -10,7 +10,6 @@ wrong.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -18,20 +17,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from actors.types import TaskSpec
 from orchestrator.buffer import BufferCounters
+from orchestrator.checkpoints import write_file_atomic
 
-__all__ = ["STATE_FILE", "ControllerState", "write_atomic"]
+__all__ = ["STATE_FILE", "ControllerState"]
 
 STATE_FILE = "controller_state.json"
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Replace `path` by `text` so that a crash leaves the old file or the new one, whole."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 class ControllerState(BaseModel):
@@ -57,7 +47,7 @@ class ControllerState(BaseModel):
 
     def save(self, directory: Path) -> Path:
         path = Path(directory) / STATE_FILE
-        write_atomic(path, self.model_dump_json(indent=1))
+        write_file_atomic(path, self.model_dump_json(indent=1).encode())
         return path
 
     @classmethod

@@ -22,6 +22,7 @@ from ._calls import EndpointRef
 from ._curve import Curve
 from ._errors import ActorDied, ActorError, WireError
 from ._mesh import ActorRef, HostSpec, Mesh, open_mesh
+from ._ratelimit import RateLimiter
 from ._tracing import configure_tracing, span, traced
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "EndpointRef",
     "HostSpec",
     "Mesh",
+    "RateLimiter",
     "WireError",
     "configure_tracing",
     "current_rank",

@@ -215,3 +215,43 @@ def endpoints_of(cls: type) -> dict[str, EndpointDef[Any, Any]]:
                 del found[name]  # overridden by a non-endpoint
     cls._flotilla_endpoints = found  # type: ignore[attr-defined]
     return found
+
+
+class WireRejects:
+    """Requests this process's server rejected as invalid (malformed frames or header,
+    unknown endpoint, arguments that fail validation), counted in total and per peer and
+    logged at most once per second per peer, so a flood of bad messages is not a flood
+    of lines. Touched only from the actor's trio thread."""
+
+    MAX_PEERS = 1024
+
+    def __init__(self) -> None:
+        from ._ratelimit import RateLimiter
+
+        self.total = 0
+        self.by_peer: dict[str, int] = {}
+        self._limit = RateLimiter(1.0, max_keys=self.MAX_PEERS)
+
+    def record(self, peer: str, message: str, emit: Callable[[str], None]) -> None:
+        self.total += 1
+        if peer in self.by_peer or len(self.by_peer) < self.MAX_PEERS:
+            self.by_peer[peer] = self.by_peer.get(peer, 0) + 1
+        self._limit.log(peer, message, emit)
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"rejected_messages": self.total, "rejected_by_peer": dict(self.by_peer)}
+
+
+wire_rejects = WireRejects()
+"""This process's counter (one server per actor process): the server records, and every
+actor's ``runtime_stats`` endpoint reads it."""
+
+
+def _runtime_stats(self: Actor) -> dict[str, Any]:
+    """What the runtime counted in this actor's process: requests rejected as invalid,
+    in total (``rejected_messages``) and per peer (``rejected_by_peer``, by ZeroMQ identity)."""
+    return wire_rejects.snapshot()
+
+
+Actor.runtime_stats = endpoint(_runtime_stats)  # type: ignore[attr-defined]  # every actor has it
+Actor.runtime_stats.__set_name__(Actor, "runtime_stats")  # type: ignore[attr-defined]

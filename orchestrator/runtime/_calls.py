@@ -63,13 +63,13 @@ class EndpointRef(Generic[P, R]):
         frames: list[Any] = []
         a = [v if type(v) in SCALARS else encode(v, frames, where=f"{self._qual} argument {i}")
              for i, v in enumerate(args)]
-        header: dict[str, Any] = {"k": kind, "e": self._name, "a": a}
+        header: dict[str, Any] = {"kind": kind, "endpoint": self._name, "args": a}
         if kwargs:
-            header["w"] = {k: encode(v, frames, where=f"{self._qual} argument {k!r}")
+            header["kwargs"] = {k: encode(v, frames, where=f"{self._qual} argument {k!r}")
                            for k, v in kwargs.items()}
         tp = current_traceparent()
         if tp is not None:
-            header["t"] = tp
+            header["trace"] = tp
         return header, frames
 
     def _result(self, p: Pending) -> Any:

@@ -16,7 +16,7 @@ import trio
 import zmq
 
 from . import _actor
-from ._curve import Curve, start_authenticator
+from ._curve import TRUST_SELF_ENV, Curve, start_authenticator
 from ._server import Server, actor_class
 from ._zsock import context, tune
 
@@ -46,7 +46,8 @@ async def _stop_with_parent(parent_pid: int, scope: trio.CancelScope) -> None:
 async def _serve(cls: Any, args: argparse.Namespace) -> None:
     ctx = context()
     curve = Curve.from_env()
-    auth = start_authenticator(ctx, curve) if curve is not None and args.bind.startswith(
+    trust_self = os.environ.get(TRUST_SELF_ENV, "1") != "0"
+    auth = start_authenticator(ctx, curve, trust_self=trust_self) if curve is not None and args.bind.startswith(
         "tcp://") else None
     sock = ctx.socket(zmq.ROUTER)
     try:

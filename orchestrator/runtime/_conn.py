@@ -154,7 +154,7 @@ class Connection:
         if self.dead is not None:
             raise self.dead
         rid = next(self._ids)
-        header["i"] = rid
+        header["id"] = rid
         p = None
         if reply:
             p = Pending(self, rid, sink, rank)
@@ -169,7 +169,7 @@ class Connection:
     def cancel(self, rid: int) -> None:
         if self.pending.pop(rid, None) is not None and self.dead is None and not self.z.closed:
             try:
-                self.z.send([dumps({"i": rid, "k": "cancel"})])
+                self.z.send([dumps({"id": rid, "kind": "cancel"})])
             except zmq.ZMQError:
                 pass
 
@@ -180,7 +180,7 @@ class Connection:
         except ValueError as exc:
             log(f"{self.name}[{self.rank}]: dropped a malformed reply: {exc}")
             return
-        p = self.pending.pop(header.get("i"), None)  # type: ignore[arg-type]
+        p = self.pending.pop(header.get("id"), None)  # type: ignore[arg-type]
         if p is None:
             return  # reply to a cancelled call
         self.rtt_ewma += 0.2 * (perf_counter() - p.t0 - self.rtt_ewma)
@@ -306,15 +306,15 @@ def reply_value(p: Pending) -> Any:
         raise e
     h = p.header
     assert h is not None
-    kind = h.get("k")
+    kind = h.get("kind")
     if kind == "ok":
-        value = h.get("v")
+        value = h.get("value")
         if len(p.frames) > 1 or type(value) not in SCALARS:
             value = decode(value, p.frames)
         return value
     if kind == "err":
-        x = h.get("x") or {}
+        x = h.get("error") or {}
         raise ActorError(str(x.get("type")), str(x.get("msg")), str(x.get("tb")))
     if kind == "bad":
-        raise TypeError(f"rank {p.rank} rejected the call: {h.get('m')}")
+        raise TypeError(f"rank {p.rank} rejected the call: {h.get('message')}")
     raise ActorError("WireError", f"unexpected reply kind {kind!r}", "")

@@ -167,6 +167,13 @@ class Mesh(Generic[A]):
         self._owner.respawn(rank)
 
     @property
+    def pids(self) -> list[int | None]:
+        """Each rank's process id on its host (owner only), None while it (re)starts."""
+        if self._owner is None:
+            raise RuntimeError(f"only the process that opened mesh {self.name!r} knows its pids")
+        return [s.proc.pid if s.proc is not None else None for s in self._owner.slots]
+
+    @property
     def dead_ranks(self) -> list[int]:
         """Ranks known dead (owner only; empty elsewhere)."""
         if self._owner is None:

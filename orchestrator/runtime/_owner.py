@@ -26,10 +26,10 @@ from ._zsock import log
 if TYPE_CHECKING:
     from ._mesh import Mesh
 
-__all__ = ["Owner", "Slot"]
+__all__ = ["Owner", "RankSlot"]
 
 
-class Slot:
+class RankSlot:
     __slots__ = ("address", "conn", "died", "proc", "ready", "state")
 
     def __init__(self) -> None:
@@ -52,7 +52,7 @@ class Owner:
         self.name, self.cls_path, self.init = name, cls_path, init
         self.nursery, self.env, self.transport, self.curve = nursery, env, transport, curve
         self.hosts, self.tcp_host, self.grace, self.on_death = hosts, tcp_host, grace, on_death
-        self.slots = [Slot() for _ in range(procs)]
+        self.slots = [RankSlot() for _ in range(procs)]
         self.procs: list[ActorProcess] = []
         self.closing = False
         self.tmpdir = tempfile.mkdtemp(prefix="flotilla-") if transport == "ipc" and not hosts \
@@ -88,7 +88,7 @@ class Owner:
                           identity=self.curve, connect_timeout=None)
         slot.conn = conn
         a, frames = self.init
-        p = conn.request({"k": "init", "a": a[0], "w": a[1]}, frames, reply=True, rank=rank)
+        p = conn.request({"kind": "init", "args": a[0], "kwargs": a[1]}, frames, reply=True, rank=rank)
         assert p is not None
         await p.wait()
         reply_value(p)

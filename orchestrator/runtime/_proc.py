@@ -38,6 +38,7 @@ class ActorProcess(Protocol):
     """What the mesh owner needs from a running actor process, local or remote."""
 
     address: str
+    pid: int  # on its own host
 
     async def wait_exit(self) -> str:
         """Return (a description of how) the process ended; ActorDied if it cannot be watched."""
@@ -54,6 +55,7 @@ class LocalProcess:
     def __init__(self, process: trio.Process, address: str = "") -> None:
         self.process = process
         self.address = address
+        self.pid = process.pid
         self._signalled = False
 
     async def wait_exit(self) -> str:

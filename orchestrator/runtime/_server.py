@@ -4,14 +4,16 @@ A plain ``def`` endpoint with nothing queued ahead of it runs inline in the
 reader. Async calls are handed to parked worker tasks (spawned when none is
 idle), started in arrival order; each call can be cancelled on its own.
 
-Message kinds (header ``"k"``): ``init`` (constructor arguments, once),
+Message kinds (header ``"kind"``): ``init`` (constructor arguments, once),
 ``call`` (reply expected), ``send`` (fire-and-forget), ``cancel`` (cancel the
 running call with the same id from the same peer). Replies: ``ok`` (value),
 ``err`` (exception type, message, traceback), ``bad`` (the request itself was
 invalid: malformed message, unknown endpoint, arguments that fail validation).
 
 Malformed input never stops the actor: the reader answers ``bad`` when it can
-tell who asked, else drops the message with a line on stderr.
+tell who asked, else drops the message. Either way it is counted per peer
+(``_actor.wire_rejects``, read by every actor's ``runtime_stats`` endpoint) and
+logged on stderr at most once per second per peer.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import trio
 import zmq
 
 from . import _tracing
-from ._actor import Actor, EndpointDef, _Spec, endpoints_of
+from ._actor import Actor, EndpointDef, _Spec, endpoints_of, wire_rejects
 from ._errors import WireError
 from ._wire import SCALARS, decode, dumps, encode, loads
 from ._zsock import ZSocket, log
@@ -89,9 +91,16 @@ class Server:
         except zmq.ZMQError as exc:
             log(f"{self.name}[{self.rank}]: reply not sent: {exc}")
 
+    def _rejected(self, ident: Any, msg: str) -> None:
+        try:
+            peer = bytes(memoryview(ident)).hex()
+        except TypeError:  # no frame at all
+            peer = "?"
+        wire_rejects.record(peer, f"{self.name}[{self.rank}]: rejected a request from peer {peer}: {msg}", log)
+
     def _bad(self, ident: bytes, rid: Any, msg: str) -> None:
-        log(f"{self.name}[{self.rank}]: rejected a request: {msg}")
-        self._reply(ident, {"i": rid if type(rid) is int else None, "k": "bad", "m": msg})
+        self._rejected(ident, msg)
+        self._reply(ident, {"id": rid if type(rid) is int else None, "kind": "bad", "message": msg})
 
     def _answer(self, ident: bytes, rid: Any, value: Any, spec: _Spec | None) -> None:
         frames: list[Any] = []
@@ -100,20 +109,20 @@ class Server:
                 value, frames, where="return value" if spec is None
                 else f"{spec.qualname} return value")
         except TypeError as exc:
-            self._reply(ident, {"i": rid, "k": "err", "x": exception_info(exc)})
+            self._reply(ident, {"id": rid, "kind": "err", "error": exception_info(exc)})
             return
-        self._reply(ident, {"i": rid, "k": "ok", "v": tree}, frames)
+        self._reply(ident, {"id": rid, "kind": "ok", "value": tree}, frames)
 
     def _error(self, ident: bytes, rid: Any, exc: BaseException, reply: bool, what: str) -> None:
         if reply:
-            self._reply(ident, {"i": rid, "k": "err", "x": exception_info(exc)})
+            self._reply(ident, {"id": rid, "kind": "err", "error": exception_info(exc)})
         else:
             log(f"{self.name}[{self.rank}]: {what} raised:\n" + exception_info(exc)["tb"])
 
     # -- dispatch --------------------------------------------------------------
     def _on_message(self, frames: list[Any]) -> None:
         if len(frames) < 2:
-            log(f"{self.name}[{self.rank}]: dropped a message with {len(frames)} frame(s)")
+            self._rejected(frames[0] if frames else None, f"dropped a message with {len(frames)} frame(s)")
             return
         ident = frames[0]
         try:
@@ -121,7 +130,7 @@ class Server:
         except WireError as exc:
             self._bad(ident, None, str(exc))
             return
-        rid, kind = header.get("i"), header.get("k")
+        rid, kind = header.get("id"), header.get("kind")
         if kind == "cancel":
             key = (ident, rid)
             if key in self.running:
@@ -144,7 +153,7 @@ class Server:
         if kind not in ("call", "send"):
             self._bad(ident, rid, f"unknown message kind {kind!r}")
             return
-        name = header.get("e")
+        name = header.get("endpoint")
         ep = self.endpoints.get(name) if type(name) is str else None
         if ep is None:
             self._bad(ident, rid, f"{self.cls.__qualname__} has no endpoint {name!r}")
@@ -157,7 +166,7 @@ class Server:
         reply = kind == "call"
         seq = self._next_seq
         self._next_seq += 1
-        tp = header.get("t")
+        tp = header.get("trace")
         if not ep.is_async and self._started == seq and self.ready.is_set():
             # Nothing queued ahead of it: run a plain function inline, without a task.
             self._started += 1
@@ -174,7 +183,7 @@ class Server:
 
     def _decode_args(self, header: dict[str, Any], frames: list[Any]
                      ) -> tuple[list[Any], dict[str, Any]]:
-        a, w = header.get("a", []), header.get("w", {})
+        a, w = header.get("args", []), header.get("kwargs", {})
         if type(a) is not list or type(w) is not dict:
             raise WireError("arguments must be a list and keyword arguments an object")
         if len(frames) == 1 and not w and all(type(x) in SCALARS for x in a):
@@ -273,11 +282,11 @@ class Server:
             assert self._nursery is not None
             await actor.on_start(self._nursery)
         except Exception as exc:  # noqa: BLE001 - the owner reports it and stops the process
-            self._reply(ident, {"i": rid, "k": "err", "x": exception_info(exc)})
+            self._reply(ident, {"id": rid, "kind": "err", "error": exception_info(exc)})
             return
         self.actor = actor
         self.ready.set()
-        self._reply(ident, {"i": rid, "k": "ok", "v": None})
+        self._reply(ident, {"id": rid, "kind": "ok", "value": None})
 
 
 def actor_class(path: str) -> type[Actor]:

@@ -3,7 +3,7 @@
 Run on each machine that should host actors::
 
     python -m orchestrator.runtime.host --bind tcp://0.0.0.0:5555 --keys ~/.flotilla/keys \\
-        [--advertise this-host.example.com]
+        [--advertise this-host.example.com] [--allow actors.] [--trust-own-key]
 
 On first start ``--keys DIR`` gets a keypair (``DIR/id.key`` public,
 ``DIR/id.key_secret`` secret). The host prints its address and public key;
@@ -12,8 +12,13 @@ the controller passes them as ``HostSpec(address=..., public_key=...)`` in
 in ``DIR/allowed/*.key`` may connect (copy the controller's ``id.key`` there,
 and every other host's key if actors on different hosts call each other).
 
-An authenticated controller is trusted: it names the actor classes the host
-imports and starts. Actors started here bind ``tcp://<bind ip>:*`` with the
+An authenticated controller names the actor classes the host imports and
+starts, but only from modules under the ``--allow`` prefixes (default: the
+project's actor packages, ``actors.``); any other class is refused before
+anything is imported. The host does not accept its own key as a client unless
+started with ``--trust-own-key`` (a copy of the host's secret key must not be
+enough to make it run code). The key directory is 0700 and the secret 0600
+(see ``_curve``). Actors started here bind ``tcp://<bind ip>:*`` with the
 host's keys and stop when the host process exits; the host stops them
 when the controller stops its mesh or when the host receives SIGTERM/SIGINT.
 """
@@ -24,17 +29,37 @@ import argparse
 import os
 import signal
 import socket
+import sys
 from collections.abc import Callable
 from typing import Any
 
 import trio
 
 from ._actor import Actor, endpoint
-from ._curve import Curve
+from ._curve import TRUST_SELF_ENV, Curve, KeyFileError
 from ._errors import ActorDied, ActorError
 from ._proc import LocalProcess, child_env, describe_exit, spawn_local
 
-__all__ = ["HostActor", "RemoteProcess", "main"]
+__all__ = ["DEFAULT_ALLOW", "HostActor", "RemoteProcess", "allowed_class", "main"]
+
+DEFAULT_ALLOW = ("actors.",)
+"""Module prefixes a host spawns actor classes from when ``--allow`` is not given."""
+ALLOW_ENV = "FLOTILLA_HOST_ALLOW"
+
+
+def allowed_class(cls_path: str, prefixes: tuple[str, ...]) -> bool:
+    """Whether ``module:QualName`` is well formed and its module is under one of the
+    prefixes (``actors.`` matches ``actors.sampler``; ``actors`` matches ``actors`` and
+    ``actors.sampler``, never ``actorsx``)."""
+    module, sep, qual = cls_path.partition(":")
+    if not sep or not all(p.isidentifier() for p in module.split(".") + qual.split(".")):
+        return False
+    for prefix in prefixes:
+        if prefix.endswith(".") and module.startswith(prefix):
+            return True
+        if not prefix.endswith(".") and (module == prefix or module.startswith(prefix + ".")):
+            return True
+    return False
 
 
 class HostActor(Actor):
@@ -49,12 +74,23 @@ class HostActor(Actor):
         self.bind_ip = os.environ.get("FLOTILLA_HOST_BIND_IP", "127.0.0.1")
         self.advertise = os.environ.get("FLOTILLA_HOST_ADVERTISE") or None
         self.curve = Curve.from_env()
+        allow = os.environ.get(ALLOW_ENV)
+        self.allow = tuple(p for p in allow.split(",") if p) if allow is not None else DEFAULT_ALLOW
         self.children: dict[int, LocalProcess] = {}
 
     @endpoint
     async def spawn(self, cls_path: str, name: str, rank: int, env: dict[str, str]) -> list[Any]:
-        """Start an actor process; returns ``[address, pid]`` once it listens."""
+        """Start an actor process; returns ``[address, pid]`` once it listens.
+
+        Raises PermissionError, before importing anything, for a class outside the
+        host's allowlist of module prefixes."""
+        if not allowed_class(cls_path, self.allow):
+            raise PermissionError(f"host refuses to spawn {cls_path!r}: its module is not under the "
+                                  f"allowed prefixes {list(self.allow)} (start the host with --allow PREFIX)")
         started: list[LocalProcess] = []
+        # Actors the host starts accept their own (the host's) key again, so they can call
+        # each other; only the host itself refuses it.
+        env = {**env, TRUST_SELF_ENV: "1"}
         try:
             proc = await spawn_local(cls_path, name=name, rank=rank,
                                      bind=f"tcp://{self.bind_ip}:*",
@@ -136,29 +172,44 @@ class RemoteProcess:
                 pass  # the host is gone or already reaped the process
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int | None:
     p = argparse.ArgumentParser(prog="python -m orchestrator.runtime.host",
                                 description="Host Flotilla actors for remote controllers.")
     p.add_argument("--bind", required=True, help="tcp://IP:PORT to listen on (PORT 0: any)")
     p.add_argument("--keys", required=True, help="key directory (id.key_secret, allowed/*.key)")
     p.add_argument("--advertise", default=None,
                    help="host name or IP that controllers use to reach this machine")
+    p.add_argument("--allow", action="append", metavar="PREFIX",
+                   help="module prefix whose actor classes controllers may spawn here (repeatable; "
+                        f"default: {' '.join(DEFAULT_ALLOW)})")
+    p.add_argument("--trust-own-key", action="store_true",
+                   help="also accept clients presenting this host's own key (off: only allowed/*.key)")
     args = p.parse_args(argv)
     if not args.bind.startswith("tcp://"):
         p.error("--bind must be a tcp:// address")
-    curve = Curve.from_dir(args.keys)
+    allow = tuple(args.allow or DEFAULT_ALLOW)
+    if any(not a.rstrip(".") or not all(x.isidentifier() for x in a.rstrip(".").split(".")) for a in allow):
+        p.error(f"--allow takes dotted module prefixes such as 'actors.', got {list(allow)}")
+    try:
+        curve = Curve.from_dir(args.keys)
+    except (KeyFileError, OSError, ValueError) as e:
+        print(f"flotilla host: {e}", file=sys.stderr)
+        return 2
     ip, _, port = args.bind[len("tcp://"):].rpartition(":")
     advertise = args.advertise or (ip if ip not in ("0.0.0.0", "*") else socket.getfqdn())
     os.environ.update(curve.to_env())
     os.environ["FLOTILLA_HOST_BIND_IP"] = ip
     os.environ["FLOTILLA_HOST_ADVERTISE"] = advertise
+    os.environ[ALLOW_ENV] = ",".join(allow)
+    os.environ[TRUST_SELF_ENV] = "1" if args.trust_own_key else "0"
     print(f"flotilla host public key: {curve.public.decode()}", flush=True)
     from ._child import main as child_main
 
     child_main(["--cls", "orchestrator.runtime.host:HostActor", "--name", "host",
                 "--bind", f"tcp://{ip}:{'*' if port in ('0', '*') else port}",
                 "--advertise", advertise, "--autostart"])
+    return None
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

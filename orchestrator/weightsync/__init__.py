@@ -13,13 +13,18 @@ positions+values (sparse) or byte planes (dense); see `_chunks`. Wire forms:
 ZeroMQ multipart (`to_frames` / `from_frames`: metadata frame, then chunk
 frames) or a safetensors file (`to_bytes` / `from_bytes`). Never pickled.
 
-Every failure is a `DeltaError` subclass naming the tensor or problem, and a
+The metadata is sealed by a digest (`_auth`: blake2b over every field, keyed
+when publisher and receivers share `auth_key`), checked before anything else;
+receivers never go back to an older version (replayed keyframes are staged,
+never swapped in below the held version). Every failure is a `DeltaError` subclass naming the tensor or problem, and a
 failed apply leaves the target bit-identical (undo by XOR, see `_codec`).
 Imports torch; `orchestrator/__init__` does not import this package.
 """
 
+from ._auth import meta_digest, seal, verify
 from ._codec import Snapshot, apply, decode_keyframe, encode_delta, encode_keyframe, snapshot_bytes
 from ._errors import (
+    AuthenticationError,
     CorruptPayloadError,
     DeltaError,
     HashMismatchError,
@@ -45,6 +50,7 @@ __all__ = [
     "DEFAULT_FP8_SKIP",
     "FP8_BLOCK",
     "FP8_MAX",
+    "AuthenticationError",
     "CorruptPayloadError",
     "DeltaError",
     "HashMismatchError",
@@ -66,7 +72,10 @@ __all__ = [
     "encode_keyframe",
     "fp8_should_quantize",
     "fp8_wire_snapshot",
+    "meta_digest",
     "quantize_fp8",
+    "seal",
     "snapshot_bytes",
+    "verify",
     "wire_snapshot",
 ]

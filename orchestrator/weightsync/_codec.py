@@ -31,6 +31,7 @@ from typing import TypeVar
 import numpy as np
 import torch
 
+from ._auth import seal
 from ._chunks import (
     HASHERS,
     Workspace,
@@ -143,6 +144,7 @@ def _encode(
     level: int,
     chunk_bytes: int,
     hash_algo: str | None,
+    auth_key: bytes | None,
 ) -> WeightMessage:
     algo = hash_algo or default_hash_algo()
     if algo not in HASHERS:
@@ -186,7 +188,7 @@ def _encode(
         chunk_bytes=cb,
         tensors=tuple(metas),
     )
-    return WeightMessage(meta, frames)
+    return seal(WeightMessage(meta, frames), auth_key)
 
 
 def encode_delta(
@@ -200,18 +202,21 @@ def encode_delta(
     level: int = 1,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     hash_algo: str | None = None,
+    auth_key: bytes | None = None,
 ) -> WeightMessage:
     """Delta taking snapshot `prev` (at `base_version`) to `new` (at `version`).
 
     Both snapshots must hold the same names with the same dtypes and shapes,
     as contiguous CPU tensors; neither is modified. Raises
     StructureMismatchError naming the first offending tensor, ValueError for
-    an unavailable hash_algo.
+    an unavailable hash_algo. The message is sealed (`weightsync.seal`) with
+    `auth_key` (None: an unkeyed digest).
     """
     _check_same(prev, new)
     return _encode(
         prev, new, version=version, base_version=base_version, precision=precision,
         threads=threads, level=level, chunk_bytes=chunk_bytes, hash_algo=hash_algo,
+        auth_key=auth_key,
     )  # fmt: skip
 
 
@@ -224,12 +229,14 @@ def encode_keyframe(
     level: int = 1,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     hash_algo: str | None = None,
+    auth_key: bytes | None = None,
 ) -> WeightMessage:
     """Full compressed snapshot at `version`. Raises StructureMismatchError for
-    a non-contiguous or non-CPU tensor."""
+    a non-contiguous or non-CPU tensor. Sealed with `auth_key` like a delta."""
     return _encode(
         None, snapshot, version=version, base_version=None, precision=precision,
         threads=threads, level=level, chunk_bytes=chunk_bytes, hash_algo=hash_algo,
+        auth_key=auth_key,
     )  # fmt: skip
 
 

@@ -9,6 +9,7 @@ ask for a keyframe.
 from __future__ import annotations
 
 __all__ = [
+    "AuthenticationError",
     "CorruptPayloadError",
     "DeltaError",
     "HashMismatchError",
@@ -61,3 +62,9 @@ class VersionError(DeltaError):
 
 class UnknownReceiverError(DeltaError):
     """The publisher was asked about a receiver it has not registered."""
+
+
+class AuthenticationError(DeltaError):
+    """The message's metadata does not match its digest: its version, base,
+    precision, encoding or tensor list was altered, or it was sealed with
+    another key (or not at all)."""

@@ -25,7 +25,7 @@ from ._errors import MalformedMessageError
 
 __all__ = ["FORMAT", "MessageMeta", "Precision", "TensorMeta", "WeightMessage"]
 
-FORMAT = "flotilla.weightsync/1"
+FORMAT = "flotilla.weightsync/2"
 _ST_KEY = "flotilla.weightsync"
 
 Precision = Literal["bf16", "fp8", "fp32"]
@@ -66,7 +66,7 @@ class MessageMeta(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    format: Literal["flotilla.weightsync/1"] = FORMAT
+    format: Literal["flotilla.weightsync/2"] = FORMAT
     """Format tag; bumped on any incompatible change."""
     version: int = Field(ge=0)
     """Policy version the message brings the receiver to."""
@@ -84,6 +84,12 @@ class MessageMeta(BaseModel):
     """Raw bytes per chunk (the last chunk of a tensor may be shorter)."""
     tensors: tuple[TensorMeta, ...]
     """Every tensor of the snapshot, in payload order."""
+    digest: str = Field(default="", pattern=r"^([0-9a-f]{64})?$")
+    """blake2b-256 of every other field (`weightsync.meta_digest`), keyed with the
+    publisher's key when it has one. It binds version, base version, encoding,
+    precision and the tensor list (names, dtypes, shapes, hashes of the new bytes,
+    chunk lengths) together, so a receiver refuses a message whose metadata was
+    altered. Empty only on a message that was never sealed (receivers refuse it)."""
 
     @model_validator(mode="after")
     def _check(self) -> MessageMeta:

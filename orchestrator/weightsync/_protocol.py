@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from typing_extensions import Buffer
 
+from ._auth import verify
 from ._codec import DEFAULT_CHUNK_BYTES, Snapshot, apply, decode_keyframe, encode_delta, encode_keyframe
 from ._errors import StructureMismatchError, UnknownReceiverError, VersionError
 from ._fp8 import DEFAULT_FP8_SKIP, wire_snapshot
@@ -70,6 +71,9 @@ class WeightPublisher:
     `ack` raises UnknownReceiverError for an unregistered receiver, and
     StructureMismatchError flags a precision that is not published or a
     receiver asking in another precision than it registered with.
+
+    Every message is sealed (`weightsync.seal`): with `auth_key` (1..64 bytes, shared
+    with the receivers) its digest is a MAC, without one a plain hash.
     """
 
     def __init__(
@@ -81,6 +85,7 @@ class WeightPublisher:
         threads: int = 2,
         level: int = 1,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        auth_key: bytes | None = None,
     ) -> None:
         if keyframe_interval < 1:
             raise ValueError(f"keyframe_interval must be >= 1, got {keyframe_interval}")
@@ -89,7 +94,7 @@ class WeightPublisher:
         self.keyframe_interval = keyframe_interval
         self.precisions = tuple(precisions)
         self._fp8_skip = tuple(fp8_skip)
-        self._codec = {"threads": threads, "level": level, "chunk_bytes": chunk_bytes}
+        self._codec = {"threads": threads, "level": level, "chunk_bytes": chunk_bytes, "auth_key": auth_key}
         self._tracks = {p: _Track() for p in self.precisions}
         self._peers: dict[str, _Peer] = {}
         self._latest: int | None = None
@@ -242,15 +247,24 @@ class WeightPublisher:
 class WeightReceiver:
     """Holds one precision's weights and applies messages to them, verified.
 
-    `apply` raises (all DeltaError): VersionError for a delta whose base is
-    not the held version (gap, duplicate, out of order) or a stale keyframe;
-    StructureMismatchError for another precision or layout; Corrupt-
-    PayloadError / HashMismatchError / MalformedMessageError from the codec.
-    On any of them the weights stay bit-identical at the last good version
-    and `needs_keyframe` turns true, so `have_version` is None and the
-    publisher's next `updates_for` answers with a keyframe path. A successful
-    apply clears it (the held weights are verified, so a delta continuing them
-    is as good as a keyframe).
+    `apply` raises (all DeltaError): AuthenticationError for metadata that does
+    not match its digest (with `auth_key`: not sealed with that key); VersionError
+    for a delta whose base is not the held version (gap, duplicate, out of order)
+    or a stale keyframe; StructureMismatchError for another precision or layout;
+    CorruptPayloadError / HashMismatchError / MalformedMessageError from the
+    codec. On any of them the weights stay bit-identical at the last good version
+    and `needs_keyframe` turns true, so `have_version` is None and the publisher's
+    next `updates_for` answers with a keyframe path. A successful apply clears it
+    (the held weights are verified, so a delta continuing them is as good as a
+    keyframe).
+
+    Versions never go back. A keyframe at or below the held version is refused,
+    except while a keyframe is needed: the publisher's keyframe path may start
+    below the held version (its newest keyframe plus the deltas after it), so such
+    a keyframe is *staged*: decoded aside, continued by the deltas that follow it,
+    and swapped in only once it reaches the held version or later. A replayed old
+    keyframe therefore never replaces the held weights; it costs one snapshot of
+    memory until the next keyframe or a delta continuing the held version.
     """
 
     def __init__(
@@ -260,6 +274,7 @@ class WeightReceiver:
         version: int | None = None,
         *,
         threads: int = 2,
+        auth_key: bytes | None = None,
     ) -> None:
         if (snapshot is None) != (version is None):
             raise ValueError("give both snapshot and version, or neither")
@@ -267,12 +282,14 @@ class WeightReceiver:
         self._snapshot = snapshot
         self._version = version
         self._threads = threads
+        self._key = auth_key
+        self._staged: tuple[Snapshot, int] | None = None
         self.needs_keyframe = snapshot is None
 
     @property
     def snapshot(self) -> Snapshot | None:
         """The held weights (tensors are updated in place by deltas; a keyframe
-        with a different layout replaces the dict)."""
+        with a different layout, or a staged path that caught up, replaces the dict)."""
         return self._snapshot
 
     @property
@@ -281,26 +298,32 @@ class WeightReceiver:
         return self._version
 
     @property
+    def staged_version(self) -> int | None:
+        """Version of a keyframe path being built below the held version, if any."""
+        return None if self._staged is None else self._staged[1]
+
+    @property
     def have_version(self) -> int | None:
         """What to tell `updates_for`: the held version, or None when a keyframe is needed."""
         return None if self.needs_keyframe else self._version
 
-    def apply(self, message: WeightMessage) -> int:
-        """Apply one message; returns the version now held (then acknowledge it)."""
+    def apply(self, message: WeightMessage) -> int | None:
+        """Apply one message; returns the version now held (then acknowledge it).
+        A staged message (see the class docstring) leaves the held version as it was."""
         return self._guarded(lambda: message)
 
-    def apply_frames(self, frames: Sequence[Buffer]) -> int:
+    def apply_frames(self, frames: Sequence[Buffer]) -> int | None:
         """Parse ZeroMQ frames (`WeightMessage.to_frames`) and apply them. A
         message that does not parse is refused like any other: MalformedMessageError,
         weights kept, `needs_keyframe` set."""
         return self._guarded(lambda: WeightMessage.from_frames(frames))
 
-    def apply_bytes(self, data: Buffer) -> int:
+    def apply_bytes(self, data: Buffer) -> int | None:
         """Parse a safetensors container (`WeightMessage.to_bytes`) and apply it,
         with the same refusal rules as `apply_frames`."""
         return self._guarded(lambda: WeightMessage.from_bytes(data))
 
-    def _guarded(self, get: Callable[[], WeightMessage]) -> int:
+    def _guarded(self, get: Callable[[], WeightMessage]) -> int | None:
         try:
             message = get()
             self._apply(message)
@@ -308,9 +331,10 @@ class WeightReceiver:
             # DeltaErrors leave the weights intact; anything else (MemoryError,
             # a bug) might not, and a keyframe is the safe way back either way.
             self.needs_keyframe = True
+            self._staged = None
             raise
-        self.needs_keyframe = False
-        return message.version
+        self.needs_keyframe = self._staged is not None
+        return self._version
 
     def apply_all(self, messages: Iterable[WeightMessage]) -> int | None:
         """Apply messages in order; stops at (and raises) the first failure."""
@@ -319,16 +343,27 @@ class WeightReceiver:
         return self._version
 
     def _apply(self, message: WeightMessage) -> None:
+        verify(message, self._key)
         if message.precision != self.precision:
             raise StructureMismatchError(f"message is {message.precision}, receiver holds {self.precision}")
         snap, held = self._snapshot, self._version
         if message.is_keyframe:
-            if snap is not None and held is not None and not self.needs_keyframe and message.version <= held:
+            if snap is None or held is None or message.version > held:
+                self._staged = None
+                if snap is None or not _fits(message, snap):
+                    self._snapshot = decode_keyframe(message, threads=self._threads)
+                else:
+                    apply(message, snap, threads=self._threads)
+                self._version = message.version
+                return
+            if not self.needs_keyframe:
                 raise VersionError(f"stale keyframe {message.version}: already at {held}")
-            if snap is None or not _fits(message, snap):
-                self._snapshot = decode_keyframe(message, threads=self._threads)
-            else:
-                apply(message, snap, threads=self._threads)
+            self._staged = None  # free the previous attempt before decoding the next
+            self._staged = (decode_keyframe(message, threads=self._threads), message.version)
+        elif self._staged is not None and message.base_version == self._staged[1]:
+            staged, _ = self._staged
+            apply(message, staged, threads=self._threads)
+            self._staged = (staged, message.version)
         else:
             if snap is None:
                 raise VersionError(
@@ -339,8 +374,13 @@ class WeightReceiver:
                 raise VersionError(
                     f"{kind}: delta {message.base_version}->{message.version}, receiver at {held}"
                 )
+            self._staged = None
             apply(message, snap, threads=self._threads)
-        self._version = message.version
+            self._version = message.version
+            return
+        staged, version = self._staged
+        if held is not None and version >= held:  # the path caught up: verified, not older
+            self._snapshot, self._version, self._staged = staged, version, None
 
 
 def _fits(message: WeightMessage, snap: Mapping[str, torch.Tensor]) -> bool:

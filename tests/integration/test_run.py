@@ -120,6 +120,12 @@ def test_sigint_checkpoints_and_resume_continues_without_repeating_or_skipping(s
     assert 2 <= stopped_at < 6
     state = json.loads((run_dir / "checkpoint" / "controller_state.json").read_text())
     assert state["step"] == stopped_at and state["version"] == stopped_at
+    # The prompts buffered at the stop are saved, to be played first after the resume.
+    buffered = {t["prompt_id"] for t in state["buffered"]}
+    assert buffered
+    b = state["buffer"]
+    assert b["groups_in"] == b["groups_trained"] + len(state["buffered"]) + b["groups_skipped"]
+    resumed_at_ns = time.time_ns()
 
     proc = _flotilla("run", "--resume", str(run_dir), cwd=tmp_path)
     out, _ = proc.communicate(timeout=240)
@@ -127,4 +133,7 @@ def test_sigint_checkpoints_and_resume_continues_without_repeating_or_skipping(s
     rows = read_jsonl(metrics)
     assert [r["step"] for r in rows] == list(range(1, 7))
     assert [r["version"] for r in rows] == list(range(1, 7))
+    replayed = {s["attributes"]["prompt_id"] for s in read_jsonl(run_dir / "traces.jsonl")
+                if s["name"] == "rollout" and s["service"] == "controller" and s["start_ns"] >= resumed_at_ns}
+    assert buffered <= replayed  # no prompt buffered at the stop was lost
     assert (run_dir / "cost_report.json").is_file()

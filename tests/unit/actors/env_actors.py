@@ -151,3 +151,48 @@ class TokenObservations(Environment):
         n = first_int(action_text)
         return StepOutcome(observation=[default_chat_tokens().int_id(9)],
                            reward=(n or 0) / 10, done=self.turn == 2)
+
+
+_stuck = threading.Event()
+
+
+@register_task("test_stuck_reset")
+class StuckReset(Environment):
+    """A plain ``reset`` stuck forever (its thread never returns)."""
+
+    def reset(self, task: TaskSpec) -> str:
+        _stuck.wait()
+        return "unreachable"
+
+    def step(self, action_text: str, action_ids: list[int]) -> StepOutcome:
+        return StepOutcome(observation="", done=True)
+
+
+@register_task("test_blocks_loop")
+class BlocksLoop(Environment):
+    """An ``async`` step that calls blocking code: it freezes the actor's event loop."""
+
+    def reset(self, task: TaskSpec) -> str:
+        return "what is"
+
+    async def step(self, action_text: str, action_ids: list[int]) -> StepOutcome:
+        import time
+
+        time.sleep(float(task_seconds))
+        return StepOutcome(observation="", reward=1.0, done=True)
+
+
+task_seconds = 1.5
+
+
+@register_task("test_validated")
+class Validated(Environment):
+    """Checks its params in a classmethod (its constructor would be expensive)."""
+
+    def __init__(self, level: int = 1) -> None:
+        raise AssertionError("check_task must not construct an environment with validate_params")
+
+    @classmethod
+    def validate_params(cls, params: dict) -> None:
+        if not 1 <= params.get("level", 1) <= 3:
+            raise ValueError(f"level must be in 1..3, got {params.get('level')}")

@@ -136,9 +136,13 @@ async def test_arithmetic_token_observations_and_failures() -> None:
                 _check_layout(t)
                 if task == "test_explode":   # one full turn before the raise: tokens kept
                     assert t.turns == 2 and t.num_generated == 2
+                    # the environment's own frame and error are in the kept traceback tail
+                    assert "in step" in t.error_traceback and "boom in the user" in t.error_traceback
             ok = await run.call_one(sm[0], make_task_specs("guess_number", 1, 1)[0], SAMPLING, 0)
             assert not ok.failed
-            assert await em[0].stats.call_one() == {"episodes": 12, "failed": 5, "running": 0}
+            st = await em[0].stats.call_one()
+            assert {k: st[k] for k in ("episodes", "failed", "running")} == {"episodes": 12, "failed": 5, "running": 0}
+            assert st["stuck_calls"] == {"test_hang_blocking": 1} and st["loop_stalls"] == 0
 
 
 async def test_context_limit_and_dead_sampler() -> None:
@@ -164,4 +168,5 @@ async def test_context_limit_and_dead_sampler() -> None:
             t = await run.call_one(dead, make_task_specs("guess_number", 1, 1)[0], SAMPLING, 0)
             assert t.failed and t.turns == 0 and t.error
             assert t.tokens.numel() > 0 and not bool(t.loss_mask.any())
-            assert await em[0].stats.call_one() == {"episodes": 3, "failed": 2, "running": 0}
+            st = await em[0].stats.call_one()
+            assert {k: st[k] for k in ("episodes", "failed", "running")} == {"episodes": 3, "failed": 2, "running": 0}

@@ -9,7 +9,8 @@ import torch
 
 from actors.chat import HFChatFormat
 from actors.env import Environment, StepOutcome, register_task
-from actors.env._episode import EpisodeLimits, play_episode
+from actors.env._episode import EnvCalls, EpisodeLimits, play_episode
+from actors.env._threads import EnvThreads
 from actors.sampler import GenerateRequest, GenerateResult
 from actors.tiny import train_tokenizer
 from actors.types import SamplingParams, TaskSpec
@@ -27,7 +28,6 @@ class WeatherTool(Environment):
     """Turn 1: the model should call get_weather; the tool answers; turn 2: the answer."""
 
     max_turns = 3
-    blocking = False
     tools = TOOLS
 
     def __init__(self) -> None:
@@ -67,7 +67,8 @@ async def _play(fmt: HFChatFormat, replies: list[str]):
     traj = await play_episode(
         generate, GenerateRequest, TaskSpec(task="test_weather_tool", prompt_id="p", group_id="g"),
         SamplingParams(max_new_tokens=48), 0, chat=fmt,
-        limits=EpisodeLimits(5.0, 5.0, 512), request_prefix="t", span=span)
+        limits=EpisodeLimits(5.0, 5.0, 512), request_prefix="t", span=span,
+        calls=EnvCalls(EnvThreads(2)))
     return traj, requests
 
 

@@ -33,14 +33,14 @@ async def test_curve_mesh_serves_allowed_and_refuses_unknown_keys() -> None:
                                identity=Curve.generate(), connect_timeout=None)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(rogue.run)
-                p = rogue.request({"k": "call", "e": "incr", "a": [100]}, [], reply=True)
+                p = rogue.request({"kind": "call", "endpoint": "incr", "args": [100]}, [], reply=True)
                 assert p is not None
                 with trio.fail_after(5):
                     await p.wait()
                 assert isinstance(p.error, ActorDied), p.header
                 assert "CurveZMQ authentication failed" in p.error.reason
                 with pytest.raises(ActorDied, match="refused"):
-                    rogue.request({"k": "call", "e": "incr", "a": [100]}, [], reply=True)
+                    rogue.request({"kind": "call", "endpoint": "incr", "args": [100]}, [], reply=True)
                 rogue.scope.cancel()
             assert await mesh.value.call() == [3, 3]  # the rogue call never ran
 
@@ -51,10 +51,11 @@ async def test_tcp_needs_curve() -> None:
             pass
 
 
-async def _start_host(keys: Path) -> tuple[trio.Process, HostSpec]:
+async def _start_host(keys: Path, *extra: str) -> tuple[trio.Process, HostSpec]:
+    """A real `flotilla host` process; by default it may spawn this package's test actors."""
     proc = await trio.lowlevel.open_process(
-        [sys.executable, "-m", "orchestrator.runtime.host", "--bind", "tcp://127.0.0.1:0",
-         "--keys", str(keys)], stdout=subprocess.PIPE,
+        [sys.executable, "-m", "orchestrator.cli", "host", "--bind", "tcp://127.0.0.1:0",
+         "--keys", str(keys), *(extra or ("--allow", "tests.unit.orchestrator.runtime."))], stdout=subprocess.PIPE,
         env={**os.environ, "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path)})
     assert proc.stdout is not None
     out = b""

@@ -120,16 +120,16 @@ async def test_malformed_messages_are_rejected_and_actor_keeps_serving() -> None
         ([b"not json at all"], None),
         ([b"[1, 2, 3]"], None),
         ([b""], None),
-        ([b'{"i": 1, "k": "call", "e": "echo", "a": [{"__t": "bytes", "f": 1, "n": 5}]}'], 1),
-        ([b'{"i": 2, "k": "call", "e": "echo", "a": [1]}', b"extra frame"], 2),
-        ([(b'{"i": 3, "k": "call", "e": "echo", "a": [{"__t": "tensor", "d": "float32", '
+        ([b'{"id": 1, "kind": "call", "endpoint": "echo", "args": [{"__t": "bytes", "f": 1, "n": 5}]}'], 1),
+        ([b'{"id": 2, "kind": "call", "endpoint": "echo", "args": [1]}', b"extra frame"], 2),
+        ([(b'{"id": 3, "kind": "call", "endpoint": "echo", "args": [{"__t": "tensor", "d": "float32", '
            b'"s": [1000000000, 1000000], "f": 1, "n": 4000000000000000}]}'), b"tiny"], 3),
-        ([b'{"i": 4, "k": "call", "e": "no_such_endpoint", "a": []}'], 4),
-        ([b'{"i": 5, "k": "call", "e": "echo", "a": "not a list"}'], 5),
-        ([b'{"i": 6, "k": "launch_missiles"}'], 6),
-        ([b'{"i": "x", "k": "call", "e": "echo", "a": [1]}'], None),
-        ([b'{"i": 7, "k": "init", "a": [], "w": {}}'], 7),  # a second init is refused
-        ([b'{"i": 8, "k": "call", "e": "scale", "a": [[1.0]], "w": {"bogus": 1}}'], 8),
+        ([b'{"id": 4, "kind": "call", "endpoint": "no_such_endpoint", "args": []}'], 4),
+        ([b'{"id": 5, "kind": "call", "endpoint": "echo", "args": "not a list"}'], 5),
+        ([b'{"id": 6, "kind": "launch_missiles"}'], 6),
+        ([b'{"id": "x", "kind": "call", "endpoint": "echo", "args": [1]}'], None),
+        ([b'{"id": 7, "kind": "init", "args": [], "kwargs": {}}'], 7),  # a second init is refused
+        ([b'{"id": 8, "kind": "call", "endpoint": "scale", "args": [[1.0]], "kwargs": {"bogus": 1}}'], 8),
     ]
     with trio.fail_after(30):
         async with open_mesh(Echo) as mesh:
@@ -141,11 +141,11 @@ async def test_malformed_messages_are_rejected_and_actor_keeps_serving() -> None
                     sock.send_multipart(frames)
                     reply = await _recv(sock)
                     header = json.loads(reply[0])
-                    assert header["k"] == "bad", frames
-                    assert header["i"] == rid, frames
-                    assert header["m"]
+                    assert header["kind"] == "bad", frames
+                    assert header["id"] == rid, frames
+                    assert header["message"]
                     assert await mesh[0].echo.call_one(42) == 42
-                sock.send_multipart([b'{"i": 9, "k": "cancel"}'])  # unknown cancel: ignored
+                sock.send_multipart([b'{"id": 9, "kind": "cancel"}'])  # unknown cancel: ignored
                 assert await mesh[0].scale.call_one([1.5]) == [3.0]
             finally:
                 sock.close()

@@ -1,0 +1,185 @@
+"""Chaos: the demo under a fault schedule, and what it cost.
+
+Runs `examples/guess_number.toml` (fewer steps) with the real controller and actor
+processes, and, while it trains:
+
+- SIGKILLs a sampler twice (one per pool, at random steps), an env actor once and the
+  trainer once (with `[checkpoint] every_steps` set);
+- injects 100 bad weight messages into a live sampler: corrupted payloads, forged
+  versions and replays of an old keyframe;
+- plays a task that raises in 10% of its steps (`benchmarks/chaos_tasks.py`);
+- stops the run once as the first Ctrl-C does (`Controller.stop`: finish the step,
+  checkpoint) and resumes it (`run_async(resume=True)`), as `flotilla run --resume` does.
+  The real SIGINT path is covered by tests/integration.
+
+It ends with one JSON line: `run_completed`, `prompts_lost` (prompts that entered and were
+neither trained, still buffered, nor counted as skipped), `prompts_skipped`,
+`steps_repeated_after_trainer_kill`, `recover_s_max` (fault -> next trained step),
+`bad_weight_messages_accepted`, `controller_cpu_while_trainer_dead` (cores).
+
+    python benchmarks/chaos.py            # 120 steps
+    python benchmarks/chaos.py --quick    # 40 steps
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from _runs import ROOT, demo_raw, load_average
+
+sys.path.insert(0, str(ROOT))
+
+
+def _forgeries(keyframe: list[bytes], current: list[bytes], rng: random.Random, n: int) -> list[tuple[str, list[bytes]]]:
+    """`n` bad messages: a byte flipped in a payload chunk, a forged version in the
+    metadata, or the old keyframe replayed as it was."""
+    out = []
+    for i in range(n):
+        kind = ("corrupt", "forged", "replay")[i % 3]
+        if kind == "replay":
+            out.append((kind, list(keyframe)))
+            continue
+        frames = [bytearray(f) for f in current]
+        if kind == "corrupt":
+            j = rng.randrange(1, len(frames)) if len(frames) > 1 else 0
+            k = rng.randrange(len(frames[j]))
+            frames[j][k] ^= 1 << rng.randrange(8)
+        else:
+            meta = json.loads(frames[0])
+            meta["version"] = int(meta["version"]) + rng.randint(1, 1000)
+            frames[0] = bytearray(json.dumps(meta).encode())
+        out.append((kind, [bytes(f) for f in frames]))
+    return out
+
+
+class Schedule:
+    """Runs the faults from inside the run (`run_async(observer=...)`) and times recovery."""
+
+    def __init__(self, steps: int, rng: random.Random, every_steps: int) -> None:
+        pools_at = sorted(rng.sample(range(4, steps // 2), 2))
+        self.kills = sorted([(pools_at[0], "pool0"), (pools_at[1], "pool1"), (steps // 4 + 1, "env"),
+                             (every_steps * 2 + every_steps // 2, "trainer")])
+        self.inject_at = steps // 3
+        self.stop_at = (steps * 2) // 3
+        self.rng = rng
+        self.keyframe: list[bytes] | None = None
+        self.recoveries: list[tuple[str, float]] = []
+        self.bad_accepted = 0
+        self.bad_sent = 0
+        self.repeated = 0
+        self.cpu_while_dead: float | None = None
+        self.stopped = False
+
+    async def __call__(self, run: Any) -> None:
+        import trio
+
+        from orchestrator.runtime import ActorError
+
+        ctl, meshes = run.controller, run.meshes
+        pools = [k for k in meshes if k.startswith("pool:")]
+        state = ctl.state
+        while True:
+            step = state.step
+            if self.keyframe is None:
+                self.keyframe = await meshes["trainer"][0].keyframe.call_one("bf16")
+            if self.kills and step >= self.kills[0][0]:
+                what = self.kills.pop(0)[1]
+                mesh = meshes["trainer"] if what == "trainer" else meshes["env"] if what == "env" \
+                    else meshes[pools[int(what[-1]) % len(pools)]]
+                pid = mesh.pids[0]
+                t0, cpu0 = time.monotonic(), time.process_time()
+                os.kill(pid, signal.SIGKILL)
+                if what == "trainer":
+                    while state.trainer_restarts == 0 or ctl.restoring_trainer:
+                        await trio.sleep(0.02)
+                    self.cpu_while_dead = (time.process_time() - cpu0) / (time.monotonic() - t0)
+                    self.repeated = step - state.step  # the restore moved the step back
+                target = state.step
+                while state.step <= target:
+                    await trio.sleep(0.02)
+                self.recoveries.append((what, time.monotonic() - t0))
+                continue
+            if step >= self.inject_at and self.bad_sent == 0:
+                pool = meshes[pools[0]]
+                current = await meshes["trainer"][0].keyframe.call_one("bf16")
+                for kind, frames in _forgeries(self.keyframe, current, self.rng, 100):
+                    self.bad_sent += 1
+                    try:
+                        await pool[0].apply_weights.call_one([frames])
+                        self.bad_accepted += 1
+                    except ActorError:
+                        pass
+            if step >= self.stop_at and not self.stopped:
+                self.stopped = True
+                ctl.stop()
+                return
+            await trio.sleep(0.05)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="40 steps instead of 120")
+    ap.add_argument("--steps", type=int)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    steps = args.steps or (40 if args.quick else 120)
+    every = 5 if args.quick else 10
+
+    import trio
+
+    from orchestrator.config import load_config
+    from orchestrator.progress import Progress
+    from orchestrator.runner import run_async
+
+    raw = demo_raw()
+    tmp = Path(tempfile.mkdtemp(prefix="flotilla-chaos-"))
+    raw.update(name="chaos", steps=steps, run_root=str(tmp))
+    raw["checkpoint"] = {"every_steps": every, "max_restarts": 3}
+    raw["task"]["name"] = "flaky_guess_number"
+    raw["task"]["modules"] = [str(ROOT / "benchmarks" / "chaos_tasks.py")]
+    raw["task"]["params"] = {**raw["task"]["params"], "fail_rate": 0.1}
+    cfg = load_config(raw=raw)
+    schedule = Schedule(steps, random.Random(args.seed), every)
+    t0 = time.monotonic()
+    try:
+        first = trio.run(lambda: run_async(cfg, progress=Progress(steps), observer=schedule))
+        second = trio.run(lambda: run_async(cfg, resume=True, progress=Progress(steps)))
+        rows = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    c = second.counts
+    lost = c["groups_in"] - c["groups_trained"] - c["groups_buffered"] - c["groups_skipped"]
+    result = {
+        "benchmark": "chaos", "quick": args.quick, "steps": steps, "every_steps": every,
+        "run_completed": second.steps_done == steps and [r["step"] for r in rows] == list(range(1, steps + 1)),
+        "interrupted_at": first.steps_done,
+        "prompts_lost": lost,
+        "prompts_skipped": c["groups_skipped"],
+        "dropped_failed": c["dropped_failed"],
+        "steps_repeated_after_trainer_kill": schedule.repeated,
+        "recover_s": {what: round(s, 2) for what, s in schedule.recoveries},
+        "recover_s_max": round(max(s for _, s in schedule.recoveries), 2) if schedule.recoveries else None,
+        "faults_injected": len(schedule.recoveries),
+        "bad_weight_messages_sent": schedule.bad_sent,
+        "bad_weight_messages_accepted": schedule.bad_accepted,
+        "controller_cpu_while_trainer_dead": round(schedule.cpu_while_dead, 3)
+        if schedule.cpu_while_dead is not None else None,
+        "final_reward_10": round(sum(r["reward_mean"] for r in rows[-10:]) / min(10, len(rows)), 3),
+        "wall_s": round(time.monotonic() - t0, 1),
+        "load_average": load_average(),
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
