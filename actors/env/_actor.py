@@ -16,13 +16,13 @@ from typing import Any
 import trio
 from pydantic import BaseModel, ConfigDict, Field
 
+from actors.chat import load_chat_format
 from actors.env._episode import EnvCalls, EpisodeLimits, play_episode
 from actors.env._interface import registered_tasks
 from actors.env._modules import import_task_modules
 from actors.env._threads import EnvThreads
 from actors.env._watchdog import LoopWatchdog
 from actors.sampler import GenerateRequest, GenerateResult
-from actors.chat import load_chat_format
 from actors.types import SamplingParams, TaskSpec, Trajectory
 from orchestrator.runtime import Actor, ActorRef, Mesh, endpoint, span
 

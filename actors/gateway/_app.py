@@ -23,6 +23,7 @@ like any other actor task and never blocks the loop.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -133,9 +134,9 @@ def build_app(lookup: Callable[[str], Session | None], model_name: str) -> Starl
                 value = float(value)
             except (ValueError, KeyError, TypeError):
                 raise GatewayError(400, 'body must be {"reward": <number>}', param="reward") from None
-            if value != value or value in (float("inf"), float("-inf")):
+            if not math.isfinite(value):
                 raise GatewayError(400, "reward must be finite", param="reward")
-            session._check_open()
+            session.check_open()
             session.reward = value
         except GatewayError as e:
             return _error(e)

@@ -158,7 +158,7 @@ class Session:
         messages = [m.template_message() for m in req.messages]
         tools = req.template_tools()
         async with self._lock:
-            self._check_open()
+            self.check_open()
             plan = self._plan_chat(messages, tools)
             result, kept, cut_text = await self._sample(plan.prompt(), req)
             seg = plan.commit(self.segments)
@@ -204,7 +204,7 @@ class Session:
         anything else starts a segment.  Errors as ``chat``.
         """
         async with self._lock:
-            self._check_open()
+            self.check_open()
             seg = self.segments[-1] if self.segments else None
             if seg is not None and seg.kind != "completion":
                 seg = None
@@ -267,7 +267,7 @@ class Session:
             result = await self.generate(greq)
         except trio.Cancelled:
             raise
-        except Exception as e:  # noqa: BLE001 - the harness gets a 502, the episode a failure
+        except Exception as e:
             raise GatewayError(502, f"sampler failed: {type(e).__name__}: {e}", type="server_error") from e
         finally:
             self.last_sampler_s = time.perf_counter() - t0
@@ -289,7 +289,7 @@ class Session:
         self.pool = result.pool
         seg.turns += 1
 
-    def _check_open(self) -> None:
+    def check_open(self) -> None:
         if self.closed:
             raise GatewayError(409, f"session {self.id!r} is closed (its episode ended)",
                                code="session_closed")

@@ -126,7 +126,7 @@ async def test_openai_client_streams_and_history_is_extended_not_retokenised(ser
 
 
 async def test_stop_strings_cut_the_reply_and_reward_posts_land(served) -> None:
-    gw, s, gen, c = served
+    _, s, gen, c = served
     gen.texts = ["3 and 5 guess"]
     url = f"/s/{s.id}/v1/chat/completions"
     r = await c.post(url, json={"messages": [{"role": "user", "content": "guess"}], "stop": "5", "max_tokens": 4})
@@ -140,7 +140,7 @@ async def test_stop_strings_cut_the_reply_and_reward_posts_land(served) -> None:
 
 
 async def test_plain_completions_extend_the_text(served) -> None:
-    gw, s, gen, c = served
+    _, s, gen, c = served
     url = f"/s/{s.id}/v1/completions"
     r = (await c.post(url, json={"prompt": "guess the", "max_tokens": 1})).json()
     assert r["object"] == "text_completion" and r["choices"][0]["text"] == "3"
