@@ -302,8 +302,10 @@ def check_runnable(cfg: RunConfig) -> None:
         raise ConfigError(str(e)) from None
     if cfg.trainer.device == "cuda" and cuda == 0:
         raise ConfigError("trainer.device: 'cuda' but this machine has no CUDA GPU; use \"cpu\"")
-    if cfg.task.dataset is not None:
-        return  # the rows complete the params: orchestrator.preflight checks the task on them
+    if cfg.task.dataset is not None or cfg.task.kind == "harness":
+        # Rows complete the params / a harness is no registered task: orchestrator.preflight
+        # checks the task on its rows, and the harness's entrypoint, grader and command.
+        return
     try:
         check_task(cfg.task.name, cfg.task.params, cfg.task.modules)
     except TaskCheckError as e:
