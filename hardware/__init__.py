@@ -15,6 +15,7 @@ Pure Python + pydantic: importing `hardware` imports nothing else of Flotilla's 
 from hardware.catalog import CATALOG, SOURCES, GpuSpec, canonical_gpu, catalog_markdown, gpu_spec
 from hardware.describe import describe, model_spec_from_table
 from hardware.ledger import CostLedger, CostReport, CostTotals, Counterfactual, PoolCost
+from hardware.placement import SGLangLaunch, detected_gpu, gpu_mismatch
 from hardware.pools import DEFAULT_ROLLOUTS_PER_GPU, HardwareConfig, PoolConfig, PoolList, check_devices
 from hardware.scheduler import PoolState, Scheduler
 from hardware.simulate import FleetSim, SimPlacement, SimPoolStats, SimResult
@@ -45,6 +46,7 @@ __all__ = [
     "PoolList",
     "PoolState",
     "RooflineAssumptions",
+    "SGLangLaunch",
     "SOURCES",
     "Scheduler",
     "SimPlacement",
@@ -57,7 +59,9 @@ __all__ = [
     "check_devices",
     "decode_step_seconds",
     "describe",
+    "detected_gpu",
     "fit_batch_per_gpu",
+    "gpu_mismatch",
     "gpu_spec",
     "model_spec_from_table",
     "replica_gpus",

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from hardware.catalog import CATALOG, GpuSpec, canonical_gpu
+from hardware.placement import SGLangLaunch
 
 __all__ = ["PoolConfig", "PoolList", "HardwareConfig", "DEFAULT_ROLLOUTS_PER_GPU", "check_devices"]
 
@@ -52,6 +53,29 @@ class PoolConfig(BaseModel):
     trajectories staler than this at train time are dropped."""
     max_concurrent_rollouts: int | None = None
     """Most rollouts in flight on the pool at once (≥ 1); None means 64 per GPU."""
+    backend: Literal["torch", "sglang"] = "torch"
+    """What generates: `torch` (Flotilla's own engine, CPU or CUDA) or `sglang` (an SGLang
+    server per GPU, given by `urls` or started by `launch`; needs device `cuda`)."""
+    urls: list[str] | None = None
+    """sglang: base URLs of running servers, one per GPU (`count` of them), e.g.
+    `["http://10.0.0.7:30000"]`; rank r talks to `urls[r]`."""
+    launch: SGLangLaunch | None = None
+    """sglang: start one server per GPU instead (`{ model_path = ..., args = [...] }`);
+    each is health-checked before the run starts and stopped with the run."""
+    weights_dir: str | None = None
+    """sglang: a directory the servers can read, where weight updates are written as
+    safetensors for `/update_weights_from_disk`; None: a temporary directory beside each
+    sampler (right when the server runs on the sampler's machine)."""
+    hosts: list[str] = Field(default_factory=list)
+    """`flotilla host` addresses (`tcp://10.0.0.5:5555`) that run this pool's samplers, ranks
+    spread round-robin; empty: samplers run on the controller's machine."""
+    keys: str = "~/.flotilla/keys"
+    """With `hosts`: the controller's CurveZMQ key directory (`id.key_secret`; each host's
+    public key in `hosts/<ip>_<port>.key`, else the controller's own when all machines share
+    one keypair)."""
+    gpus: list[int] | None = None
+    """device `cuda`: the CUDA device index of each rank (`count` of them; rank r uses
+    `gpus[r]`); None: rank r uses device r modulo the GPUs visible on its machine."""
 
     @field_validator("gpu")
     @classmethod
@@ -103,6 +127,40 @@ class PoolConfig(BaseModel):
         if v is not None and v <= 0:
             raise ValueError(f"{_who(info)}: max_concurrent_rollouts must be ≥ 1, got {v}")
         return v
+
+    @field_validator("hosts")
+    @classmethod
+    def _tcp_hosts(cls, v: list[str], info: ValidationInfo) -> list[str]:
+        for h in v:
+            _, sep, port = h.removeprefix("tcp://").rpartition(":")
+            if not h.startswith("tcp://") or not sep or not port.isdigit():
+                raise ValueError(f"{_who(info)}: host {h!r} is not tcp://HOST:PORT")
+        return v
+
+    @model_validator(mode="after")
+    def _backend_fields(self) -> PoolConfig:
+        who = f"pool {self.name!r}"
+        if self.backend == "sglang":
+            if (self.urls is None) == (self.launch is None):
+                raise ValueError(f"{who}: backend 'sglang' needs exactly one of urls (running "
+                                 "servers) and launch (start them)")
+            if self.urls is not None and len(self.urls) != self.count:
+                raise ValueError(f"{who}: urls lists {len(self.urls)} servers for count "
+                                 f"{self.count} (one per GPU)")
+            if self.urls is not None and not all(u.startswith(("http://", "https://")) for u in self.urls):
+                raise ValueError(f"{who}: urls must be http:// or https:// base URLs")
+            if self.device == "cpu" or self.gpu == "cpu":
+                raise ValueError(f"{who}: backend 'sglang' runs on CUDA GPUs; device must be 'cuda'")
+        elif self.urls is not None or self.launch is not None or self.weights_dir is not None:
+            raise ValueError(f"{who}: urls, launch and weights_dir belong to backend 'sglang' "
+                             f"(this pool's backend is {self.backend!r})")
+        if self.gpus is not None:
+            if self.device == "cpu" or self.gpu == "cpu":
+                raise ValueError(f"{who}: gpus is for device 'cuda' pools")
+            if len(self.gpus) != self.count or any(g < 0 for g in self.gpus):
+                raise ValueError(f"{who}: gpus must list {self.count} device indices ≥ 0 "
+                                 f"(one per rank), got {self.gpus}")
+        return self
 
     @model_validator(mode="after")
     def _fill_defaults(self) -> PoolConfig:
@@ -181,11 +239,13 @@ class HardwareConfig(BaseModel):
 
 def check_devices(pools: list[PoolConfig], cuda_devices: int) -> None:
     """Refuse pools this machine cannot run: a `cuda` pool when it has `cuda_devices` == 0
-    CUDA GPUs (a pool placed on remote hosts is not checked here). Raises ValueError
+    CUDA GPUs (a pool placed on remote hosts, or an SGLang pool that connects to running
+    servers, is not checked here). Raises ValueError
     naming the pool's index and field; the caller says how many GPUs it sees (the
     registry itself never imports torch)."""
     for i, p in enumerate(pools):
-        if p.device == "cuda" and cuda_devices == 0 and not getattr(p, "hosts", None):
+        remote = p.hosts or (p.backend == "sglang" and p.urls)  # its GPUs are on other machines
+        if p.device == "cuda" and cuda_devices == 0 and not remote:
             how = "set" if "device" in p.model_fields_set else f"the default for gpu {p.gpu!r}"
             raise ValueError(f"pools.{i}.device: pool {p.name!r} needs CUDA (device 'cuda', {how}) but this "
                              f"machine has no CUDA GPU; use device = \"cpu\" to emulate the pool here")

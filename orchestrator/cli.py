@@ -3,6 +3,7 @@
     flotilla run CONFIG [--set key=value ...] [--steps N] [--mode async|sync] [--resume RUN_DIR]
     flotilla report RUN_DIR
     flotilla export RUN_DIR OUT_DIR [--step N] [--dtype bfloat16|float32|float16]
+    flotilla compare RUN_DIR RUN_DIR ... [-o compare.html]
     flotilla config [SECTION]    every config field with its type, default and meaning
     flotilla hardware [CONFIG]
     flotilla host ...            (an actor host on another machine; see README)
@@ -32,7 +33,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
     r.add_argument("--quiet", action="store_true", help="no progress lines")
 
-    rep = sub.add_parser("report", help="print a run's cost report and rewrite its JSON/Markdown")
+    rep = sub.add_parser("report", help="print a run's cost report; rebuild its report.html")
     rep.add_argument("run_dir")
 
     ex = sub.add_parser("export", help="write a run's policy as a Hugging Face model directory")
@@ -40,6 +41,10 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("out_dir")
     ex.add_argument("--step", type=int, help="the checkpoint's step (a run keeps its latest)")
     ex.add_argument("--dtype", default="bfloat16", help="bfloat16 (default), float32 or float16")
+    cmp = sub.add_parser("compare", help="one HTML page overlaying several runs' curves")
+    cmp.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    cmp.add_argument("-o", "--out", default="compare.html", help="output file (default: compare.html)")
+
     cf = sub.add_parser("config", help="every config field: type, default and what it does")
     cf.add_argument("section", nargs="?", help="one section (model, task, rollout, recipe, "
                     "trainer, placement, checkpoint, eval, pools)")
@@ -88,6 +93,10 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(f"flotilla: exported {args.run_dir} -> {out}")
         return 0
+    if args.command == "compare":
+        from orchestrator.reports import compare_runs
+
+        return compare_runs(args.run_dirs, args.out)
     if args.command == "config":
         from orchestrator.config import ConfigError
         from orchestrator.confighelp import config_help

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from actors.trainer import TrainerConfig
 from hardware import PoolList
 from orchestrator.evaluation import EvalConfig
+from orchestrator.sinks import TelemetrySection
 from policies import RecipeConfig
 
 __all__ = [
@@ -190,6 +191,8 @@ class RunConfig(_Section):
     """Held-out evaluation during training (orchestrator.evaluation.EvalConfig)."""
     pools: PoolList = Field(min_length=1)
     """Sampler pools ([[pools]] tables, hardware.PoolConfig), names unique."""
+    telemetry: TelemetrySection = Field(default_factory=TelemetrySection)
+    """Metric sinks besides metrics.jsonl: W&B and TensorBoard (orchestrator.sinks)."""
 
     @field_validator("name")
     @classmethod

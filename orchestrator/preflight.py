@@ -56,7 +56,7 @@ def estimate_memory(params: int, cfg: RunConfig) -> int:
     """Host bytes the run's processes on this machine keep for the model."""
     need = params * TRAINER_BYTES_PER_PARAM if cfg.trainer.device == "cpu" else 0
     for pool in cfg.pools:
-        if pool.device == "cpu":
+        if pool.device == "cpu" and not getattr(pool, "hosts", None):  # remote hosts: not here
             need += params * SAMPLER_BYTES_PER_PARAM
     return need
 

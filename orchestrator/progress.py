@@ -53,3 +53,6 @@ class Progress:
     def message(self, text: str) -> None:
         if not self.quiet:
             print(text, file=self.stream, flush=True)
+
+    def close(self) -> None:
+        """Nothing to stop for plain lines (the live display overrides this)."""

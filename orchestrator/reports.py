@@ -1,9 +1,12 @@
-"""`flotilla report RUN_DIR`: a run's cost report and training summary.
+"""`flotilla report RUN_DIR`: a run's cost report and training summary, and its report.html.
 
 The cost report is written by the run itself (`cost_report.json` + `.md`); this
 command re-renders the Markdown from the JSON and prints it with a short summary
 of `metrics.jsonl` (steps, reward at the start and the end, drops, wall time, and the
 first and last held-out evaluation when `[eval]` ran).
+It also rebuilds `report.html` (orchestrator.report), also for a run that has no
+cost report yet (still running, or killed), and says what the page lacks.
+`flotilla compare RUN_DIR ...` writes one page overlaying several runs.
 """
 
 from __future__ import annotations
@@ -12,15 +15,15 @@ import sys
 from pathlib import Path
 
 from hardware import CostReport
-from orchestrator.telemetry import MetricsLog
 
-__all__ = ["print_report", "training_summary"]
+__all__ = ["compare_runs", "print_report", "training_summary"]
 
 
 def training_summary(run_dir: Path) -> str:
-    lines = MetricsLog.read(run_dir / "metrics.jsonl")
-    rows = [r for r in lines if "reward_mean" in r]   # training steps; eval lines apart
-    evals = [r for r in lines if "eval_reward" in r]
+    from orchestrator.report import read_metrics
+
+    # training lines and evaluation lines; damaged ones left out
+    rows, evals = read_metrics(run_dir / "metrics.jsonl", [])
     if not rows:
         return "no training steps recorded"
     k = min(5, len(rows))
@@ -44,14 +47,41 @@ def _eval_summary(evals: list[dict]) -> str:
 
 def print_report(run_dir: str | Path) -> int:
     run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        print(f"flotilla: {run_dir} is not a run directory", file=sys.stderr)
+        return 2
+    html = _write_html(run_dir)
     path = run_dir / "cost_report.json"
     if not path.exists():
         print(f"flotilla: {path} not found (is {run_dir} a run directory of a finished run?)",
               file=sys.stderr)
-        return 2
+        return 2 if html is None else 0
     report = CostReport.model_validate_json(path.read_text())
     markdown = report.to_markdown()
     (run_dir / "cost_report.md").write_text(markdown)
     print(markdown)
     print(training_summary(run_dir))
+    return 0
+
+
+def _write_html(run_dir: Path) -> Path | None:
+    from orchestrator.report import load_run, write_report
+
+    data = load_run(run_dir)
+    path = write_report(run_dir, data=data)
+    print(f"report: {path}")
+    for line in data.missing:
+        print(f"  missing: {line}")
+    return path
+
+
+def compare_runs(run_dirs: list[str], out: str) -> int:
+    """`flotilla compare`: write the comparison page; 2 when an argument is not a directory."""
+    from orchestrator.report import write_compare
+
+    bad = [d for d in run_dirs if not Path(d).is_dir()]
+    if bad:
+        print(f"flotilla: {bad[0]} is not a run directory", file=sys.stderr)
+        return 2
+    print(f"comparison of {len(run_dirs)} runs: {write_compare(run_dirs, out)}")
     return 0

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -27,8 +28,12 @@ from orchestrator.config import ConfigError, RunConfig, check_runnable, load_con
 from orchestrator.controller import STATE_FILE, Controller, ControllerState, Links, TrainerLink
 from orchestrator.controller.meshes import MeshEnvs, MeshPool, MeshTrainer
 from orchestrator.preflight import preflight
+from orchestrator.live import make_progress
+from orchestrator.outputs import finish_outputs
+from orchestrator.pool_mesh import check_hosts, gpu_warnings, identity_env, pool_mesh
 from orchestrator.progress import Progress
 from orchestrator.runtime import open_mesh, span
+from orchestrator.sinks import open_sinks
 from orchestrator.telemetry import MetricsLog, setup_run_telemetry
 
 __all__ = ["DiskCheckpoints", "RunHandles", "RunResult", "run", "run_async", "run_from_cli"]
@@ -119,12 +124,12 @@ async def run_async(cfg: RunConfig, *, resume: bool = False, progress: Progress 
     beside the controller once the actors are up, and is cancelled when the run ends.
     """
     from actors.env import EnvActor, EnvConfig
-    from actors.sampler import SamplerActor
     from actors.trainer import TrainerActor
     from hardware import CostLedger, Scheduler, ThroughputModel
 
     t0 = time.monotonic()
     check_runnable(cfg)  # devices, task and params: one line naming the field, before any actor starts
+    await check_hosts(cfg.pools)  # a pool's host that is down or refuses our key stops the run here
     checked = preflight(cfg)  # model, memory, task modules, datasets: before any process
     run_dir = cfg.run_dir
     ckpt_dir = run_dir / "checkpoint"
@@ -168,31 +173,33 @@ async def run_async(cfg: RunConfig, *, resume: bool = False, progress: Progress 
 
     progress.message(f"flotilla: run {cfg.name} → {run_dir} ({cfg.mode}, {len(cfg.pools)} pools, "
                      f"{'resuming at step ' + str(state.step) if resume else 'starting'})")
-    metrics = MetricsLog(run_dir / "metrics.jsonl")
+    sinks = open_sinks(cfg.telemetry, run_dir, cfg.name, json.loads(cfg.resolved_json()))
+    metrics = MetricsLog(run_dir / "metrics.jsonl", sinks=sinks)
     # The trainer always names the checkpoint directory: a trainer respawned mid-run
     # restores from the newest checkpoint there (a fresh run's first trainer finds none).
+    # Weight messages are sealed with a key only this run's trainer and samplers hold (it
+    # travels in their constructor arguments: CurveZMQ-encrypted across machines).
+    weights_key = secrets.token_hex(32)
     meshes: dict[str, Any] = {
-        "trainer": open_mesh(TrainerActor, trainer_cfg, str(ckpt_dir), not resume,
+        "trainer": open_mesh(TrainerActor, trainer_cfg, str(ckpt_dir), not resume, weights_key=weights_key,
                              procs=1, name="trainer", env=_actor_env(cfg, cfg.placement.trainer_cpus)),
         "env": open_mesh(EnvActor, _env_config(cfg, EnvConfig(
                              step_timeout_s=cfg.task.episode_timeout_s, max_seq_len=cfg.model.max_seq_len,
                              model_path=model_cfg if isinstance(model_cfg, str) else None,
                              chat_template_kwargs=cfg.model.chat_template_kwargs,
                              task_modules=checked.task_modules)),
-                         procs=cfg.task.env_actors, name="env", env=env),
+                         procs=cfg.task.env_actors, name="env", env={**env, **identity_env(cfg.pools)}),
     }
-    for pc in cfg.pools:
-        # No initial weights: each sampler waits for the trainer's keyframe (version -1 until
-        # then), so a resumed run samples from the resumed weights.
-        meshes[f"pool:{pc.name}"] = open_mesh(
-            SamplerActor, pc.name, pc.precision, model_cfg, pc.device,
-            init_seed=None, max_batch=pc.capacity, max_len=cfg.model.max_seq_len,
-            staleness_budget=pc.staleness_budget,
-            seed=cfg.seed, procs=_procs(pc), name=f"sampler-{pc.name}", env=env)
+    for pc in cfg.pools:  # samplers start without weights and wait for the trainer's keyframe
+        meshes[f"pool:{pc.name}"] = pool_mesh(pc, model_cfg, seed=cfg.seed, env=env, weights_key=weights_key,
+                                              max_len=cfg.model.max_seq_len)
     checkpoints = DiskCheckpoints(ckpt_dir)
     async with trio.open_nursery() as actors:
         with span("startup", pools=len(cfg.pools)):
             opened = await _open_all(actors, meshes)
+        for pc in cfg.pools:
+            for warning in await gpu_warnings(pc, opened[f"pool:{pc.name}"]):
+                progress.message(f"flotilla: warning: {warning}")
         trainer = MeshTrainer(opened["trainer"])
         links = Links(trainer=trainer, envs=MeshEnvs(opened["env"]),
                       pools={pc.name: MeshPool(pc, opened[f"pool:{pc.name}"]) for pc in cfg.pools})
@@ -212,7 +219,9 @@ async def run_async(cfg: RunConfig, *, resume: bool = False, progress: Progress 
         finally:
             metrics.close()
         actors.cancel_scope.cancel()  # leaves every mesh: its processes stop, in parallel
-    ledger.report().write(run_dir)
+    cost_report = ledger.report()
+    cost_report.write(run_dir)
+    finish_outputs(run_dir, sinks, cost_report, state.step, progress)
     result = RunResult(run_dir, state.step, state.version, controller.interrupted,
                        controller.counts(), time.monotonic() - t0)
     progress.message(f"flotilla: {'interrupted' if result.interrupted else 'done'} at step "
@@ -229,11 +238,6 @@ def _env_config(cfg: RunConfig, env_config: Any) -> Any:
     harness = HarnessConfig(command=cfg.task.command, entrypoint=cfg.task.entrypoint, grader=cfg.task.grader,
                             timeout_s=cfg.task.episode_timeout_s, max_new_tokens=cfg.task.max_new_tokens)
     return env_config.model_copy(update={"harness": harness})
-
-
-def _procs(pool: Any) -> int:
-    """A CPU-emulated pool runs one sampler process (its `count` only prices it)."""
-    return 1 if pool.device == "cpu" else pool.count
 
 
 async def _hold(mesh_cm: Any, *, task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED) -> None:
@@ -260,7 +264,11 @@ def run(config: RunConfig | str | Path, *, overrides: list[str] | None = None,
         resume: bool = False, quiet: bool = False) -> RunResult:
     """Blocking entry point: `from orchestrator import run; run("examples/guess_number.toml")`."""
     cfg = config if isinstance(config, RunConfig) else load_config(config, overrides)
-    return trio.run(lambda: run_async(cfg, resume=resume, progress=Progress(cfg.steps, quiet=quiet)))
+    progress = make_progress(cfg.steps, quiet=quiet)
+    try:
+        return trio.run(lambda: run_async(cfg, resume=resume, progress=progress))
+    finally:
+        progress.close()
 
 
 def run_from_cli(config: str | None, *, overrides: list[str], steps: int | None, mode: str | None,

@@ -30,15 +30,19 @@ def setup_run_telemetry(run_dir: Path) -> Path:
 
 class MetricsLog:
     """Appends one JSON object per training step to `metrics.jsonl` (flushed per line, so a
-    killed run keeps every completed step)."""
+    killed run keeps every completed step), and hands it to the run's sinks (W&B, TensorBoard:
+    `orchestrator.sinks`) after it is on disk."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, sinks: Any = None) -> None:
         self.path = path
+        self.sinks = sinks
         self._file = open(path, "a", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(record, sort_keys=True) + "\n")
         self._file.flush()
+        if self.sinks is not None:
+            self.sinks.log(record)
 
     def truncate(self, last_step: int) -> None:
         """Forget the steps after `last_step` (the trainer went back to a checkpoint: they

@@ -19,7 +19,12 @@ from actors.env._interface import (
     registered_tasks,
     task_factory,
 )
-from actors.env._modules import TaskModuleError, import_task_modules, resolve_callable
+from actors.env._modules import (
+    TaskModuleError,
+    import_task_module,
+    import_task_modules,
+    resolve_callable,
+)
 from actors.env._tasks import Arithmetic, GuessNumber, first_int, guess_number_optimal
 
 __all__ = [
@@ -39,6 +44,7 @@ __all__ = [
     "check_task",
     "first_int",
     "guess_number_optimal",
+    "import_task_module",
     "import_task_modules",
     "make_env",
     "make_task_specs",

@@ -21,10 +21,11 @@ from typing import Any, get_args
 
 import trio
 
-from orchestrator.runtime import Actor, endpoint, span
+from orchestrator.runtime import Actor, current_rank, endpoint, span
 from orchestrator.weightsync import Precision, WeightMessage, WeightReceiver, wire_snapshot
 
 from ._backend import GenerationBackend, TorchBackend
+from ._placement import rank_device, sglang_backend
 from ._types import GenerateRequest, GenerateResult, SamplerStats
 
 __all__ = ["SamplerActor", "as_weight_messages"]
@@ -94,9 +95,15 @@ class SamplerActor(Actor):
         stale_prefix: "reuse" a session's cached prefix after a weight update (its keys
             and values stay those of the older weights; recorded versions are unchanged)
             or "recompute" it under the new weights.
-        backend: "torch", or "sglang" (needs a CUDA GPU and a running server;
-            untested here, see ``actors.sampler._sglang``).
-        sglang_url / sglang_weights_dir: the SGLang server and a directory it reads.
+        backend: "torch", or "sglang" (needs a CUDA GPU; never run against a real
+            server here, see ``actors.sampler._sglang``).
+        sglang: backend "sglang": ``{"urls": [...]}`` (one running server per rank) or
+            ``{"launch": SGLangLaunch dict}`` (this rank starts its own), plus optional
+            ``weights_dir`` and ``pause_mode``.
+        gpus: device "cuda": the CUDA index of each rank (rank r uses ``gpus[r]``); None:
+            rank r uses device r modulo the visible GPUs. Ignored for "cpu" and "cuda:i".
+        weights_key: hex key shared with the trainer's publisher: weight messages must be
+            sealed with it (``weightsync.WeightReceiver(auth_key=...)``); None: unkeyed digests.
     """
 
     def __init__(
@@ -116,8 +123,9 @@ class SamplerActor(Actor):
         prefix_cache: bool = True,
         stale_prefix: str = "reuse",
         backend: str = "torch",
-        sglang_url: str | None = None,
-        sglang_weights_dir: str | None = None,
+        sglang: dict[str, Any] | None = None,
+        gpus: list[int] | None = None,
+        weights_key: str | None = None,
     ) -> None:
         from actors.models import build_model, default_model_config, model_weights
 
@@ -129,21 +137,21 @@ class SamplerActor(Actor):
         self.precision = precision
         self.staleness_budget = staleness_budget
         config = model_config if model_config is not None else default_model_config()
+        rank = current_rank()
         self._backend: GenerationBackend
         if backend == "torch":
+            device = rank_device(device, rank, gpus)
             self._backend = TorchBackend(config, pool=pool, max_batch=max_batch, max_len=max_len, device=device,
                                          seed=seed, batch_window_s=batch_window_s,
                                          prefix_cache=prefix_cache, stale_prefix=stale_prefix)
         elif backend == "sglang":
-            from ._sglang import SGLangBackend
-
-            if not sglang_url or not sglang_weights_dir or not isinstance(config, dict):
-                raise ValueError("backend 'sglang' needs sglang_url, sglang_weights_dir and a model_config dict")
-            self._backend = SGLangBackend(sglang_url, pool=pool, weights_dir=sglang_weights_dir, model_config=config)
+            self._backend = sglang_backend(pool, config, rank, gpus, sglang or {})
         else:
             raise ValueError(f"backend must be 'torch' or 'sglang', got {backend!r}")
+        self.device = device
 
-        self._receiver = WeightReceiver(precision)  # type: ignore[arg-type]
+        self._key = bytes.fromhex(weights_key) if weights_key else None
+        self._receiver = WeightReceiver(precision, auth_key=self._key)  # type: ignore[arg-type]
         self._hashes: dict[str, str] = {}
         if initial_weights is not None:
             for msg in as_weight_messages(initial_weights):
@@ -151,7 +159,8 @@ class SamplerActor(Actor):
                 self._hashes = {t.name: t.hash for t in msg.meta.tensors}
         elif init_seed is not None:
             master = model_weights(build_model(config, seed=init_seed))
-            self._receiver = WeightReceiver(precision, wire_snapshot(master, precision), 0)  # type: ignore[arg-type]
+            self._receiver = WeightReceiver(precision, wire_snapshot(master, precision), 0,  # type: ignore[arg-type]
+                                            auth_key=self._key)
         self._lock = trio.Lock()
         self._updates = 0
 
@@ -221,13 +230,23 @@ class SamplerActor(Actor):
         return self._backend.end_session(session_id)
 
     @endpoint
+    def device_names(self) -> list[str]:
+        """Names of the CUDA devices this rank computes on (empty on CPU and for SGLang,
+        whose server owns the GPU); the controller checks them against the pool's label."""
+        if self._backend.name != "torch" or not self.device.startswith("cuda"):
+            return []
+        import torch
+
+        return [torch.cuda.get_device_name(torch.device(self.device))]
+
+    @endpoint
     async def reset_weights(self) -> None:
         """Forget the held weights' version, so that the next keyframe is accepted whatever
         its version: the trainer went back to a checkpoint, and the versions after it no
         longer exist. The weights stay in use until that keyframe arrives (the controller
         starts no rollout on them meanwhile). Waits for an apply in progress."""
         async with self._lock:
-            self._receiver = WeightReceiver(self.precision)  # type: ignore[arg-type]
+            self._receiver = WeightReceiver(self.precision, auth_key=self._key)  # type: ignore[arg-type]
             self._hashes = {}
 
     @endpoint

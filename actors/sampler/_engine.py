@@ -24,8 +24,9 @@ sync delivers it: bf16 tensors, or float8_e4m3fn tensors with a float32
 ``compute_dtype``.  On CPU that is float32: the values are exactly the pool's
 bf16/fp8 values, upcast once per weight update instead of per matmul, because
 CPU bf16 matmuls are slower than float32 ones at these sizes.  On CUDA the
-default is bf16, and FP8 weights are dequantised to bf16 as well (no FP8 matmul
-yet -- that path is untested here: this machine has no GPU).
+default is bf16. FP8 weights of the linear layers stay FP8 and multiply through
+``torch._scaled_mm`` (``_fp8mm``) on GPUs with FP8 tensor cores (capability >= 8.9),
+and are dequantised elsewhere; the CUDA paths have never run here (no GPU).
 
 Nothing here is thread-safe or async: the caller (the batcher, driven by one
 trio task) calls ``load``/``prefill``/``decode`` strictly one after another, so
@@ -43,7 +44,11 @@ import torch.nn.functional as F
 from actors.models import load_config
 from orchestrator.weightsync import dequantize_fp8
 
+from ._fp8mm import Fp8Weight, fp8_matmul_available, linear
+
 __all__ = ["DecoderEngine", "Qwen3Engine", "wire_to_compute"]
+
+_LINEAR = ("qkv", "o", "gate_up", "down")  # the blocks that can multiply in FP8
 
 _ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -91,6 +96,16 @@ def _rope_frequencies(cfg: Any) -> tuple[torch.Tensor, float]:
     return inv.float(), float(scaling)
 
 
+def _linear(x: torch.Tensor, w: torch.Tensor | Fp8Weight, b: torch.Tensor | None) -> torch.Tensor:
+    """``linear`` (dense or FP8 weight) with an optional bias; dense with a bias is one
+    ``F.linear``, as in the HF module, so float32 results match it."""
+    if b is None:
+        return linear(x, w)
+    if isinstance(w, Fp8Weight):
+        return linear(x, w) + b
+    return F.linear(x, w, b)
+
+
 def wire_to_compute(
     snapshot: Mapping[str, torch.Tensor], name: str, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
@@ -121,6 +136,8 @@ class DecoderEngine:
         device: "cpu" or "cuda[:i]".
         compute_dtype: dtype of activations and compute weights (default float32
             on CPU, bfloat16 on CUDA).
+        fp8_matmul: keep FP8 linear weights in FP8 and multiply with ``torch._scaled_mm``;
+            None: where the device has FP8 tensor cores (``fp8_matmul_available``).
     """
 
     def __init__(
@@ -131,6 +148,7 @@ class DecoderEngine:
         max_len: int | None = None,
         device: str | torch.device = "cpu",
         compute_dtype: torch.dtype | None = None,
+        fp8_matmul: bool | None = None,
     ) -> None:
         cfg = load_config(config)
         inv_freq, rope_scale = _rope_frequencies(cfg)
@@ -139,6 +157,8 @@ class DecoderEngine:
         if max_slots < 1:
             raise ValueError(f"max_slots must be >= 1, got {max_slots}")
         self.device = torch.device(device)
+        # FP8 weights stay FP8 for the linear layers where the GPU multiplies FP8 (else dequantised)
+        self.fp8_matmul = fp8_matmul_available(self.device) if fp8_matmul is None else fp8_matmul
         self.dtype = compute_dtype or (torch.float32 if self.device.type == "cpu" else torch.bfloat16)
         self.vocab_size = cfg.vocab_size
         self.n_layers = cfg.num_hidden_layers
@@ -222,6 +242,10 @@ class DecoderEngine:
             for key, parts in self._parts.items():
                 full = [prefix + p for p in parts]
                 if any(n in touched for n in full):
+                    if self.fp8_matmul and key in _LINEAR and snapshot[full[0]].dtype == torch.float8_e4m3fn:
+                        layer[key] = Fp8Weight.cat([Fp8Weight.from_wire(
+                            snapshot[n], snapshot[n + "_scale_inv"], self.device) for n in full])
+                        continue
                     tensors = [get(n) for n in full]
                     layer[key] = tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0).contiguous()
                     if key in ("q_norm", "k_norm") and "q_norm" in layer and "k_norm" in layer:
@@ -270,7 +294,7 @@ class DecoderEngine:
         """h [B, T, H] -> q [B, heads, T, d], k/v [B, kv_heads, T, d] (normed, rotated)."""
         b, t, _ = h.shape
         # q and k heads are normed and rotated together (one op each instead of two).
-        qkv = F.linear(h, layer["qkv"], layer.get("qkv_b"))
+        qkv = _linear(h, layer["qkv"], layer.get("qkv_b"))
         qkv = qkv.view(b, t, self.n_heads + 2 * self.n_kv, self.head_dim)
         n_qk = self.n_heads + self.n_kv
         qk = qkv[:, :, :n_qk]
@@ -281,9 +305,9 @@ class DecoderEngine:
         return q, k, qkv[:, :, n_qk:].transpose(1, 2)
 
     def _mlp_block(self, layer: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(self._rms(x, layer["ln2"]), layer["gate_up"],
+        gate, up = _linear(self._rms(x, layer["ln2"]), layer["gate_up"],
                             layer.get("gate_up_b")).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, layer["down"], layer.get("down_b"))
+        return x + _linear(F.silu(gate) * up, layer["down"], layer.get("down_b"))
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(self._rms(x, self._top["norm"]), self._top["lm_head"]).float()
@@ -332,7 +356,7 @@ class DecoderEngine:
             self._k[li][slot_idx, :, :t] = k
             self._v[li][slot_idx, :, :t] = v
             a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-            x = x + F.linear(a.transpose(1, 2).reshape(len(slots), t, self._q_dim), layer["o"],
+            x = x + _linear(a.transpose(1, 2).reshape(len(slots), t, self._q_dim), layer["o"],
                              layer.get("o_b"))
             x = self._mlp_block(layer, x)
         self.lengths[list(slots)] = torch.as_tensor(lens, dtype=torch.long)
@@ -382,7 +406,7 @@ class DecoderEngine:
             else:
                 keys, values = kc[:, :, :span].index_select(0, slot_idx), vc[:, :, :span].index_select(0, slot_idx)
             a = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
-            x = x + F.linear(a.transpose(1, 2).reshape(b, 1, self._q_dim), layer["o"], layer.get("o_b"))
+            x = x + _linear(a.transpose(1, 2).reshape(b, 1, self._q_dim), layer["o"], layer.get("o_b"))
             x = self._mlp_block(layer, x)
         self.lengths[slot_host] += 1
         return self._logits(x[:, 0])

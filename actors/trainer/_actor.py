@@ -45,6 +45,8 @@ class TrainerActor(Actor):
         missing_ok: start from the initial weights when ``resume_from`` holds no complete
             checkpoint (yet): a trainer respawned mid-run restores from whatever checkpoint
             the run has written by then.
+        weights_key: hex key the weight publisher seals messages with (shared with the
+            samplers' receivers); None: unkeyed digests.
 
     Weight messages travel as their ``WeightMessage.to_frames()`` lists (metadata
     JSON + compressed chunks, raw frames on the wire); ``SamplerActor.apply_weights``
@@ -52,13 +54,14 @@ class TrainerActor(Actor):
     """
 
     def __init__(self, config: TrainerConfig | None = None, resume_from: str | None = None,
-                 missing_ok: bool = False) -> None:
+                 missing_ok: bool = False, weights_key: str | None = None) -> None:
         self.config = config if config is not None else TrainerConfig()
         if missing_ok and resume_from is not None and not is_complete(resume_from):
             resume_from = None
         self.trainer = Trainer(self.config, resume_from=resume_from)
         self.publisher = WeightPublisher(keyframe_interval=self.config.keyframe_interval,
-                                         precisions=tuple(self.config.precisions))
+                                         precisions=tuple(self.config.precisions),
+                                         auth_key=bytes.fromhex(weights_key) if weights_key else None)
         self._lock = trio.Lock()
         self._publish()
 

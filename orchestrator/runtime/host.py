@@ -120,6 +120,11 @@ class HostActor(Actor):
                 await proc.stop(grace)
 
     @endpoint
+    def ping(self) -> str:
+        """This host's name: a cheap call a controller makes before it relies on the host."""
+        return socket.gethostname()
+
+    @endpoint
     def signal(self, pid: int, signum: int) -> None:
         self._child(pid).process.send_signal(signum)
 

@@ -45,6 +45,7 @@ from ._fp8 import (
 )
 from ._message import MessageMeta, Precision, TensorMeta, WeightMessage
 from ._protocol import WeightPublisher, WeightReceiver
+from ._stream import KeyframeAssembler, stream_keyframe
 
 __all__ = [
     "DEFAULT_FP8_SKIP",
@@ -54,6 +55,7 @@ __all__ = [
     "CorruptPayloadError",
     "DeltaError",
     "HashMismatchError",
+    "KeyframeAssembler",
     "MalformedMessageError",
     "MessageMeta",
     "Precision",
@@ -76,6 +78,7 @@ __all__ = [
     "quantize_fp8",
     "seal",
     "snapshot_bytes",
+    "stream_keyframe",
     "verify",
     "wire_snapshot",
 ]

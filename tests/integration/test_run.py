@@ -120,6 +120,7 @@ def test_sigint_checkpoints_and_resume_continues_without_repeating_or_skipping(s
     assert 2 <= stopped_at < 6
     state = json.loads((run_dir / "checkpoint" / "controller_state.json").read_text())
     assert state["step"] == stopped_at and state["version"] == stopped_at
+    assert f"interrupted at step {stopped_at} of 6" in (run_dir / "report.html").read_text()
     # The prompts buffered at the stop are saved, to be played first after the resume.
     buffered = {t["prompt_id"] for t in state["buffered"]}
     assert buffered
@@ -137,3 +138,4 @@ def test_sigint_checkpoints_and_resume_continues_without_repeating_or_skipping(s
                 if s["name"] == "rollout" and s["service"] == "controller" and s["start_ns"] >= resumed_at_ns}
     assert buffered <= replayed  # no prompt buffered at the stop was lost
     assert (run_dir / "cost_report.json").is_file()
+    assert "finished: 6 of 6 steps" in (run_dir / "report.html").read_text()

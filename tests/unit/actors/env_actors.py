@@ -79,7 +79,6 @@ class ScriptedSampler(Actor):
 class Explode(Environment):
     """Raises inside ``step`` on the second turn."""
 
-    blocking = False
     max_turns = 4
 
     def reset(self, task: TaskSpec) -> str:
@@ -125,7 +124,6 @@ class HangBlocking(Environment):
 class Garbage(Environment):
     """``step`` returns something that is not a StepOutcome."""
 
-    blocking = False
 
     def reset(self, task: TaskSpec) -> list[int]:
         chat = default_chat_tokens()
@@ -139,7 +137,6 @@ class Garbage(Environment):
 class TokenObservations(Environment):
     """Two turns with token-id observations; reward is the first reply's integer / 10."""
 
-    blocking = False
     max_turns = 2
 
     def reset(self, task: TaskSpec) -> list[int]:

@@ -107,3 +107,14 @@ def test_check_task_names_the_problem_before_any_actor_starts() -> None:
     check_task("test_validated", {"level": 2}, [HELPERS])  # validate_params, never constructed
     with pytest.raises(TaskCheckError, match="level must be in 1..3"):
         check_task("test_validated", {"level": 9}, [HELPERS])
+
+
+def test_check_task_loads_a_task_module_given_as_a_file(tmp_path) -> None:
+    path = tmp_path / "my_games.py"
+    path.write_text("from actors.env import GuessNumber, register_task\n"
+                    "@register_task('file_task_game')\n"
+                    "class FileGame(GuessNumber):\n"
+                    "    pass\n")
+    check_task("file_task_game", {"n": 7}, [str(path)])
+    with pytest.raises(TaskCheckError, match=r"^task.modules: cannot import .*nowhere.py.*FileNotFoundError"):
+        check_task("file_task_game", {}, [str(tmp_path / "nowhere.py")])

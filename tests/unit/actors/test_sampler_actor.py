@@ -174,3 +174,22 @@ async def test_fp8_and_bf16_pools_measure_mismatch() -> None:
     assert 1e-9 < m.mismatch_kl < 1e-2, m.mismatch_kl
     # The two pools really hold different weights, and not wildly so.
     assert 0.0 < float(lr.abs().max()) < 0.5
+
+
+async def test_a_keyed_sampler_takes_only_weights_sealed_with_its_key() -> None:
+    key = "ab" * 32
+    master0 = _master()
+    mine = WeightPublisher(precisions=["bf16"], auth_key=bytes.fromhex(key))
+    forger = WeightPublisher(precisions=["bf16"], auth_key=b"\x01" * 32)  # same weights, other key
+    unkeyed = WeightPublisher(precisions=["bf16"])
+    (k_mine,), (k_forged,), (k_plain,) = (p.publish(0, master0) for p in (mine, forger, unkeyed))
+    (d_mine,) = mine.publish(1, _sparse_step(master0, seed=1))
+    with trio.fail_after(60):
+        async with open_mesh(SamplerActor, "cpu-bf16", "bf16", CFG, "cpu", init_seed=None, weights_key=key,
+                             max_batch=2, procs=1, name="keyed", env=ENV) as mesh:
+            s = mesh[0]
+            for bad in (k_forged, k_plain):
+                with pytest.raises(ActorError, match="AuthenticationError"):
+                    await s.apply_weights.call_one(bad.to_frames())
+                assert await s.version.call_one() == -1
+            assert await s.apply_weights.call_one([k_mine.to_frames(), d_mine.to_frames()]) == 1

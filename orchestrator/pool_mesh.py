@@ -1,0 +1,178 @@
+"""A sampler pool's mesh, built from its ``[[pools]]`` config (``hardware.PoolConfig``).
+
+The run composes pools through three calls:
+
+* ``await check_hosts(pools)`` before anything starts: every ``flotilla host`` a pool names
+  answers a ping over tcp + CurveZMQ, or the run stops with ``PoolStartError`` naming the
+  pool, the address and the reason (down, key refused, wrong host key);
+* ``pool_mesh(pool, model_config, seed=..., env=...)``: the ``open_mesh`` context of the
+  pool's ``SamplerActor`` ranks -- on the controller's machine or spread round-robin over
+  the pool's hosts; with its backend (torch or SGLang: servers given by ``urls`` or
+  launched per rank) and, for ``device = "cuda"``, one GPU per rank;
+* ``await gpu_warnings(pool, mesh)`` once it is open: the CUDA devices the ranks report,
+  checked against the pool's ``gpu`` label (a mismatch is a warning: the run goes on).
+
+Key files (``keys = DIR``): the controller's key pair is ``DIR/id.key_secret`` (created on
+first use); the public key of host ``tcp://IP:PORT`` is ``DIR/hosts/IP_PORT.key`` or
+``DIR/hosts/IP.key``, else the controller's own (machines that share one key pair, as the
+Kubernetes recipe's Secret does). Each host needs the controller's ``DIR/id.key`` in its
+``allowed/``.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import AbstractAsyncContextManager
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from orchestrator.config import ConfigError
+from orchestrator.runtime import ActorDied, ActorError, Curve, HostSpec, Mesh, open_mesh
+
+__all__ = ["PoolStartError", "check_hosts", "gpu_warnings", "pool_gpus", "pool_mesh", "pool_procs"]
+
+HOST_TIMEOUT_S = 15.0
+"""How long a host may take to answer its ping (the connection itself gives up after 10 s)."""
+
+
+class PoolStartError(ConfigError):
+    """A pool that cannot start; the message names the pool, the address and the reason."""
+
+
+def pool_procs(pool: Any) -> int:
+    """Sampler processes of a pool: one per GPU, except a CPU-emulated torch pool (one
+    process; its ``count`` only prices it)."""
+    return 1 if pool.device == "cpu" and pool.backend == "torch" else pool.count
+
+
+def pool_gpus(pool: Any) -> list[int] | None:
+    """The CUDA index of each rank: the pool's ``gpus``, or automatic -- the rank's position
+    among the ranks on its machine (ranks go round-robin over hosts)."""
+    if pool.device != "cuda":
+        return None
+    if pool.gpus is not None:
+        return list(pool.gpus)
+    per = max(1, len(pool.hosts))
+    return [r // per for r in range(pool.count)]
+
+
+def _curve(pool: Any) -> Curve:
+    return Curve.from_dir(os.path.expanduser(pool.keys))
+
+
+def _host_key(keys: Path, address: str, own: Curve) -> tuple[str, str]:
+    """(public key, where it came from) of the host at ``address``."""
+    import zmq.auth
+
+    ip, _, port = address.removeprefix("tcp://").rpartition(":")
+    for name in (f"{ip}_{port}.key", f"{ip}.key"):
+        f = keys / "hosts" / name
+        if f.is_file():
+            return zmq.auth.load_certificate(f)[0].decode(), str(f)
+    return own.public.decode(), f"the shared key pair {keys / 'id.key'}"
+
+
+def host_specs(pool: Any) -> tuple[list[HostSpec], Curve, list[str]]:
+    """The pool's hosts with their public keys, the controller's identity, and each key's source."""
+    curve = _curve(pool)
+    keys = Path(os.path.expanduser(pool.keys))
+    specs, sources = [], []
+    for address in pool.hosts:
+        key, source = _host_key(keys, address, curve)
+        specs.append(HostSpec(address=address, public_key=key))
+        sources.append(source)
+    return specs, curve, sources
+
+
+async def check_hosts(pools: list[Any], timeout_s: float = HOST_TIMEOUT_S) -> None:
+    """Ping every host of every pool, concurrently; ``PoolStartError`` for the first that fails.
+
+    Cancellation abandons the pings. Nothing is spawned on any host.
+    """
+    from orchestrator.runtime import host as _host  # noqa: F401 - typed endpoints of host handles
+
+    failures: list[str] = []
+
+    async def ping(pool: Any, spec: HostSpec, curve: Curve, source: str) -> None:
+        mesh: Mesh[Any] = Mesh(f"host {spec.address}", "orchestrator.runtime.host:HostActor",
+                               ["ping"], [spec.address], [spec.public_key], identity=curve)
+        reason = None
+        with trio.move_on_after(timeout_s):
+            try:
+                await mesh[0].ping.call_one()
+                return
+            except ActorDied as exc:
+                reason = exc.reason
+            except ActorError as exc:
+                reason = f"{exc.remote_type}: {exc.message}"
+        reason = reason or f"no answer within {timeout_s:g} s"
+        failures.append(
+            f"pool {pool.name!r}: host {spec.address} cannot be used: {reason}. Check that "
+            f"`flotilla host` runs there, that its public key is {source}, and that this "
+            f"controller's key ({Path(os.path.expanduser(pool.keys)) / 'id.key'}) is in the "
+            "host's allowed/ directory")
+
+    async with trio.open_nursery() as nursery:
+        for pool in pools:
+            if pool.hosts:
+                specs, curve, sources = host_specs(pool)
+                for spec, source in zip(specs, sources, strict=True):
+                    nursery.start_soon(ping, pool, spec, curve, source)
+    if failures:
+        raise PoolStartError("\n".join(sorted(failures)))
+
+
+def pool_mesh(pool: Any, model_config: dict[str, Any] | str, *, seed: int,
+              env: dict[str, str], weights_key: str | None = None,
+              max_len: int | None = None) -> AbstractAsyncContextManager[Mesh[Any]]:
+    """The ``open_mesh`` context of the pool's samplers (see the module docstring).
+
+    Samplers start with no weights (version -1) and wait for the trainer's keyframe;
+    `weights_key` is the run's key that sealed weight messages must carry; ``max_len``:
+    tokens per KV-cache slot (the run's ``[model] max_seq_len``).
+    """
+    from actors.sampler import SamplerActor
+
+    placement: dict[str, Any] = {}
+    if pool.hosts:
+        specs, curve, _ = host_specs(pool)
+        placement = {"hosts": specs, "curve": curve}
+    sglang = None
+    if pool.backend == "sglang":
+        sglang = {"urls": pool.urls, "weights_dir": pool.weights_dir,
+                  "launch": pool.launch.model_dump() if pool.launch is not None else None}
+    return open_mesh(
+        SamplerActor, pool.name, pool.precision, model_config, pool.device,
+        init_seed=None, max_batch=pool.capacity, max_len=max_len,
+        staleness_budget=pool.staleness_budget,
+        seed=seed, backend=pool.backend, sglang=sglang, gpus=pool_gpus(pool), weights_key=weights_key,
+        procs=pool_procs(pool), name=f"sampler-{pool.name}", env=env, **placement)
+
+
+async def gpu_warnings(pool: Any, mesh: Mesh[Any]) -> list[str]:
+    """Warnings for a ``cuda`` pool whose ranks run on GPUs other than its ``gpu`` label."""
+    from hardware import gpu_mismatch
+
+    if pool.device != "cuda":
+        return []
+    names = [n for rank in await mesh.device_names.call() for n in rank]
+    warning = gpu_mismatch(pool.name, pool.gpu, names) if names else None
+    return [warning] if warning else []
+
+
+def identity_env(pools: list[Any]) -> dict[str, str]:
+    """Environment that gives local actor processes (environments call samplers) the
+    controller's CurveZMQ identity when some pool runs on hosts; empty otherwise.
+
+    Raises PoolStartError when remote pools name different key directories: a process
+    presents one identity.
+    """
+    dirs = sorted({os.path.expanduser(p.keys) for p in pools if p.hosts})
+    if not dirs:
+        return {}
+    if len(dirs) > 1:
+        raise PoolStartError(f"pools with hosts name different keys directories ({', '.join(dirs)}); "
+                             "use one for all of them")
+    return Curve.from_dir(dirs[0]).to_env()

@@ -1,0 +1,85 @@
+"""The launch recipes in deploy/: the Kubernetes manifest parses and is consistent with itself
+and with Flotilla's config; the Slurm script renders (dry run) commands whose config is valid."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import tomllib
+from pathlib import Path
+
+import yaml
+
+from orchestrator.config import load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_kubernetes_manifest_places_a_pool_on_the_statefulset() -> None:
+    docs = [d for d in yaml.safe_load_all((ROOT / "deploy/k8s/flotilla.yaml").read_text()) if d]
+    by_kind = {d["kind"]: d for d in docs}
+    assert set(by_kind) == {"Secret", "ConfigMap", "Service", "StatefulSet", "Job"}
+    secret, sts, job, svc = by_kind["Secret"], by_kind["StatefulSet"], by_kind["Job"], by_kind["Service"]
+    assert set(secret["stringData"]) == {"id.key", "id.key_secret"}
+
+    raw = tomllib.loads(by_kind["ConfigMap"]["data"]["run.toml"])
+    cfg = load_config(raw=raw)  # a valid run config
+    pool = next(p for p in cfg.pools if p.hosts)
+    # every StatefulSet pod is a host of the pool, by its stable DNS name and control port
+    host_cmd = sts["spec"]["template"]["spec"]["containers"][0]["command"]
+    port = host_cmd[host_cmd.index("--bind") + 1].rsplit(":", 1)[1]
+    expected = [f"tcp://{sts['metadata']['name']}-{i}.{sts['spec']['serviceName']}:{port}"
+                for i in range(sts["spec"]["replicas"])]
+    assert pool.hosts == expected
+    assert svc["metadata"]["name"] == sts["spec"]["serviceName"] and svc["spec"]["clusterIP"] == "None"
+    assert host_cmd[:2] == ["flotilla", "host"] and host_cmd[host_cmd.index("--keys") + 1] == pool.keys
+    # both sides mount the same Secret where the config says the keys are, read-only for the owner
+    for spec in (sts["spec"]["template"]["spec"], job["spec"]["template"]["spec"]):
+        mount = next(m for c in spec["containers"] for m in c["volumeMounts"] if m["name"] == "keys")
+        vol = next(v for v in spec["volumes"] if v["name"] == "keys")
+        assert mount["mountPath"] == pool.keys and vol["secret"]["secretName"] == secret["metadata"]["name"]
+        assert vol["secret"]["defaultMode"] == 0o400
+    ctl = job["spec"]["template"]["spec"]["containers"][0]
+    cm_mount = next(m for m in ctl["volumeMounts"] if m["name"] == "config")
+    assert ctl["command"] == ["flotilla", "run", f"{cm_mount['mountPath']}/run.toml"]
+    assert pool.count == sts["spec"]["replicas"] * sts["spec"]["template"]["spec"]["containers"][0][
+        "resources"]["limits"]["nvidia.com/gpu"]
+
+
+def test_slurm_script_renders_hosts_and_a_valid_run_command(tmp_path: Path) -> None:
+    script = ROOT / "deploy/slurm/flotilla.sbatch"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    directives = re.findall(r"^#SBATCH (--[\w-]+)", script.read_text(), flags=re.M)
+    assert {"--nodes", "--ntasks-per-node", "--gpus-per-node"} <= set(directives)
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "scontrol").write_text("#!/bin/sh\nprintf 'gpu-a\\ngpu-b\\ngpu-c\\n'\n")  # Slurm's node list
+    (fake / "scontrol").chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "gpu-[a-c]",
+           "FLOTILLA_DRY_RUN": "1", "CONFIG": str(ROOT / "examples/guess_number.toml"), "POOL": "1",
+           "KEYS": "/shared/keys", "PORT": "6000"}
+    out = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, check=True,
+                         cwd=ROOT).stdout.splitlines()
+    host_line = next(shlex.split(line) for line in out if " host " in line)
+    assert host_line[:6] == ["srun", "--nodes=2", "--ntasks-per-node=1", "--nodelist=gpu-b,gpu-c", "flotilla", "host"]
+    assert host_line[6:] == ["--bind", "tcp://0.0.0.0:6000", "--keys", "/shared/keys"]
+    run_line = next(shlex.split(line) for line in out if " run " in line)
+    assert run_line[:5] == ["srun", "--nodes=1", "--ntasks=1", "--nodelist=gpu-a", "flotilla"]
+    args = run_line[5:]
+    overrides = [args[i + 1] for i, a in enumerate(args) if a == "--set"]
+    cfg = load_config(args[1], overrides)  # the rendered command's config validates
+    assert cfg.pools[1].hosts == ["tcp://gpu-b:6000", "tcp://gpu-c:6000"]
+    assert cfg.pools[1].keys == "/shared/keys" and not cfg.pools[0].hosts
+
+
+def test_slurm_script_refuses_a_single_node(tmp_path: Path) -> None:
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "scontrol").write_text("#!/bin/sh\necho gpu-a\n")
+    (fake / "scontrol").chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "gpu-a",
+           "FLOTILLA_DRY_RUN": "1"}
+    r = subprocess.run(["bash", str(ROOT / "deploy/slurm/flotilla.sbatch")], env=env, capture_output=True, text=True)
+    assert r.returncode == 2 and "at least 2 nodes" in r.stderr
