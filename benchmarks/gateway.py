@@ -153,15 +153,16 @@ async def _gateway_main(args) -> dict:
                                  prefix_cache=cache, procs=1, name="sampler", env=env) as mesh:
                 sampler = mesh[0]
                 await phase(sampler, 2, 2, first_short, 4)   # warm-up (imports, first forwards)
+                # The multi-turn runs first on both samplers, so both have the same history.
+                results["multi_on" if cache else "multi_off"] = await phase(
+                    sampler, args.multi_sessions, 8, first_long, args.turn_tokens)
+                results["stats_on" if cache else "stats_off"] = await sampler.stats.call_one()
                 if cache:
                     app_times.clear()
                     results["probe"] = await phase(sampler, 1, args.probe_turns, first_short, 1,
                                                    user_turn="higher")
                     results["app_times"] = list(app_times)
                     results["overhead"] = await phase(sampler, args.sessions, args.turns, first_short, 4)
-                results["multi_on" if cache else "multi_off"] = await phase(
-                    sampler, args.multi_sessions, 8, first_long, args.turn_tokens)
-                results["stats_on" if cache else "stats_off"] = await sampler.stats.call_one()
         nursery.cancel_scope.cancel()
     return results
 
