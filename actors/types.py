@@ -104,6 +104,10 @@ class Trajectory(BaseModel):
     by an exception: where in the environment (or sampler call) it happened."""
     turns: int
     """Assistant turns played."""
+    segments: int = 1
+    """Gateway episodes: segments the conversation was split into (a harness that rewrote its
+    history starts a new one); the tokens here are the last segment's, earlier ones are not
+    trained on. 1 for built-in environments."""
     seconds: float
     """Wall time of the episode."""
 

@@ -104,6 +104,29 @@ class TaskSection(_Section):
     `params` (rows shuffled per epoch with the run's seed)."""
     eval_dataset: str | None = None
     """Held-out rows for `[eval]` (never trained on); None: fresh seeds of the task."""
+    kind: Literal["env", "harness"] = "env"
+    """`env`: episodes of the registered environment `name`. `harness`: every episode runs an
+    agent harness against an OpenAI-compatible gateway session (actors.gateway); give
+    `command` or `entrypoint`; `episode_timeout_s` bounds the harness; dataset rows become
+    the harness's tasks."""
+    command: str | None = None
+    """Harness: a command run once per episode (`python my_agent.py {task}`, `{task}` = the
+    task's params as JSON), with OPENAI_BASE_URL and OPENAI_API_KEY set for its session."""
+    entrypoint: str | None = None
+    """Harness: `module:function` or `path/file.py:function`, an async function given the
+    session's base URL and the task's params, run in the environment actor."""
+    grader: str | None = None
+    """Harness: `module:function` given (transcript, params) returning the reward (else the
+    harness reports it: a `{"reward": x}` stdout line, POST /reward, or the return value)."""
+
+    @model_validator(mode="after")
+    def _harness_fields(self) -> TaskSection:
+        given = [f for f in ("command", "entrypoint", "grader") if getattr(self, f) is not None]
+        if self.kind == "harness" and (self.command is None) == (self.entrypoint is None):
+            raise ValueError("kind = 'harness' needs exactly one of command or entrypoint")
+        if self.kind == "env" and given:
+            raise ValueError(f"{', '.join(given)} only apply to kind = 'harness'")
+        return self
 
 
 class RolloutSection(_Section):
@@ -282,8 +305,10 @@ def check_runnable(cfg: RunConfig) -> None:
         raise ConfigError(str(e)) from None
     if cfg.trainer.device == "cuda" and cuda == 0:
         raise ConfigError("trainer.device: 'cuda' but this machine has no CUDA GPU; use \"cpu\"")
-    if cfg.task.dataset is not None:
-        return  # the rows complete the params: orchestrator.preflight checks the task on them
+    if cfg.task.dataset is not None or cfg.task.kind == "harness":
+        # Rows complete the params / a harness is no registered task: orchestrator.preflight
+        # checks the task on its rows, and the harness's entrypoint, grader and command.
+        return
     try:
         check_task(cfg.task.name, cfg.task.params, cfg.task.modules)
     except TaskCheckError as e:

@@ -127,6 +127,9 @@ def _check_task(cfg: RunConfig, dataset: Any, eval_dataset: Any) -> list[str]:
 
     modules = [str(Path(m).resolve()) if m.endswith(".py") or "/" in m else m
                for m in cfg.task.modules]
+    if cfg.task.kind == "harness":   # no registered environment: the harness is the task
+        _check_harness(cfg)
+        return modules
     if cfg.eval.every and dataset is not None and eval_dataset is None:
         raise ConfigError("eval: task.dataset is set but task.eval_dataset is not (evaluation "
                           "plays held-out rows)")
@@ -139,6 +142,27 @@ def _check_task(cfg: RunConfig, dataset: Any, eval_dataset: Any) -> list[str]:
         except TaskCheckError as e:
             raise ConfigError(f"{e} (with {where})" if where else str(e)) from None
     return modules
+
+
+def _check_harness(cfg: RunConfig) -> None:
+    """The harness's entrypoint and grader import, its command's program exists."""
+    import shlex
+    import shutil
+
+    from actors.gateway import resolve
+
+    for key in ("entrypoint", "grader"):
+        spec = getattr(cfg.task, key)
+        if spec is not None:
+            try:
+                resolve(spec)
+            except Exception as e:  # noqa: BLE001 - whatever importing the user's module raises
+                raise ConfigError(f"task.{key} {spec!r}: {type(e).__name__}: {e}") from None
+    if cfg.task.command is not None:
+        argv = shlex.split(cfg.task.command)
+        if not argv or shutil.which(argv[0]) is None:
+            raise ConfigError(f"task.command {cfg.task.command!r}: program "
+                              f"{argv[0] if argv else ''!r} not found")
 
 
 def _load_datasets(cfg: RunConfig) -> tuple[Any, Any]:

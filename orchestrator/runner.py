@@ -183,11 +183,11 @@ async def run_async(cfg: RunConfig, *, resume: bool = False, progress: Progress 
     meshes: dict[str, Any] = {
         "trainer": trainer_mesh(trainer_cfg, str(ckpt_dir), not resume, weights_key=weights_key,
                                 name="trainer", env=_actor_env(cfg, cfg.placement.trainer_cpus)),
-        "env": open_mesh(EnvActor, EnvConfig(
+        "env": open_mesh(EnvActor, _env_config(cfg, EnvConfig(
                              step_timeout_s=cfg.task.episode_timeout_s, max_seq_len=cfg.model.max_seq_len,
                              model_path=model_cfg if isinstance(model_cfg, str) else None,
                              chat_template_kwargs=cfg.model.chat_template_kwargs,
-                             task_modules=checked.task_modules),
+                             task_modules=checked.task_modules)),
                          procs=cfg.task.env_actors, name="env", env={**env, **identity_env(cfg.pools)}),
     }
     for pc in cfg.pools:  # samplers start without weights and wait for the trainer's keyframe
@@ -229,6 +229,17 @@ async def run_async(cfg: RunConfig, *, resume: bool = False, progress: Progress 
     progress.message(f"flotilla: {'interrupted' if result.interrupted else 'done'} at step "
                      f"{result.steps_done}, {result.wall_s:.0f}s; reports in {run_dir}")
     return result
+
+
+def _env_config(cfg: RunConfig, env_config: Any) -> Any:
+    """`[task] kind = "harness"` gives the environment actors the gateway's harness."""
+    if cfg.task.kind != "harness":
+        return env_config
+    from actors.gateway import HarnessConfig
+
+    harness = HarnessConfig(command=cfg.task.command, entrypoint=cfg.task.entrypoint, grader=cfg.task.grader,
+                            timeout_s=cfg.task.episode_timeout_s, max_new_tokens=cfg.task.max_new_tokens)
+    return env_config.model_copy(update={"harness": harness})
 
 
 async def _hold(mesh_cm: Any, *, task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED) -> None:

@@ -8,6 +8,7 @@ task per call); environments are fresh instances per episode.
 """
 from __future__ import annotations
 
+import random
 import sys
 import uuid
 from typing import Any
@@ -15,13 +16,13 @@ from typing import Any
 import trio
 from pydantic import BaseModel, ConfigDict, Field
 
+from actors.chat import load_chat_format
 from actors.env._episode import EnvCalls, EpisodeLimits, play_episode
 from actors.env._interface import registered_tasks
 from actors.env._modules import import_task_modules
 from actors.env._threads import EnvThreads
 from actors.env._watchdog import LoopWatchdog
 from actors.sampler import GenerateRequest, GenerateResult
-from actors.chat import load_chat_format
 from actors.types import SamplingParams, TaskSpec, Trajectory
 from orchestrator.runtime import Actor, ActorRef, Mesh, endpoint, span
 
@@ -56,6 +57,10 @@ class EnvConfig(BaseModel):
     loop_stall_s: float = Field(1.0, gt=0.0)
     """An event-loop step longer than this is reported, naming the async environment
     call that blocked the loop."""
+    harness: Any = None
+    """``actors.gateway.HarnessConfig``: every episode runs this harness against the actor's
+    OpenAI-compatible gateway instead of a registered environment (None: no gateway); the
+    gateway renders with ``model_path``'s chat template."""
 
 
 class EnvActor(Actor):
@@ -83,10 +88,21 @@ class EnvActor(Actor):
         self.episodes = 0
         self.failed = 0
         self.running = 0
+        self.gateway: Any = None
+        if self.config.harness is not None:
+            from actors.gateway import HarnessConfig
+
+            self.config.harness = HarnessConfig.model_validate(self.config.harness)
 
     async def on_start(self, nursery: trio.Nursery) -> None:
-        """Start the event-loop watchdog (it stops with the actor)."""
+        """Start the event-loop watchdog and, with a harness configured, the gateway (both
+        stop with the actor)."""
         await nursery.start(self.watchdog.run)
+        if self.config.harness is not None:
+            from actors.gateway import Gateway
+
+            self.gateway = Gateway(self.chat)
+            await nursery.start(self.gateway.serve)
 
     @endpoint
     async def run_episode(self, sampler: ActorRef | Mesh, task: TaskSpec,
@@ -105,15 +121,48 @@ class EnvActor(Actor):
 
         self.running += 1
         try:
-            traj = await play_episode(
-                generate, GenerateRequest, task, sampling, min_version,
-                chat=self.chat, limits=self.limits,
-                request_prefix=f"{task.prompt_id}/{uuid.uuid4().hex[:12]}", span=span, calls=self.calls)
+            if self.gateway is not None:
+                traj = await self._harness_episode(sampler, generate, task, sampling, min_version)
+            else:
+                traj = await play_episode(
+                    generate, GenerateRequest, task, sampling, min_version,
+                    chat=self.chat, limits=self.limits,
+                    request_prefix=f"{task.prompt_id}/{uuid.uuid4().hex[:12]}", span=span,
+                    calls=self.calls)
         finally:
             self.running -= 1
         self.episodes += 1
         self.failed += traj.failed
         return traj
+
+    async def _harness_episode(self, sampler: ActorRef | Mesh, generate: Any, task: TaskSpec,
+                               sampling: SamplingParams, min_version: int) -> Trajectory:
+        """One episode of the configured harness against a new gateway session.  A mesh
+        handle is pinned to one rank for the whole episode (its prefix cache lives there)."""
+        from actors.gateway import SessionLimits, play_harness_episode
+
+        ref = sampler[random.randrange(len(sampler))] if isinstance(sampler, Mesh) else sampler
+
+        async def gen(req: GenerateRequest) -> GenerateResult:
+            return await ref.generate.call_one(req)
+
+        async def end(session_id: str) -> Any:
+            return await ref.end_session.call_one(session_id)
+
+        cfg = self.config.harness
+        limits = SessionLimits(sampling, self.config.max_seq_len, cfg.max_new_tokens, cfg.honor_sampling)
+        with span("rollout", task=task.task, prompt_id=task.prompt_id, group_id=task.group_id,
+                  kind="harness") as sp:
+            traj, stats = await play_harness_episode(self.gateway, cfg, task, gen, limits, min_version, end)
+            for k, v in {"pool": traj.pool, "turn": traj.turns, "reward": traj.reward, "failed": traj.failed,
+                         "tokens": int(traj.tokens.numel()), "generated": traj.num_generated, **stats}.items():
+                sp.set_attribute(k, v)
+        return traj
+
+    @endpoint
+    def gateway_address(self) -> str | None:
+        """``http://host:port`` of the actor's gateway (None without a harness)."""
+        return self.gateway.address if self.gateway is not None else None
 
     @endpoint
     def tasks(self) -> list[str]:
@@ -123,9 +172,15 @@ class EnvActor(Actor):
     @endpoint
     def stats(self) -> dict[str, Any]:
         """Episodes finished, failed and running now; environment calls stuck in their
-        threads now (per task) and ever; event-loop stalls (count, longest, last culprit)."""
-        return {"episodes": self.episodes, "failed": self.failed, "running": self.running,
-                "stuck_calls": self.threads.stuck(), "stuck_calls_total": self.threads.stuck_total(),
-                "env_threads": self.threads.per_task, "loop_stalls": self.watchdog.stalls,
-                "loop_stall_longest_s": round(self.watchdog.longest_s, 3),
-                "loop_stall_last": self.watchdog.last_blocker}
+        threads now (per task) and ever; event-loop stalls (count, longest, last culprit);
+        with a gateway also its sessions, segments and the generated tokens of earlier
+        segments (not trained on)."""
+        out = {"episodes": self.episodes, "failed": self.failed, "running": self.running,
+               "stuck_calls": self.threads.stuck(), "stuck_calls_total": self.threads.stuck_total(),
+               "env_threads": self.threads.per_task, "loop_stalls": self.watchdog.stalls,
+               "loop_stall_longest_s": round(self.watchdog.longest_s, 3),
+               "loop_stall_last": self.watchdog.last_blocker}
+        if self.gateway is not None:
+            out.update(sessions=self.gateway.opened, segments=self.gateway.segments,
+                       dropped_generated=self.gateway.dropped_generated)
+        return out

@@ -90,6 +90,11 @@ class SamplerActor(Actor):
         seed: seeds sampling for requests that carry no seed.
         batch_window_s: torch backend: how long an idle sampler waits for more
             requests before a prefill (see ``TorchBackend``); 0: no wait.
+        prefix_cache: torch backend: keep a session's KV cache between its requests
+            (``GenerateRequest.session_id``), so a turn costs only its new tokens.
+        stale_prefix: "reuse" a session's cached prefix after a weight update (its keys
+            and values stay those of the older weights; recorded versions are unchanged)
+            or "recompute" it under the new weights.
         backend: "torch", or "sglang" (needs a CUDA GPU; never run against a real
             server here, see ``actors.sampler._sglang``).
         sglang: backend "sglang": ``{"urls": [...]}`` (one running server per rank) or
@@ -115,6 +120,8 @@ class SamplerActor(Actor):
         staleness_budget: int | None = None,
         seed: int = 0,
         batch_window_s: float = 0.005,
+        prefix_cache: bool = True,
+        stale_prefix: str = "reuse",
         backend: str = "torch",
         sglang: dict[str, Any] | None = None,
         gpus: list[int] | None = None,
@@ -135,7 +142,8 @@ class SamplerActor(Actor):
         if backend == "torch":
             device = rank_device(device, rank, gpus)
             self._backend = TorchBackend(config, pool=pool, max_batch=max_batch, max_len=max_len, device=device,
-                                         seed=seed, batch_window_s=batch_window_s)
+                                         seed=seed, batch_window_s=batch_window_s,
+                                         prefix_cache=prefix_cache, stale_prefix=stale_prefix)
         elif backend == "sglang":
             self._backend = sglang_backend(pool, config, rank, gpus, sglang or {})
         else:
@@ -215,6 +223,11 @@ class SamplerActor(Actor):
                     self._updates += 1
                 s.set_attribute("to_version", self._backend.version)
         return self._backend.version
+
+    @endpoint
+    def end_session(self, session_id: str) -> bool:
+        """Free a session's cached prefix (its episode is over); False if none is held."""
+        return self._backend.end_session(session_id)
 
     @endpoint
     def device_names(self) -> list[str]:

@@ -64,6 +64,10 @@ class GenerationBackend(Protocol):
         """End a request early; its ``generate`` returns finish_reason "abort"."""
         ...
 
+    def end_session(self, session_id: str) -> bool:
+        """Forget a session's cached prefix (see ``GenerateRequest.session_id``)."""
+        ...
+
     def counters(self) -> dict[str, Any]:
         """tokens_generated, prompt_tokens, requests_finished, busy_seconds, prefill_batches,
         decode_steps, running, waiting."""
@@ -102,6 +106,7 @@ class TorchBackend:
         device: "cpu" or "cuda[:i]".
         seed: seeds the generator of requests that carry no seed.
         batch_window_s: the quiet gap that closes an admission batch (0: no wait).
+        prefix_cache / stale_prefix: the session prefix cache (``ContinuousBatcher``).
     """
 
     name = "torch"
@@ -116,11 +121,14 @@ class TorchBackend:
         device: str = "cpu",
         seed: int = 0,
         batch_window_s: float = 0.005,
+        prefix_cache: bool = True,
+        stale_prefix: str = "reuse",
     ) -> None:
         if batch_window_s < 0:
             raise ValueError(f"batch_window_s must be >= 0, got {batch_window_s}")
         engine = DecoderEngine(model_config, max_slots=max_batch, max_len=max_len, device=device)
-        self._batcher = ContinuousBatcher(engine, pool=pool, seed=seed)
+        self._batcher = ContinuousBatcher(engine, pool=pool, seed=seed, prefix_cache=prefix_cache,
+                                          stale_prefix=stale_prefix)  # type: ignore[arg-type]
         self._waiters: dict[str, _Waiter] = {}
         self._wake = trio.Event()
         self._window = batch_window_s
@@ -221,6 +229,10 @@ class TorchBackend:
         self._settle(request_id, result=res)
         return True
 
+    def end_session(self, session_id: str) -> bool:
+        """Free a session's parked KV-cache slot now (it would otherwise wait for eviction)."""
+        return self._batcher.drop_session(session_id)
+
     def counters(self) -> dict[str, Any]:
         """Cumulative counters for ``SamplerStats``."""
         b = self._batcher
@@ -233,4 +245,7 @@ class TorchBackend:
             "decode_steps": b.decode_steps,
             "running": b.running,
             "waiting": b.waiting,
+            "prefix_hits": b.prefix_hits,
+            "prefix_tokens_reused": b.prefix_tokens_reused,
+            "parked_sessions": b.parked,
         }

@@ -19,6 +19,17 @@ Every generated token records the version of the weights that computed its
 logits, so a weight update between two ticks (``set_weights``) splits a
 running sequence's versions exactly at that boundary.
 
+Prefix cache (``prefix_cache=True``): a request with a ``session_id`` leaves its
+slot *parked* when it finishes, keys and values intact.  The session's next
+request takes that slot back, keeps the longest cached prefix its prompt shares
+(at most all but the prompt's last token, whose logits are needed) and computes
+only the rest (``Qwen3Engine.extend``), so a turn of a growing conversation costs
+its new tokens.  Parked slots are capacity on loan: when a request needs a slot
+and none is free, the least recently parked session is evicted.  A parked prefix
+computed under older weights is reused as it is (``stale_prefix="reuse"``: its
+tokens were generated and recorded under those versions, and only the context's
+keys/values differ) or recomputed from scratch (``"recompute"``).
+
 Synchronous and single-threaded by design: the actor drives it from one trio
 task, and weight updates or aborts run between ticks.
 """
@@ -27,8 +38,10 @@ from __future__ import annotations
 
 import time
 from array import array
+from collections import OrderedDict
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
@@ -55,6 +68,27 @@ class _Sequence:
     counts: list[int] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     stops: frozenset[int] = frozenset()
+    reuse: int = 0
+    """Cached prompt tokens this request started from (prefix cache hit), else 0."""
+
+
+@dataclass
+class _Parked:
+    """A finished session's slot, kept for its next turn."""
+
+    slot: int
+    tokens: list[int]
+    """The ids whose keys/values the slot holds (prompt + generated, less the last token)."""
+    version: int
+    """Weights version when the slot was parked (the newest that wrote into it)."""
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
 
 
 class ContinuousBatcher:
@@ -64,10 +98,25 @@ class ContinuousBatcher:
         engine: the forward/KV-cache engine (weights loaded or not yet).
         pool: pool name stamped on results.
         seed: seeds the shared generator used by requests without their own seed.
+        prefix_cache: keep the KV cache of requests with a ``session_id`` between turns.
+        stale_prefix: "reuse" a cached prefix computed under older weights, or
+            "recompute" it.
     """
 
-    def __init__(self, engine: DecoderEngine, *, pool: str, seed: int = 0) -> None:
+    def __init__(self, engine: DecoderEngine, *, pool: str, seed: int = 0, prefix_cache: bool = True,
+                 stale_prefix: Literal["reuse", "recompute"] = "reuse") -> None:
+        if stale_prefix not in ("reuse", "recompute"):
+            raise ValueError(f"stale_prefix must be 'reuse' or 'recompute', got {stale_prefix!r}")
         self.engine = engine
+        self.prefix_cache = prefix_cache
+        self.stale_prefix = stale_prefix
+        self._parked: OrderedDict[str, _Parked] = OrderedDict()  # LRU first
+        self.prefix_hits = 0
+        """Requests that started from a cached prefix."""
+        self.prefix_tokens_reused = 0
+        """Prompt tokens not recomputed thanks to the prefix cache."""
+        self.prefix_evictions = 0
+        """Parked sessions evicted to make room."""
         self.pool = pool
         self.version = -1
         """Version of the weights loaded (-1: none yet; nothing is admitted until then)."""
@@ -96,8 +145,13 @@ class ContinuousBatcher:
 
     @property
     def free_slots(self) -> int:
-        """KV-cache slots not held by a request."""
-        return len(self._free)
+        """KV-cache slots not held by a running request (parked sessions can be evicted)."""
+        return len(self._free) + len(self._parked)
+
+    @property
+    def parked(self) -> int:
+        """Sessions whose KV cache is kept for their next turn."""
+        return len(self._parked)
 
     def admissible(self) -> int:
         """Waiting requests the held weights could serve now (``min_version`` satisfied)."""
@@ -107,7 +161,43 @@ class ContinuousBatcher:
         """True when ``step()`` would do something (run a sequence or admit one)."""
         if self._running:
             return True
-        return bool(self._free) and any(s.req.min_version <= self.version for s in self._waiting)
+        return bool(self.free_slots) and any(s.req.min_version <= self.version for s in self._waiting)
+
+    def drop_session(self, session_id: str) -> bool:
+        """Forget a session's parked cache (its episode ended); False if none is parked."""
+        parked = self._parked.pop(session_id, None)
+        if parked is None:
+            return False
+        self._release(parked.slot)
+        return True
+
+    def _release(self, slot: int) -> None:
+        self.engine.free(slot)
+        self._free.append(slot)
+        self._free.sort(reverse=True)
+
+    def _take_slot(self, seq: _Sequence) -> bool:
+        """Give ``seq`` a slot: its session's parked one (setting ``seq.reuse``), a free one,
+        or one evicted from the least recently parked session.  False when none is left."""
+        sid = seq.req.session_id
+        parked = self._parked.pop(sid, None) if sid is not None else None
+        if parked is not None:
+            seq.slot = parked.slot
+            prompt = seq.req.prompt_ids
+            keep = min(_common_prefix(parked.tokens, prompt), len(prompt) - 1)
+            if self.stale_prefix == "recompute" and parked.version != self.version:
+                keep = 0
+            self.engine.truncate(parked.slot, keep)
+            seq.reuse = keep
+            return True
+        if not self._free and self._parked:
+            _, victim = self._parked.popitem(last=False)
+            self._release(victim.slot)
+            self.prefix_evictions += 1
+        if not self._free:
+            return False
+        seq.slot = self._free.pop()
+        return True
 
     def submit(self, req: GenerateRequest) -> None:
         """Queue a request.  Raises ValueError for a duplicate in-flight request_id, a
@@ -146,8 +236,11 @@ class ContinuousBatcher:
         return None
 
     def abort_all(self) -> list[GenerateResult]:
-        """Abort every request (e.g. after an engine error left the cache suspect)."""
+        """Abort every request and drop every parked cache (e.g. after an engine error left
+        the cache suspect)."""
         ids = [s.req.request_id for s in self._waiting] + [s.req.request_id for s in self._running.values()]
+        for sid in list(self._parked):
+            self.drop_session(sid)
         return [r for r in (self.abort(i) for i in ids) if r is not None]
 
     # ----------------------------------------------------------------- weights
@@ -168,24 +261,32 @@ class ContinuousBatcher:
         t0 = time.perf_counter()
         decoding = sorted(self._running)
         admitted: list[_Sequence] = []
-        if self._free and self._waiting:
+        if self.free_slots and self._waiting:
             keep: list[_Sequence] = []
             for seq in self._waiting:
-                if self._free and seq.req.min_version <= self.version:
-                    seq.slot = self._free.pop()
+                if seq.req.min_version <= self.version and self._take_slot(seq):
                     seq.started = t0
                     admitted.append(seq)
                 else:
                     keep.append(seq)
             self._waiting = keep
         if admitted:
-            slots = [s.slot for s in admitted]
             for seq in admitted:
                 self._running[seq.slot] = seq
-            logits = self.engine.prefill(slots, [s.req.prompt_ids for s in admitted])
-            self.prefill_batches += 1
-            self.prompt_tokens += sum(len(s.req.prompt_ids) for s in admitted)
-            self._sample(admitted, logits)
+            fresh = [s for s in admitted if not s.reuse]
+            cached = [s for s in admitted if s.reuse]
+            if fresh:
+                logits = self.engine.prefill([s.slot for s in fresh], [s.req.prompt_ids for s in fresh])
+                self.prefill_batches += 1
+                self.prompt_tokens += sum(len(s.req.prompt_ids) for s in fresh)
+                self._sample(fresh, logits)
+            if cached:
+                logits = self.engine.extend([s.slot for s in cached], [s.req.prompt_ids[s.reuse:] for s in cached])
+                self.prefill_batches += 1
+                self.prompt_tokens += sum(len(s.req.prompt_ids) - s.reuse for s in cached)
+                self.prefix_hits += len(cached)
+                self.prefix_tokens_reused += sum(s.reuse for s in cached)
+                self._sample(cached, logits)
         if decoding:
             seqs = [self._running[s] for s in decoding]
             logits = self.engine.decode(decoding, [s.tokens[-1] for s in seqs])
@@ -244,9 +345,17 @@ class ContinuousBatcher:
 
     def _retire(self, slot: int, reason: FinishReason) -> GenerateResult:
         seq = self._running.pop(slot)
-        self.engine.free(slot)
-        self._free.append(slot)
-        self._free.sort(reverse=True)
+        sid = seq.req.session_id
+        if self.prefix_cache and sid is not None and reason != "abort" and seq.tokens:
+            # The last sampled token was never fed, so the slot holds everything before it.
+            held = list(seq.req.prompt_ids) + seq.tokens[:-1]
+            assert int(self.engine.lengths[slot]) == len(held), "slot length and token record disagree"
+            old = self._parked.pop(sid, None)
+            if old is not None:  # two requests of one session overlapped; keep the newer cache
+                self._release(old.slot)
+            self._parked[sid] = _Parked(slot, held, self.version)
+        else:
+            self._release(slot)
         return self._finish(seq, reason)
 
     def _finish(self, seq: _Sequence, reason: FinishReason) -> GenerateResult:

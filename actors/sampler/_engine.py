@@ -411,6 +411,72 @@ class DecoderEngine:
         self.lengths[slot_host] += 1
         return self._logits(x[:, 0])
 
+    @torch.no_grad()
+    def extend(self, slots: Sequence[int], chunks: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Append ``chunks[i]`` after what slot ``slots[i]`` already holds; float32 logits [B, V]
+        at each chunk's last token.
+
+        This is the prefix-cache path: a slot keeps a conversation's keys and values
+        between turns, and the next turn computes only its new tokens (positions
+        ``lengths[slot]`` onwards), attending to the cached ones.  Chunks of different
+        lengths share one right-padded forward; pad rows write no cache entries.
+        Raises ValueError for an empty chunk, one that would overflow the slot, or an
+        id outside the vocabulary.
+        """
+        self._check_ready(slots)
+        b = len(slots)
+        if b != len(chunks) or b == 0:
+            raise ValueError(f"extend needs one chunk per slot, got {len(chunks)} chunks for {b} slots")
+        slot_host = torch.tensor(list(slots), dtype=torch.long)
+        start = self.lengths[slot_host].clone()
+        lens = torch.tensor([len(c) for c in chunks], dtype=torch.long)
+        for row, c in enumerate(chunks):
+            if not c or int(start[row]) + len(c) > self.max_len:
+                raise ValueError(f"chunk {row} has {len(c)} tokens after {int(start[row])} cached; "
+                                 f"must be 1..{self.max_len - int(start[row])}")
+            bad = [i for i, tok in enumerate(c) if not 0 <= tok < self.vocab_size]
+            if bad:
+                raise ValueError(f"chunk {row} position {bad[0]}: token id {c[bad[0]]} outside vocab [0, {self.vocab_size})")
+        t = int(lens.max())
+        ids = torch.zeros(b, t, dtype=torch.long)
+        for row, c in enumerate(chunks):
+            ids[row, : len(c)] = torch.as_tensor(list(c), dtype=torch.long)
+        col = torch.arange(t)
+        pos = start[:, None] + col[None, :]                      # [B, T] absolute positions
+        real = col[None, :] < lens[:, None]                      # [B, T] False on padding
+        span = int((start + lens).max())
+        dev = self.device
+        pos_d = pos.clamp(max=self.max_len - 1).to(dev)
+        cos, sin = self._cos[pos_d][:, None], self._sin[pos_d][:, None]   # [B, 1, T, d]
+        # Row (b, t) sees cached keys and its own chunk up to itself; pad rows see the same
+        # span (their outputs are dropped), so no row is fully masked.
+        mask = torch.zeros(b, 1, t, span, dtype=self.dtype).masked_fill_(
+            (torch.arange(span)[None, None, :] > pos[:, :, None])[:, None], float("-inf")).to(dev)
+        w_rows = torch.arange(b)[:, None].expand(b, t)[real]
+        w_slots, w_pos, w_cols = slot_host[w_rows].to(dev), pos[real].to(dev), col[None, :].expand(b, t)[real]
+        w_rows = w_rows.to(dev)
+        slot_idx = slot_host.to(dev)
+        x = F.embedding(ids.to(dev), self._top["embed"])
+        for li, layer in enumerate(self._layers):
+            q, k, v = self._qkv(layer, self._rms(x, layer["ln1"]), cos, sin)
+            kc, vc = self._k[li], self._v[li]
+            kc[w_slots, :, w_pos] = k[w_rows, :, w_cols.to(dev)]
+            vc[w_slots, :, w_pos] = v[w_rows, :, w_cols.to(dev)]
+            keys = kc[:, :, :span].index_select(0, slot_idx)
+            values = vc[:, :, :span].index_select(0, slot_idx)
+            a = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+            x = x + F.linear(a.transpose(1, 2).reshape(b, t, self._q_dim), layer["o"])
+            x = self._mlp_block(layer, x)
+        self.lengths[slot_host] = start + lens
+        last = (lens - 1).to(dev)
+        return self._logits(x[torch.arange(b, device=dev), last])
+
+    def truncate(self, slot: int, length: int) -> None:
+        """Keep only the first ``length`` cached tokens of ``slot`` (later ones are overwritten)."""
+        if not 0 <= length <= int(self.lengths[slot]):
+            raise ValueError(f"slot {slot} holds {int(self.lengths[slot])} tokens; cannot keep {length}")
+        self.lengths[slot] = length
+
     def free(self, slot: int) -> None:
         """Forget a slot's sequence (its cache rows are simply overwritten later)."""
         self.lengths[slot] = 0

@@ -322,6 +322,10 @@ class SGLangBackend:
         save_file({k: v.contiguous() for k, v in snapshot.items()}, str(tmp), metadata={"format": "pt"})
         tmp.replace(target / "model.safetensors")
 
+    def end_session(self, session_id: str) -> bool:
+        """Nothing to free: SGLang's radix cache shares prefixes across requests by itself."""
+        return False
+
     def counters(self) -> dict[str, Any]:
         """Cumulative counters for ``SamplerStats`` (busy_seconds is request wall time)."""
         return dict(self._counters)

@@ -52,6 +52,10 @@ class GenerateRequest(BaseModel):
     min_version: int = Field(0, ge=0)
     """The sampler does not admit the request before it holds weights of at least this
     version (how a lagging sampler stops taking work until it has caught up)."""
+    session_id: str | None = None
+    """A conversation's id: the sampler keeps the KV cache of the session's last request
+    and the next one with the same id computes only the tokens past the shared prefix
+    (when the sampler's prefix cache is on). Send the session's requests to one sampler."""
 
 
 class GenerateResult(BaseModel):
@@ -130,6 +134,12 @@ class SamplerStats(BaseModel):
     """Batched prefill forwards run (requests admitted / this = mean prefill batch)."""
     decode_steps: int = 0
     """Batched decode forwards run."""
+    prefix_hits: int = 0
+    """Requests that started from their session's cached prefix (torch backend)."""
+    prefix_tokens_reused: int = 0
+    """Prompt tokens those requests did not recompute."""
+    parked_sessions: int = 0
+    """Sessions whose KV cache is kept for their next turn now."""
     tokens_per_second: float
     """tokens_generated / busy_seconds (0 before the first token)."""
     running: int

@@ -153,6 +153,7 @@ async def _account(ctx: RunContext, trajs: list[Trajectory], stale: list[int],
         "mismatch_kl": result.overall.mismatch_kl, "masked_fraction": result.overall.masked_fraction,
         "mean_weight": result.overall.mean_weight, "entropy": result.overall.entropy,
         "train_s": result.seconds, "cost_usd": ctx.ledger.report().totals.cost_usd,
+        "segments_mean": sum(t.segments for t in trajs) / len(trajs),
         "pools": {name: {**pool_stats[name],
                          "staleness_mean": sum(by_pool[name]) / len(by_pool[name]) if name in by_pool else None,
                          "staleness_max": max(by_pool[name]) if name in by_pool else None,
@@ -175,7 +176,7 @@ async def _pool_step_stats(ctx: RunContext, name: str, now: float) -> dict[str, 
     pool = ctx.pools[name]
     stats = await pool.link.stats()
     d_tok, d_busy = 0, 0.0
-    tokens, busy, requests, prefills = 0, 0.0, 0, 0
+    tokens, busy, requests, prefills, prefix_hits = 0, 0.0, 0, 0, 0
     for rank, st in enumerate(stats):
         if st is None:
             continue
@@ -188,10 +189,11 @@ async def _pool_step_stats(ctx: RunContext, name: str, now: float) -> dict[str, 
         tokens, busy = tokens + tok, busy + b
         requests += int(st["requests_finished"])
         prefills += int(st["prefill_batches"])
+        prefix_hits += int(st.get("prefix_hits", 0))
     if any(st is None for st in stats):
         ctx.respawn_dead()
     ctx.ledger.record_busy(name, seconds=d_busy)
     if d_busy > 0 and d_tok > 0:
         ctx.scheduler.observe(name, tokens=d_tok, gpu_seconds=d_busy * pool.link.config.count)
     return {"tokens_per_s": d_tok / max(now - ctx.step_t0, 1e-9), "busy_s": busy, "tokens": tokens,
-            "requests": requests, "prefill_batches": prefills}
+            "requests": requests, "prefill_batches": prefills, "prefix_hits": prefix_hits}

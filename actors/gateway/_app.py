@@ -1,0 +1,188 @@
+"""The gateway's HTTP side: a Starlette app served by hypercorn's trio worker.
+
+Routes (each also under ``/s/{session}/...``, the per-episode base URL)::
+
+    POST /v1/chat/completions     chat, tools, stream (SSE)
+    POST /v1/completions          plain prompts
+    GET  /v1/models               the served model
+    POST /reward                  {"reward": x}: the episode's reward
+
+Without the ``/s/{session}`` prefix, the API key (``Authorization: Bearer <key>``)
+names the session.  Errors are OpenAI error JSON: 400 malformed or invalid
+requests (naming the field), 401 no/unknown session key, 404 unknown route or
+session, 409 a closed session, 502 a sampler failure.  A handler's failure never
+stops the server: each request is its own task in hypercorn's nursery.
+
+Every chat response carries ``x-flotilla-sampler-ms``: how long the request waited on
+the sampler (the rest of its latency is the gateway's own).
+
+Runs in the environment actor's own trio loop (``serve_gateway`` is a structured
+lifetime started with ``nursery.start``), so a request handler awaits the sampler
+like any other actor task and never blocks the loop.
+"""
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from typing import Any
+
+import trio
+from pydantic import BaseModel, ValidationError
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from actors.gateway._schemas import (
+    ChatRequest,
+    CompletionRequest,
+    GatewayError,
+    error_body,
+    format_validation_error,
+    stream_chunks,
+)
+from actors.gateway._session import Session
+
+__all__ = ["build_app", "serve_gateway"]
+
+
+def _error(e: GatewayError) -> JSONResponse:
+    return JSONResponse(error_body(e.message, type=e.type, param=e.param, code=e.code), status_code=e.status)
+
+
+async def _body(request: Request, model: type[BaseModel]) -> Any:
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except ValueError as e:
+        raise GatewayError(400, f"body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise GatewayError(400, f"body must be a JSON object, got {type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        msg, param = format_validation_error(e)
+        raise GatewayError(400, msg, param=param) from None
+
+
+def build_app(lookup: Callable[[str], Session | None], model_name: str) -> Starlette:
+    """The ASGI app; ``lookup(session_id)`` finds an open (or recently closed) session."""
+
+    def session_of(request: Request) -> Session:
+        sid = request.path_params.get("session")
+        if sid is None:
+            auth = request.headers.get("authorization", "")
+            scheme, _, key = auth.partition(" ")
+            if scheme.lower() != "bearer" or not key.strip():
+                raise GatewayError(401, "no API key: send 'Authorization: Bearer <session key>' or use the "
+                                   "session's base URL", type="authentication_error", code="invalid_api_key")
+            sid = key.strip()
+            session = lookup(sid)
+            if session is None:
+                raise GatewayError(401, "unknown API key (no such session)", type="authentication_error",
+                                   code="invalid_api_key")
+            return session
+        session = lookup(sid)
+        if session is None:
+            raise GatewayError(404, f"no session {sid!r}", code="session_not_found")
+        return session
+
+    async def chat(request: Request) -> Response:
+        try:
+            session = session_of(request)
+            req = await _body(request, ChatRequest)
+            response, pieces = await session.chat(req)
+        except GatewayError as e:
+            return _error(e)
+        # The session lock is released, but a session serves one request at a time by
+        # contract, so its last sampler wait is this request's.
+        timing = {"x-flotilla-sampler-ms": f"{session.last_sampler_s * 1e3:.3f}"}
+        if not req.stream:
+            return JSONResponse(response, headers=timing)
+        chunks = stream_chunks(response, pieces)
+
+        async def events() -> Any:
+            for c in chunks:
+                yield f"data: {json.dumps(c)}\n\n"
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", **timing})
+
+    async def completions(request: Request) -> Response:
+        try:
+            session = session_of(request)
+            req = await _body(request, CompletionRequest)
+            if req.stream:
+                raise GatewayError(400, "stream: streaming is supported for chat completions only",
+                                   param="stream")
+            return JSONResponse(await session.complete(req))
+        except GatewayError as e:
+            return _error(e)
+
+    async def models(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [
+            {"id": model_name, "object": "model", "created": 0, "owned_by": "flotilla"}]})
+
+    async def reward(request: Request) -> Response:
+        try:
+            session = session_of(request)
+            raw = await request.body()
+            try:
+                value = json.loads(raw)["reward"]
+                value = float(value)
+            except (ValueError, KeyError, TypeError):
+                raise GatewayError(400, 'body must be {"reward": <number>}', param="reward") from None
+            if not math.isfinite(value):
+                raise GatewayError(400, "reward must be finite", param="reward")
+            session.check_open()
+            session.reward = value
+        except GatewayError as e:
+            return _error(e)
+        return JSONResponse({"ok": True})
+
+    async def not_found(request: Request, exc: Exception) -> Response:
+        status = exc.status_code if isinstance(exc, HTTPException) else 500
+        msg = f"{request.method} {request.url.path}: " + (
+            "no such route" if status == 404 else "method not allowed" if status == 405 else "error")
+        return JSONResponse(error_body(msg, code="not_found" if status == 404 else None), status_code=status)
+
+    async def crashed(request: Request, exc: Exception) -> Response:
+        return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", type="server_error"),
+                            status_code=500)
+
+    routes = []
+    for prefix in ("", "/s/{session}"):
+        routes += [
+            Route(prefix + "/v1/chat/completions", chat, methods=["POST"]),
+            Route(prefix + "/v1/completions", completions, methods=["POST"]),
+            Route(prefix + "/v1/models", models, methods=["GET"]),
+            Route(prefix + "/reward", reward, methods=["POST"]),
+        ]
+    return Starlette(routes=routes, exception_handlers={HTTPException: not_found, Exception: crashed})
+
+
+async def serve_gateway(app: Starlette, host: str = "127.0.0.1", port: int = 0, *,
+                        task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
+    """Serve ``app`` with hypercorn's trio worker until cancelled; reports the base address
+    (``http://host:port``) once it listens.
+
+    Cancellation closes the listener and the open connections (hypercorn's own nursery).
+    """
+    from hypercorn.config import Config
+    from hypercorn.trio import serve
+
+    config = Config()
+    config.bind = [f"{host}:{port}"]
+    config.accesslog = None
+    config.errorlog = None
+    config.keep_alive_timeout = 75
+    config.graceful_timeout = 0.5
+
+    async def run(*, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
+        await serve(app, config, task_status=task_status)  # type: ignore[arg-type]
+
+    async with trio.open_nursery() as nursery:
+        binds = await nursery.start(run)
+        task_status.started(binds[0])

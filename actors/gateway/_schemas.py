@@ -1,0 +1,263 @@
+"""The OpenAI wire format the gateway speaks: request models (validated with pydantic),
+response builders and OpenAI-style error JSON.
+
+Only what the gateway honours is modelled; unknown top-level fields are accepted and
+ignored (clients send many: ``user``, ``metadata``, ``parallel_tool_calls``...), as the
+OpenAI API does, but a field we model with a wrong type or value is a 400 naming it.
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+__all__ = [
+    "ChatMessage",
+    "ChatRequest",
+    "CompletionRequest",
+    "GatewayError",
+    "chat_response",
+    "completion_response",
+    "error_body",
+    "format_validation_error",
+    "stream_chunks",
+]
+
+
+class GatewayError(Exception):
+    """An error answered as OpenAI error JSON with ``status``."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+
+def error_body(message: str, *, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    """``{"error": {"message", "type", "param", "code"}}`` as the OpenAI API answers errors."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def format_validation_error(err: ValidationError) -> tuple[str, str | None]:
+    """(one-line message naming the first bad field, that field's dotted path)."""
+    e = err.errors()[0]
+    loc = ".".join(str(p) for p in e["loc"]) or None
+    more = f" (and {len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
+    return f"{loc or 'body'}: {e['msg']}{more}", loc
+
+
+class _Open(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class FunctionCall(_Open):
+    name: str
+    """The tool's name."""
+    arguments: str | dict[str, Any] = "{}"
+    """Arguments as the JSON string OpenAI sends (a dict is accepted too)."""
+
+
+class ToolCall(_Open):
+    id: str | None = None
+    """Call id (echoed in the tool message's ``tool_call_id``)."""
+    type: Literal["function"] = "function"
+    """Only function tools exist."""
+    function: FunctionCall
+    """Which function, with which arguments."""
+
+
+class ChatMessage(_Open):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    """Who speaks; ``developer`` is treated as ``system``."""
+    content: str | list[dict[str, Any]] | None = None
+    """Text, or a list of ``{"type": "text", "text": ...}`` parts (other part types refused)."""
+    tool_calls: list[ToolCall] | None = None
+    """Assistant tool calls."""
+    tool_call_id: str | None = None
+    """A tool message's call id."""
+    name: str | None = None
+    """Optional speaker/tool name."""
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts(cls, v: Any) -> Any:
+        if isinstance(v, list):
+            for i, part in enumerate(v):
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ValueError(f"content part {i}: only {{'type': 'text', 'text': str}} parts "
+                                     f"are supported, got type {part.get('type')!r}")
+        return v
+
+    def template_message(self) -> dict[str, Any]:
+        """The message as a chat template reads it (text content, dict arguments)."""
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(p["text"] for p in content)
+        msg: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
+                               "content": content or ""}
+        if self.tool_calls:
+            msg["tool_calls"] = [{"type": "function", "function": {
+                "name": c.function.name, "arguments": _args(c.function.arguments)}}
+                for c in self.tool_calls]
+        if self.role == "tool":
+            if self.tool_call_id is not None:
+                msg["tool_call_id"] = self.tool_call_id
+            if self.name is not None:
+                msg["name"] = self.name
+        return msg
+
+
+def _args(arguments: str | dict[str, Any]) -> Any:
+    if isinstance(arguments, dict):
+        return arguments
+    try:
+        return json.loads(arguments) if arguments.strip() else {}
+    except ValueError:
+        return arguments  # the model wrote broken JSON; it stays as text
+
+
+class _Sampling(_Open):
+    model: str = ""
+    """Model name (any name is accepted; ``GET /v1/models`` lists the served one)."""
+    max_tokens: int | None = Field(None, ge=1)
+    """Generation limit (capped by the gateway's own limit and the context)."""
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    """Honoured only when the gateway is configured to; training needs the recipe's."""
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    """As temperature."""
+    stop: str | list[str] | None = None
+    """Up to 4 stop strings; the reply ends before the first one."""
+    n: int = 1
+    """Only 1 (one trajectory per turn)."""
+    stream: bool = False
+    """Answer as server-sent events."""
+    seed: int | None = None
+    """Accepted, ignored (sampling is seeded by the sampler)."""
+
+    @field_validator("n")
+    @classmethod
+    def _one(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError(f"only n=1 is supported, got {v}")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v: Any) -> Any:
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > 4 or any(not s for s in stops):
+            raise ValueError("at most 4 non-empty stop strings")
+        return v
+
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+class ChatRequest(_Sampling):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    """The conversation so far."""
+    tools: list[dict[str, Any]] | None = None
+    """OpenAI function tools, handed to the chat template."""
+    tool_choice: str | dict[str, Any] | None = None
+    """"auto"/"none"/"required" or a named function; "none" drops the tools from the prompt."""
+    max_completion_tokens: int | None = Field(None, ge=1)
+    """The newer name of max_tokens (wins when both are given)."""
+
+    @model_validator(mode="after")
+    def _tools(self) -> ChatRequest:
+        for i, t in enumerate(self.tools or []):
+            fn = t.get("function")
+            if t.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise ValueError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}")
+        return self
+
+    def limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return self.tools
+
+
+class CompletionRequest(_Sampling):
+    """``POST /v1/completions`` (plain prompts, no chat template)."""
+
+    prompt: str | list[int]
+    """Text, or token ids used as they are."""
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def _usage(prompt: int, completion: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def openai_message(msg: dict[str, Any]) -> dict[str, Any]:
+    """A parsed assistant message in OpenAI's shape (string arguments, call ids)."""
+    out: dict[str, Any] = {"role": "assistant", "content": msg.get("content") or None}
+    calls = msg.get("tool_calls")
+    if calls:
+        out["tool_calls"] = [{
+            "id": f"call_{uuid.uuid4().hex[:16]}", "type": "function",
+            "function": {"name": c["function"]["name"],
+                         "arguments": (c["function"]["arguments"]
+                                       if isinstance(c["function"]["arguments"], str)
+                                       else json.dumps(c["function"]["arguments"]))}}
+            for c in calls]
+    return out
+
+
+def chat_response(model: str, message: dict[str, Any], finish_reason: str, prompt_tokens: int,
+                  completion_tokens: int) -> dict[str, Any]:
+    """A ``chat.completion`` object with one choice."""
+    return {"id": _id("chatcmpl"), "object": "chat.completion", "created": int(time.time()),
+            "model": model, "choices": [{"index": 0, "message": message, "logprobs": None,
+                                         "finish_reason": finish_reason}],
+            "usage": _usage(prompt_tokens, completion_tokens)}
+
+
+def completion_response(model: str, text: str, finish_reason: str, prompt_tokens: int,
+                        completion_tokens: int) -> dict[str, Any]:
+    """A ``text_completion`` object with one choice."""
+    return {"id": _id("cmpl"), "object": "text_completion", "created": int(time.time()),
+            "model": model, "choices": [{"index": 0, "text": text, "logprobs": None,
+                                         "finish_reason": finish_reason}],
+            "usage": _usage(prompt_tokens, completion_tokens)}
+
+
+def stream_chunks(response: dict[str, Any], pieces: list[str]) -> list[dict[str, Any]]:
+    """A finished chat response as ``chat.completion.chunk`` objects (role, text pieces,
+    tool calls, finish, usage), in the order OpenAI streams them."""
+    base = {"id": response["id"], "object": "chat.completion.chunk", "created": response["created"],
+            "model": response["model"]}
+    choice = response["choices"][0]
+    msg = choice["message"]
+
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+        return {**base, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+
+    out = [chunk({"role": "assistant", "content": ""})]
+    if msg.get("content"):
+        out += [chunk({"content": p}) for p in pieces if p]
+    for i, call in enumerate(msg.get("tool_calls") or []):
+        out.append(chunk({"tool_calls": [{"index": i, "id": call["id"], "type": "function",
+                                          "function": call["function"]}]}))
+    out.append(chunk({}, choice["finish_reason"]))
+    out.append({**base, "choices": [], "usage": response["usage"]})
+    return out
