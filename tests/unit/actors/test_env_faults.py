@@ -39,17 +39,15 @@ async def test_stuck_plain_env_uses_only_its_own_threads_and_a_blocking_async_en
                 async with trio.open_nursery() as n:
                     for spec in stuck[4 * wave: 4 * wave + 4]:
                         n.start_soon(play, spec)
-            # ...and another task still runs at once: its threads are its own
-            t0 = time.monotonic()
+            # ...and another task still runs: its threads are its own (without a free thread
+            # its calls would fail with "no free thread")
             for spec in make_task_specs("guess_number", 4, 1):
                 t = await run.call_one(sm[0], spec, SAMPLING, 0)
                 assert not t.failed, t.error
-            healthy_s = time.monotonic() - t0
             st = await em[0].stats.call_one()
         assert st["stuck_calls"] == {"test_stuck_reset": 3} and st["stuck_calls_total"] == {"test_stuck_reset": 3}
         assert sum("thread is still running" in e for e in errors) == 3
         assert sum("found no free thread" in e and "all 3 threads of task 'test_stuck_reset'" in e for e in errors) == 9
-        assert healthy_s < 5, healthy_s
 
         # an async env that sleeps without awaiting: the watchdog names it
         with trio.fail_after(30):

@@ -2,7 +2,6 @@
 
 import math
 import random
-import time
 
 import pytest
 
@@ -143,7 +142,8 @@ def test_observe_reranks_pools():
     assert s.ranking() == ["b", "a"]
 
 
-def test_a_decision_with_100_pools_is_cheap():
+def test_a_decision_with_100_pools_walks_to_the_last_pool():
+    # How long a decision takes is measured by benchmarks/scheduling.py (decision_us).
     pools = []
     kinds = [("A100-80GB", "bf16"), ("H100-SXM", "fp8"), ("H200", "bf16"), ("B200", "bf16"), ("L40S", "fp8")]
     for i in range(100):
@@ -156,14 +156,10 @@ def test_a_decision_with_100_pools_is_cheap():
     for name in ranking[:99]:  # worst case: every decision walks the whole ranking and sums supply
         for _ in range(8):
             assert s.place() == name
-    n = 2000
-    t0 = time.perf_counter()
-    for _ in range(n):
+    for _ in range(200):
         name = s.place()
+        assert name == ranking[-1]
         s.complete(name)
-    mean_us = (time.perf_counter() - t0) / n * 1e6
-    assert name == ranking[-1]
-    assert mean_us < 150, f"{mean_us:.1f} µs per decision"  # ~20 µs on a quiet core; slack for a shared one
 
 
 def test_base_pools_stay_full_when_the_steady_consumption_needs_them():
