@@ -21,14 +21,14 @@ its Adam state is scattered from the full tensors.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+from safetensors.torch import save as safetensors_bytes
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -70,9 +70,7 @@ def save(trainer: Trainer, directory: str) -> str:
     state = {"model": get_model_state_dict(trainer.model), "optim": osd["state"]}
     dcp.save(state, checkpoint_id=str(root / "state"))
     if main:
-        tmp = root / "rng.safetensors.tmp"
-        save_file({"torch_cpu": torch.get_rng_state()}, str(tmp))
-        os.replace(tmp, root / "rng.safetensors")
+        write_file_atomic(root / "rng.safetensors", safetensors_bytes({"torch_cpu": torch.get_rng_state()}))
         meta = {"format": FORMAT, "version": trainer.version, "params": list(trainer.params),
                 "ranks": trainer.world.size, "config": trainer.config.model_dump(mode="json")}
         write_file_atomic(root / "trainer.json", json.dumps(meta, indent=1).encode())

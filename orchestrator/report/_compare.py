@@ -8,11 +8,11 @@ listed.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import plotly.graph_objects as go
 
+from orchestrator.checkpoints import write_file_atomic
 from orchestrator.report._charts import cost_series, rolling_mean
 from orchestrator.report._data import RunData, load_run
 from orchestrator.report._html import page
@@ -78,7 +78,5 @@ def write_compare(run_dirs: list[str | Path], out: str | Path) -> Path:
     """
     runs = [load_run(d) for d in run_dirs]
     path = Path(out)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(render_compare(runs), encoding="utf-8")
-    os.replace(tmp, path)
+    write_file_atomic(path, render_compare(runs).encode())
     return path

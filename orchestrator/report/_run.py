@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
+from orchestrator.checkpoints import write_file_atomic
 from orchestrator.report._charts import rolling_mean, run_charts
 from orchestrator.report._data import RunData, load_run, utc
 from orchestrator.report._html import page, pretty
@@ -91,8 +91,6 @@ def write_report(run_dir: str | Path, out: str | Path | None = None, *, data: Ru
     """
     data = data if data is not None else load_run(run_dir)
     path = Path(out) if out is not None else Path(run_dir) / REPORT_FILE
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(render_report(data), encoding="utf-8")
-    os.replace(tmp, path)
+    write_file_atomic(path, render_report(data).encode())
     return path
 
