@@ -27,6 +27,8 @@ async def test_a_run_with_an_sglang_pool_of_two_servers(small_raw, tmp_path) -> 
                          "urls": [f"http://127.0.0.1:{s.server_port}" for s, _ in stubs],
                          "weights_dir": str(tmp_path / "weights"), "staleness_budget": 2,
                          "max_concurrent_rollouts": 16}]
+        # SGLang's top-p has no minimum support size: its pools need min_keep = 1.
+        raw["recipe"] = {**raw.get("recipe", {}), "min_keep": 1}
         cfg = load_config(raw=raw)
         with trio.fail_after(240):
             result = await run_async(cfg, progress=Progress(cfg.steps, quiet=True))
