@@ -214,6 +214,17 @@ class RunConfig(_Section):
             raise ValueError(f"eval.pool {self.eval.pool!r} is not a pool; pools: {names}")
         return self
 
+    @model_validator(mode="after")
+    def _sglang_supports(self) -> RunConfig:
+        """SGLang's top-p keeps no minimum support size, so it cannot sample with `min_keep > 1`."""
+        r = self.recipe
+        for i, p in enumerate(self.pools):
+            if p.backend == "sglang" and r.min_keep > 1 and r.top_p < 1.0 and r.temperature > 0:
+                raise ValueError(f"pools.{i}.backend: pool {p.name!r} is an SGLang pool, whose top-p has "
+                                 f"no minimum support size; set recipe.min_keep = 1 (now {r.min_keep}) "
+                                 f"or recipe.top_p = 1")
+        return self
+
     def resolved_json(self) -> str:
         return json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=True)
 

@@ -60,3 +60,15 @@ def test_plain_names_and_model_overrides_still_load() -> None:
     for bad in ("..", ".", "a/b", "a\\\\b", "", "-rf"):
         with pytest.raises(ConfigError, match="plain folder name"):
             load_config(DEMO, [f'name="{bad}"'])
+
+
+def test_an_sglang_pool_with_min_keep_is_refused_naming_the_field():
+    from orchestrator.config import ConfigError, load_config
+
+    raw = {"pools": [{"name": "s", "gpu": "H100-SXM", "device": "cuda", "backend": "sglang",
+                      "urls": ["http://127.0.0.1:30000"]}],
+           "recipe": {"min_keep": 2, "top_p": 0.97}}
+    with pytest.raises(ConfigError, match=r"pools\.0\.backend.*min_keep = 1"):
+        load_config(raw=raw)
+    raw["recipe"]["min_keep"] = 1
+    assert load_config(raw=raw).pools[0].backend == "sglang"
