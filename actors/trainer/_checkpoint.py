@@ -27,7 +27,7 @@ from orchestrator.checkpoints import write_file_atomic
 if TYPE_CHECKING:
     from actors.trainer._core import Trainer
 
-__all__ = ["checkpoint_format", "is_complete", "load_state", "model_dir", "save"]
+__all__ = ["checkpoint_format", "is_complete", "load_state", "model_dir", "read_meta", "save"]
 
 FORMAT = "flotilla.trainer/1"
 SHARDED_FORMAT = "flotilla.trainer/2"   # written by actors.trainer._dcp
@@ -73,7 +73,7 @@ def is_complete(directory: str) -> bool:
     return (Path(directory) / "trainer.json").is_file()
 
 
-def _read_meta(directory: str) -> dict[str, Any]:
+def read_meta(directory: str) -> dict[str, Any]:
     path = Path(directory) / "trainer.json"
     if not path.is_file():
         raise FileNotFoundError(f"{directory} is not a complete trainer checkpoint "
@@ -87,12 +87,12 @@ def _read_meta(directory: str) -> dict[str, Any]:
 
 def checkpoint_format(directory: str) -> str:
     """The format of a complete checkpoint (FileNotFoundError for an incomplete one)."""
-    return str(_read_meta(directory)["format"])
+    return str(read_meta(directory)["format"])
 
 
 def model_dir(directory: str) -> str:
     """The model directory of a complete checkpoint (FileNotFoundError otherwise)."""
-    _read_meta(directory)
+    read_meta(directory)
     return str(Path(directory) / "model")
 
 
@@ -103,7 +103,7 @@ def load_state(trainer: Trainer, directory: str) -> int:
     Raises ValueError naming the tensor when the optimizer state does not match the
     model's parameters.
     """
-    meta = _read_meta(directory)
+    meta = read_meta(directory)
     if meta["format"] != FORMAT:
         raise ValueError(f"{directory}: format {meta['format']!r} is not a single-process checkpoint")
     if meta["params"] != list(trainer.params):

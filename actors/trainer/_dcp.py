@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from actors.trainer._checkpoint import FORMAT as SINGLE_FORMAT
 from actors.trainer._checkpoint import SHARDED_FORMAT as FORMAT
-from actors.trainer._checkpoint import _read_meta
+from actors.trainer._checkpoint import read_meta
 from orchestrator.checkpoints import write_file_atomic
 
 if TYPE_CHECKING:
@@ -85,7 +85,7 @@ def load(trainer: Trainer, directory: str) -> int:
     Raises ValueError when the trained parameters differ from the checkpoint's (e.g. a
     different LoRA config); DCP raises naming a missing tensor.
     """
-    meta = _read_meta(directory)
+    meta = read_meta(directory)
     if meta["params"] != list(trainer.params):
         raise ValueError(f"{directory}: trained parameters differ from the checkpoint's "
                          f"({len(meta['params'])} there, {len(trainer.params)} here; "
