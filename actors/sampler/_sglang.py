@@ -163,8 +163,9 @@ class SGLangBackend:
 
         Start-up fails (RuntimeError naming the URL) when the server is not healthy in time:
         ``launch.health_timeout_s`` for a launched one, ``control_timeout_s`` for a given one.
-        Cancellation stops a launched server (process group, no orphans) and removes a
-        temporary weights directory.
+        A given server is sent ``/continue_generation`` first, in case an earlier owner died
+        while it was paused. Cancellation stops a launched server (process group, no orphans)
+        and removes a temporary weights directory.
         """
         tmp = None
         if self._weights_root is None:
@@ -182,6 +183,9 @@ class SGLangBackend:
                             await nursery.start(serve_sglang, self.launch, self.port, self.gpu, client)
                         else:
                             await wait_healthy(client, self.url, self.control_timeout_s)
+                            # a previous owner (a sampler that died mid-update) may have left it
+                            # paused; every request would then wait forever
+                            await self._post("/continue_generation", {})
                         task_status.started()
                         await trio.sleep_forever()
                 except BaseExceptionGroup as group:  # show the server's own error, unwrapped

@@ -47,9 +47,11 @@ async def test_a_run_with_an_sglang_pool_of_two_servers(small_raw, tmp_path) -> 
             updates = [e["body"] for e in state.log if e["path"] == "/update_weights_from_disk"]
             versions = [int(u["weight_version"]) for u in updates]
             assert versions == sorted(versions) and versions[0] == 0
-            # every update lands while generation is paused, and generation is continued after it
+            # every update lands while generation is paused, and generation is continued after it; the run may end while its last update is
+            # being loaded (then only the shutdown's aborts follow the pause)
+            assert paths[0] == "/continue_generation"  # start: clear a pause a dead owner left
             paused = False
-            for p in paths:
+            for p in paths[1:]:
                 if p == "/pause_generation":
                     assert not paused
                     paused = True
@@ -58,8 +60,6 @@ async def test_a_run_with_an_sglang_pool_of_two_servers(small_raw, tmp_path) -> 
                     paused = False
                 elif p == "/update_weights_from_disk":
                     assert paused
-            # (a run may end while its last update is being loaded)
-            assert not paused or paths[-1] in ("/pause_generation", "/update_weights_from_disk"), paths[-4:]
             gen = next(e["body"] for e in state.log if e["path"] == "/generate")
             assert gen["return_sampling_mask"] is True and gen["sampling_params"]["top_k"] == cfg.recipe.top_k
     finally:

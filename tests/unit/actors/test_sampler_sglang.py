@@ -97,18 +97,30 @@ async def test_protocol_generate_update_with_versions_and_rows_unchanged(stub, t
         assert be.version == 2
         nursery.cancel_scope.cancel()
     calls = [c["path"] for c in state.log]
-    assert calls == ["/pause_generation", "/update_weights_from_disk", "/continue_generation",
+    assert calls == ["/continue_generation",  # start-up: clear a pause an earlier owner left
+                     "/pause_generation", "/update_weights_from_disk", "/continue_generation",
                      "/generate",
                      "/pause_generation", "/update_weights_from_disk", "/continue_generation"]
     upd = [c["body"] for c in state.log if c["path"] == "/update_weights_from_disk"]
     assert [u["weight_version"] for u in upd] == ["1", "2"]
     assert all(u["flush_cache"] for u in upd)  # retract mode: KV recomputed under new weights
-    assert state.log[0]["body"] == {"mode": "retract"}
+    assert state.log[1]["body"] == {"mode": "retract"}
     gen = next(c["body"] for c in state.log if c["path"] == "/generate")
     assert gen["return_sampling_mask"] and gen["rid"] == "a" and gen["sampling_params"]["top_k"] == 3
     # Only the loaded snapshot stays on disk; it holds what the server was told to load.
     kept = sorted(p.name for p in (tmp_path / "h100-0").iterdir())
     assert kept == ["v2"] and (tmp_path / "h100-0" / "v2" / "model.safetensors").is_file()
+
+
+async def test_protocol_a_server_left_paused_by_a_dead_owner_serves_the_next_one(stub, tmp_path) -> None:
+    url, state = stub
+    with state.lock:
+        state.paused = "retract"  # an earlier sampler died between pause and continue
+    be = SGLangBackend(pool="p", model_config={}, url=url, weights_dir=str(tmp_path))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(be.run)
+        assert state.paused is None  # serving again before any update or request
+        nursery.cancel_scope.cancel()
 
 
 async def test_protocol_request_waits_for_min_version_and_refuses_infinite_top_k(stub, tmp_path) -> None:
