@@ -59,7 +59,7 @@ async def _serve(cls: Any, args: argparse.Namespace) -> None:
         if args.advertise:
             port = address.rsplit(":", 1)[1]
             address = f"tcp://{args.advertise}:{port}"
-        server = Server(cls, sock, name=args.name, rank=args.rank)
+        server = Server(cls, sock, name=args.name, rank=args.rank, local=args.bind.startswith("ipc://"))
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_stop_on_signal, nursery.cancel_scope)
             if args.parent_pid is not None:

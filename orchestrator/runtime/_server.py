@@ -51,7 +51,8 @@ class Server:
     become ``err`` replies; the actor keeps serving.
     """
 
-    def __init__(self, cls: type[Actor], sock: zmq.Socket[Any], *, name: str, rank: int) -> None:
+    def __init__(self, cls: type[Actor], sock: zmq.Socket[Any], *, name: str, rank: int,
+                 local: bool = False) -> None:
         self.cls = cls
         self.name = name
         self.rank = rank
@@ -59,7 +60,8 @@ class Server:
         self.actor: Actor | None = None
         self.ready = trio.Event()
         self.running: dict[tuple[bytes, Any], trio.CancelScope] = {}
-        self.z = ZSocket(sock, self._on_message, copy_parts=2, spin=True)
+        # local: bound on ipc://, so every peer shares the machine (large frames via /dev/shm)
+        self.z = ZSocket(sock, self._on_message, copy_parts=2, spin=True, shm=local)
         self._nursery: trio.Nursery | None = None
         self._next_seq = 0
         self._started = 0

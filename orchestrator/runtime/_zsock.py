@@ -32,6 +32,8 @@ from typing import Any
 import trio
 import zmq
 
+from . import _shm
+
 __all__ = ["SPIN_S", "ZSocket", "context", "tune"]
 
 SPIN_S = float(os.environ.get("FLOTILLA_SPIN_US", "250")) * 1e-6
@@ -70,7 +72,9 @@ class ZSocket:
 
     ``on_message(frames)`` is called for every message (the first
     ``copy_parts`` frames as ``bytes``, the rest as zero-copy ``zmq.Frame``);
-    it must not block. It runs in the
+    it must not block. With ``shm=True`` (both ends on this machine) large data frames
+    travel through shared memory (``_shm``); the header is frame ``copy_parts - 1``
+    both ways. It runs in the
     reader task, or inside ``send`` when the send consumed the FD's edge
     while input was pending (then the sender drains, since the reader would
     not be woken). Cancellation: cancelling ``run`` closes the socket.
@@ -79,13 +83,15 @@ class ZSocket:
     """
 
     def __init__(self, sock: zmq.Socket[Any], on_message: Callable[[list[Any]], None], *,
-                 close_on_exit: bool = True, copy_parts: int = 1, spin: bool = False) -> None:
+                 close_on_exit: bool = True, copy_parts: int = 1, spin: bool = False,
+                 shm: bool = False) -> None:
         self.sock = sock
         self._close_on_exit = close_on_exit
         # Leading frames (routing id, header) arrive as bytes: cheaper than zmq.Frame
         # for small parts; the rest stay zero-copy frames.
         self._copy_parts = copy_parts
         self._on_message = on_message
+        self._shm = shm and _shm.ENABLED
         self._fd = sock.getsockopt(zmq.FD)
         self._draining = False
         self.closed = False
@@ -99,6 +105,8 @@ class ZSocket:
         if self.closed:
             raise zmq.ZMQError(zmq.ENOTSOCK, "socket closed")
         sock = self.sock
+        if self._shm and len(frames) > self._copy_parts:
+            frames = _shm.export_frames(frames, self._copy_parts - 1)
         last = len(frames) - 1
         for i, f in enumerate(frames):
             sock.send(f, _NOBLOCK_MORE if i < last else _NOBLOCK, copy=copy)
@@ -125,6 +133,12 @@ class ZSocket:
                     break
                 while sock.get(_RCVMORE):  # the rest of a message is already here
                     frames.append(sock.recv(_NOBLOCK, copy=len(frames) < self._copy_parts))
+                if self._shm and len(frames) > self._copy_parts and frames[self._copy_parts - 1][:1] == b"S":
+                    try:
+                        frames = _shm.import_frames(frames, self._copy_parts - 1, log)
+                    except ValueError as exc:
+                        log(f"dropped a message: {exc}")
+                        continue
                 if self._spin:
                     now = perf_counter()
                     self.gap_ewma += 0.2 * (now - self._last - self.gap_ewma)

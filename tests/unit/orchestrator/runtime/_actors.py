@@ -120,6 +120,13 @@ class Item(BaseModel):
 
 class Echo(Actor):
     @endpoint
+    def shm_segments_created(self) -> int:
+        """Shared-memory segments this process has made to send frames (reuse adds none)."""
+        from orchestrator.runtime._shm import segments_created
+
+        return segments_created()
+
+    @endpoint
     async def echo(self, value: Any) -> Any:
         return value
 

@@ -1,0 +1,105 @@
+"""Large frames between local processes through /dev/shm: real actor processes, real
+sockets and the segment protocol itself (reuse, lifetime, forged or missing segments)."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+from typing import Any
+
+import pytest
+import torch
+import trio
+import zmq
+
+from orchestrator.runtime import open_mesh
+from orchestrator.runtime._shm import ENABLED, SHM_MIN_BYTES, SegmentPool, export_frames, import_frames, segments_created
+
+from ._actors import Echo
+from .test_wire import _recv
+
+pytestmark = pytest.mark.skipif(not ENABLED, reason="no /dev/shm here (or FLOTILLA_SHM=0)")
+
+
+async def test_large_tensors_round_trip_through_segments_that_are_reused() -> None:
+    g = torch.Generator().manual_seed(3)
+    big = torch.randn(3 * SHM_MIN_BYTES // 4, generator=g)  # 3 MiB: through shared memory
+    bf = torch.randn(2048, 1024, generator=g).to(torch.bfloat16)  # 4 MiB
+    small = torch.arange(10)  # stays a ZeroMQ frame
+    with trio.fail_after(60):
+        async with open_mesh(Echo) as mesh:
+            before_here = segments_created()
+            for _ in range(8):
+                back = await mesh[0].echo.call_one({"big": big, "bf": bf, "small": small, "raw": bytes(2 * SHM_MIN_BYTES)})
+                assert torch.equal(back["big"], big) and torch.equal(back["bf"].view(torch.int16), bf.view(torch.int16))
+                assert torch.equal(back["small"], small) and back["raw"] == bytes(2 * SHM_MIN_BYTES)
+                del back
+                gc.collect()
+            # three large frames a call: without reuse, 24 segments a side; a segment freed a
+            # moment after the next call was sent may make a second set
+            assert 3 <= segments_created() - before_here <= 6
+            assert 3 <= await mesh[0].shm_segments_created.call_one() <= 6
+
+
+def test_a_segment_is_busy_while_its_tensor_lives_and_reused_after() -> None:
+    pool = SegmentPool()
+    try:
+        data = bytes(range(256)) * (SHM_MIN_BYTES // 256)
+        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        name = pool.put(memoryview(data))
+        assert name is not None and pool.segments[0].busy()
+        header = b"S" + json.dumps([[1, name, len(data)]]).encode() + b'\n{"h":1}'
+        got = import_frames([header, b""], 0, log=lambda m: pytest.fail(m))
+        assert got[0] == b'{"h":1}'
+        t = torch.frombuffer(got[1], dtype=torch.uint8)
+        assert torch.equal(t, payload)
+        del got
+        gc.collect()
+        assert pool.segments[0].busy()  # the tensor still uses the segment's memory
+        del t
+        gc.collect()
+        assert not pool.segments[0].busy()
+        assert pool.put(memoryview(data)) == name and pool.created == 1  # reused
+    finally:
+        for seg in pool.segments:  # busy after the last put: unlink by hand
+            os.unlink(f"/dev/shm/{seg.name}")
+        pool.segments.clear()
+
+
+def test_forged_missing_or_short_segments_become_empty_frames_and_are_logged() -> None:
+    logged: list[str] = []
+    evil = [[1, "../../etc/passwd", 10], [2, f"flotilla-{os.getpid()}-999999", 10]]
+    header = b"S" + json.dumps(evil).encode() + b'\n{"id":1}'
+    frames = import_frames([header, b"", b""], 0, log=logged.append)
+    assert frames == [b'{"id":1}', b"", b""]
+    assert "not a segment name" in logged[0] and "No such file" in logged[1]
+    with pytest.raises(ValueError, match="malformed shared-memory"):
+        import_frames([b"S[[1,2]]\n{}", b""], 0, log=logged.append)
+    with pytest.raises(ValueError, match="malformed shared-memory"):
+        import_frames([b"S not json\n{}", b""], 0, log=logged.append)
+    with pytest.raises(ValueError, match="malformed shared-memory"):
+        import_frames([b"S" + json.dumps([[5, "flotilla-1-1", 1]]).encode() + b"\n{}", b""], 0, log=logged.append)
+
+
+def test_small_frames_stay_zeromq_frames() -> None:
+    frames = [b"ident", b'{"id":1}', b"x" * 100]
+    assert export_frames(frames, 1) is frames  # nothing large: the very same list
+
+
+async def test_a_forged_segment_name_gets_a_bad_reply_and_the_actor_keeps_serving() -> None:
+    with trio.fail_after(30):
+        async with open_mesh(Echo) as mesh:
+            sock = zmq.Context.instance().socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(mesh.addresses[0])
+            try:
+                call = {"id": 1, "kind": "call", "endpoint": "echo", "args": [{"__t": "bytes", "f": 1, "n": 4096}]}
+                table = json.dumps([[1, "flotilla-1-0/../../etc/passwd", 4096]]).encode()
+                sock.send_multipart([b"S" + table + b"\n" + json.dumps(call).encode(), b""])
+                reply: Any = await _recv(sock)
+                header = json.loads(reply[0])
+                assert header["kind"] == "bad" and header["id"] == 1 and "declared 4096 bytes" in header["message"]
+                assert await mesh[0].echo.call_one(42) == 42
+            finally:
+                sock.close()
