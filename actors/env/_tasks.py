@@ -6,6 +6,7 @@ vocabulary (``actors.tokenizer.TASK_WORDS``), so nothing becomes <unk>.
 """
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 
@@ -78,8 +79,10 @@ class Arithmetic(Environment):
     """``what is a + b ?`` with non-negative ints, a + b ≤ ``max_sum`` (≤ 63).
 
     Single turn; reward 1.0 when the reply's first integer word is the sum, else 0.
-    Operands come from ``task.seed``: a uniform in 0..max_sum, b uniform in
-    0..max_sum−a. One token per answer by default (``max_new_tokens=1``).
+    ``task.seed`` picks the pair (a, b) uniformly among all pairs with a + b ≤ max_sum,
+    so no one answer dominates (drawing a first and then b would make a + b = max_sum
+    the answer of 41% of the prompts at max_sum = 5). One token per answer by default
+    (``max_new_tokens=1``).
     """
 
     max_turns = 1
@@ -93,9 +96,11 @@ class Arithmetic(Environment):
         self.a = self.b = 0
 
     def reset(self, task: TaskSpec) -> str:
-        rng = random.Random(task.seed)
-        self.a = rng.randint(0, self.max_sum)
-        self.b = rng.randint(0, self.max_sum - self.a)
+        # the k-th pair in (sum, a) order, k uniform over the (max_sum + 1)(max_sum + 2) / 2 pairs
+        k = random.Random(task.seed).randrange((self.max_sum + 1) * (self.max_sum + 2) // 2)
+        total = int((math.isqrt(8 * k + 1) - 1) // 2)  # the largest s with s(s + 1)/2 <= k
+        self.a = k - total * (total + 1) // 2
+        self.b = total - self.a
         return f"what is {self.a} + {self.b} ?"
 
     def step(self, action_text: str, action_ids: list[int]) -> StepOutcome:

@@ -187,3 +187,15 @@ def test_trajectory_validation_names_the_field() -> None:
     ]:
         with pytest.raises(ValueError, match=msg):
             Trajectory(**{**good, field: bad})
+
+
+def test_arithmetic_pairs_are_uniform_so_no_answer_dominates() -> None:
+    env = Arithmetic(max_sum=5)
+    counts: dict[tuple[int, int], int] = {}
+    for seed in range(21 * 400):
+        env.reset(TaskSpec(task="arithmetic", prompt_id="p", group_id="g", seed=seed))
+        counts[(env.a, env.b)] = counts.get((env.a, env.b), 0) + 1
+    assert sorted(counts) == sorted((a, s - a) for s in range(6) for a in range(s + 1))
+    assert min(counts.values()) > 300 and max(counts.values()) < 500  # 400 each on average
+    fives = sum(n for (a, b), n in counts.items() if a + b == 5) / (21 * 400)
+    assert 0.25 < fives < 0.33  # 6 of 21 pairs, not the 41% of drawing a, then b
