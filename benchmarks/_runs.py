@@ -219,17 +219,40 @@ class CpuWatch:
 
 def run_variants(names: list[str], n_seeds: int, steps: int,
                  build: Callable[[str, int], dict[str, Any]],
-                 figures: Callable[[list[dict[str, Any]]], dict[str, float]]) -> dict[str, list[dict[str, float]]]:
+                 figures: Callable[[list[dict[str, Any]]], dict[str, float]],
+                 record: Path | None = None, run: bool = True) -> dict[str, list[dict[str, float]]]:
     """Run every variant in `names` over seeds 0..n_seeds-1 (`build(name, seed)` gives the
-    raw config), one after another; each run's `figures(metrics)`, per variant, in seed
-    order. Progress goes to stderr with the load average after each run."""
-    out: dict[str, list[dict[str, float]]] = {}
-    for name in names:
-        per_seed = out.setdefault(name, [])
-        for seed in range(n_seeds):
+    raw config), one after another, seed by seed (every variant's seed 0 first, so a run
+    stopped early still compares all variants); each run's `figures(metrics)`, per variant,
+    in seed order. Progress goes to stderr with the load average after each run.
+
+    With `record`, each finished run's figures are appended there as a JSON line
+    (variant, seed, steps, figures) and runs already recorded with the same steps are not
+    run again: a long comparison survives being stopped and resumes where it was. With
+    `run=False` only recorded runs are returned (variants without any are left out).
+    """
+    done: dict[tuple[str, int], dict[str, float]] = {}
+    if record is not None and record.is_file():
+        for line in record.read_text().splitlines():
+            if line.strip():
+                r = json.loads(line)
+                if r.get("steps") == steps:
+                    done[(r["variant"], r["seed"])] = r["figures"]
+    out: dict[str, list[dict[str, float]]] = {name: [] for name in names}
+    for seed in range(n_seeds):
+        for name in names:
+            if (name, seed) in done:
+                out[name].append(done[(name, seed)])
+                continue
+            if not run:
+                continue
             print(f"running {name} seed {seed}: {steps} steps ...", file=sys.stderr, flush=True)
-            run = run_raw(build(name, seed), keep_spans=False)
-            per_seed.append(figures(run.metrics))
-            print(f"  {name} seed {seed}: " + ", ".join(f"{k} {v:.4g}" for k, v in per_seed[-1].items())
-                  + f" ({run.total_s:.0f}s, load {load_average()})", file=sys.stderr, flush=True)
-    return out
+            result = run_raw(build(name, seed), keep_spans=False)
+            figs = figures(result.metrics)
+            out[name].append(figs)
+            if record is not None:
+                with record.open("a") as f:
+                    f.write(json.dumps({"variant": name, "seed": seed, "steps": steps, "figures": figs}) + "\n")
+            print(f"  {name} seed {seed}: " + ", ".join(f"{k} {v:.4g}" for k, v in figs.items())
+                  + f" ({result.total_s:.0f}s, load {load_average()})", file=sys.stderr, flush=True)
+    return {name: per_seed for name, per_seed in out.items() if per_seed}

@@ -29,7 +29,10 @@ collapses, which short runs cannot show. Seeds are `seed` and `model.seed` toget
 
 Run:  .venv/bin/python benchmarks/stability.py            (6 variants x 3 seeds x the demo's steps; up to ~1 h on 2 quiet cores)
       .venv/bin/python benchmarks/stability.py --quick    (6 variants x 1 seed x 4 steps: a smoke test of the pipeline)
-Options: --steps N, --seeds K, --variants a,b,..., --budget B (FP8 staleness budget).
+Options: --steps N, --seeds K, --variants a,b,..., --budget B (FP8 staleness budget),
+--record FILE (append each run's figures; runs already there are skipped, so a stopped
+comparison resumes), --report (with --record: the table of what is recorded, no runs).
+Runs go seed by seed (all variants' seed 0 first).
 Last line: JSON with `onpolicy_final`, `full_final`, `plain_grpo_final`, `no_replay_final`,
 `no_is_final`, `no_centering_final`, `full_collapses`, `plain_grpo_collapses` and
 per-variant details.
@@ -135,7 +138,14 @@ def main() -> None:
     p.add_argument("--seeds", type=int, help="seeds per variant (default 3; quick 1)")
     p.add_argument("--variants", help=f"comma-separated subset of {','.join(ORDER)}")
     p.add_argument("--budget", type=int, default=FP8_BUDGET, help=f"FP8 pool staleness budget (default {FP8_BUDGET})")
+    p.add_argument("--record", type=Path,
+                   help="append each finished run's figures to this JSON-lines file and skip runs it "
+                        "already has (same --steps): the full comparison can be stopped and resumed")
+    p.add_argument("--report", action="store_true",
+                   help="with --record: print the table of the recorded runs, run nothing")
     args = p.parse_args()
+    if args.report and args.record is None:
+        p.error("--report needs --record")
     demo = demo_raw()
     steps = args.steps or (4 if args.quick else int(demo["steps"]))
     n_seeds = args.seeds or (1 if args.quick else 3)
@@ -152,7 +162,9 @@ def main() -> None:
     load_before = load_average()
     t0 = time.monotonic()
     runs = run_variants(names, n_seeds, steps, lambda name, seed: build_raw(name, seed, steps, args.budget),
-                        run_figures)
+                        run_figures, record=args.record, run=not args.report)
+    if not runs:
+        raise SystemExit(f"stability: no runs recorded in {args.record} with {steps} steps")
     results: dict[str, dict[str, Any]] = {name: summarize(per_seed) for name, per_seed in runs.items()}
     total = time.monotonic() - t0
     load_after = load_average()
@@ -161,7 +173,7 @@ def main() -> None:
     print(f"\nguess_number {demo['task'].get('params')}, {demo['rollout']['prompts_per_step']} prompts x "
           f"{demo['rollout']['group_size']} rollouts per step, lr {demo['trainer']['lr']}, top_p {rec.get('top_p')}, "
           f"min_keep {rec.get('min_keep', 'default')}; FP8 pool staleness budget {args.budget}; {steps} steps, "
-          f"{n_seeds} seed(s) per variant; final = mean reward of the last {WINDOW} steps, AUC = mean reward over "
+          f"up to {n_seeds} seed(s) per variant (the collapses column says how many ran); final = mean reward of the last {WINDOW} steps, AUC = mean reward over "
           f"all steps, collapse = the {WINDOW}-step mean fell > {COLLAPSE_DROP} below its earlier peak; means over "
           f"seeds (max grad norm: max over seeds)")
     print(f"load average before {load_before}, after {load_after}; {total:.0f}s\n")
@@ -172,7 +184,7 @@ def main() -> None:
         pool, replay, isw, cent = describe(name)
         print(f"| {name} | {pool} | {replay} | {isw} | {cent} | {r['final_reward']:.3f} "
               f"({r['final_reward_min']:.3f}..{r['final_reward_max']:.3f}) | {r['auc_reward']:.3f} | "
-              f"{r['peak_reward']:.3f} | {r['collapses']}/{n_seeds} | {r['max_grad_norm']:.3g} | "
+              f"{r['peak_reward']:.3f} | {r['collapses']}/{len(runs[name])} | {r['max_grad_norm']:.3g} | "
               f"{r['mismatch_kl']:.3g} |")
 
     def fig(name: str, key: str) -> Any:
@@ -180,7 +192,8 @@ def main() -> None:
 
     print(json.dumps({
         "benchmark": "stability", "quick": args.quick, "steps": steps, "seeds": n_seeds,
-        "fp8_staleness_budget": args.budget, "variants_run": names,
+        "fp8_staleness_budget": args.budget, "variants_run": list(results),
+        "seeds_run": {name: len(per_seed) for name, per_seed in runs.items()},
         **{f"{n}_final": fig(n, "final_reward") for n in ORDER},
         "full_collapses": fig("full", "collapses"), "plain_grpo_collapses": fig("plain_grpo", "collapses"),
         "load_avg_before": load_before, "load_avg_after": load_after, "total_s": round(total, 1),
