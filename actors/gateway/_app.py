@@ -53,18 +53,24 @@ def _error(e: GatewayError) -> JSONResponse:
 
 
 async def _body(request: Request, model: type[BaseModel]) -> Any:
+    """The request body validated as ``model``: parsed and validated in one pass from the
+    raw bytes (pydantic-core's JSON parser; no intermediate Python dicts)."""
     raw = await request.body()
     try:
-        data = json.loads(raw)
-    except ValueError as e:
-        raise GatewayError(400, f"body is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise GatewayError(400, f"body must be a JSON object, got {type(data).__name__}")
-    try:
-        return model.model_validate(data)
+        return model.model_validate_json(raw)
     except ValidationError as e:
+        first = e.errors()[0]
+        if not first["loc"]:   # the body itself: not JSON, or not an object
+            if first["type"] == "json_invalid":
+                raise GatewayError(400, f"body is not valid JSON: {first['msg']}") from None
+            raise GatewayError(400, f"body must be a JSON object, got {_json_kind(first.get('input'))}") from None
         msg, param = format_validation_error(e)
         raise GatewayError(400, msg, param=param) from None
+
+
+def _json_kind(value: Any) -> str:
+    return {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean",
+            type(None): "null"}.get(type(value), type(value).__name__)
 
 
 def build_app(lookup: Callable[[str], Session | None], model_name: str) -> Starlette:
