@@ -169,6 +169,45 @@ def build_app(lookup: Callable[[str], Session | None], model_name: str) -> Starl
     return Starlette(routes=routes, exception_handlers={HTTPException: not_found, Exception: crashed})
 
 
+def _one_write_per_response() -> None:
+    """Make hypercorn's HTTP/1.1 protocol write a response's head together with its body.
+
+    Hypercorn writes the status line and headers as soon as the app starts its response,
+    and the body in a second write: two sends on the socket and, for the client, two
+    wake-ups per turn. A response that declares its ``content-length`` (every JSON
+    answer; not a stream) has its body right behind its head, so the head is held and
+    goes out with the body, in one write. Streams (SSE) are not held: their head goes
+    out at once. Hypercorn's protocol class is changed once per process, and only when
+    it has the shape this relies on (hypercorn 0.17-0.18); otherwise nothing changes.
+    """
+    import h11
+    from hypercorn.events import RawData
+    from hypercorn.protocol.h11 import H11Protocol
+
+    original = getattr(H11Protocol, "_send_h11_event", None)
+    if original is None or getattr(original, "flotilla_one_write", False):
+        return
+
+    async def send_h11_event(self: Any, event: Any) -> None:
+        head = self.__dict__.pop("_flotilla_head", None)
+        if head is None and not (isinstance(event, h11.Response) and any(
+                k.lower() == b"content-length" for k, _ in event.headers)):
+            return await original(self, event)
+        try:
+            data = self.connection.send(event)
+        except h11.LocalProtocolError:
+            if self.connection.their_state != h11.ERROR:
+                raise
+            data = b""
+        if head is None:
+            self._flotilla_head = data   # sent with the body, next
+            return
+        await self.send(RawData(data=head + (data or b"")))
+
+    send_h11_event.flotilla_one_write = True  # type: ignore[attr-defined]
+    H11Protocol._send_h11_event = send_h11_event  # type: ignore[method-assign]
+
+
 async def serve_gateway(app: Starlette, host: str = "127.0.0.1", port: int = 0, *,
                         task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
     """Serve ``app`` with hypercorn's trio worker until cancelled; reports the base address
@@ -179,8 +218,10 @@ async def serve_gateway(app: Starlette, host: str = "127.0.0.1", port: int = 0, 
     from hypercorn.config import Config
     from hypercorn.trio import serve
 
+    _one_write_per_response()
     config = Config()
     config.bind = [f"{host}:{port}"]
+    config.include_server_header = False
     config.accesslog = None
     config.errorlog = None
     config.keep_alive_timeout = 75
