@@ -16,6 +16,13 @@ stops the server: each request is its own task in hypercorn's nursery.
 Every chat response carries ``x-flotilla-sampler-ms``: how long the request waited on
 the sampler (the rest of its latency is the gateway's own).
 
+``stream: true`` is answered in OpenAI's chunk format, but only once the reply is
+complete: the sampler's ``generate`` is one actor call that returns the whole
+generation (the runtime's calls return one value each; ``stream`` there means one value
+per actor, not a value per token), and the reply's final form is known only at the
+end -- stop strings cut it, and a tool call is parsed out of the generated text. A
+harness that streams gets the same chunks it would get from OpenAI, all at once.
+
 Runs in the environment actor's own trio loop (``serve_gateway`` is a structured
 lifetime started with ``nursery.start``), so a request handler awaits the sampler
 like any other actor task and never blocks the loop.
