@@ -344,8 +344,8 @@ def main() -> None:
         ("gateway CPU per turn", f"{cpu_turn * 1e3:.2f} ms", "process time / probe turns"),
         ("concurrent sessions ok", f"{ok}/{args.sessions}", f"{args.turns} turns each, openai client"),
         ("  their overhead p50 / p99", ms(conc), f"{args.sessions} requests in flight"),
-        ("8 turns, prefix cache on", f"{on_wall:.2f} s", f"median of {n_on}; {r['stats_on']['prompt_tokens']} "
-         "prompt tokens in all"),
+        ("8 turns, prefix cache on", f"{on_wall:.2f} s",
+         f"median of {n_on}; {r['stats_on']['prompt_tokens']} prompt tokens in all"),
         ("8 turns, prefix cache off", f"{off_wall:.2f} s", f"{r['stats_off']['prompt_tokens']} prompt tokens"),
         ("multi-turn speedup", f"{speedup:.2f}x", f"{args.multi_sessions} sessions, {args.system}-token prompt"),
         ("  in sampler wait alone", f"{sampler_speedup:.2f}x", "sum of the requests' sampler waits"),

@@ -158,7 +158,7 @@ async def test_plain_completions_extend_the_text(served) -> None:
 async def test_a_json_answer_is_one_write_and_a_stream_starts_at_once(served, monkeypatch) -> None:
     """A turn's response head and body leave in one socket write (one wake-up of the
     client, not two); a streamed answer's head is not held back."""
-    gw, s, gen, c = served
+    gw, s, _, c = served
     port = int(gw.address.rsplit(":", 1)[1])
     writes: list[bytes] = []   # the gateway's writes (the client's own are not counted)
     send_all = trio.SocketStream.send_all
