@@ -143,7 +143,7 @@ def _gap_changes(
 
     Scans 8-byte groups first: np.flatnonzero costs ~1 ns per element scanned,
     so finding changed groups and then changed words inside only those is ~3x
-    cheaper for bf16 than scanning every word.
+    cheaper for bf16 than scanning every word -- while changes are sparse.
     """
     m, w = new.size, new.dtype.itemsize
     r = 8 // w if w < 8 and (m * w) % 8 == 0 else 1
@@ -156,8 +156,23 @@ def _gap_changes(
         np.not_equal(wide_old, wide_new, out=mask)
     # Gaps stay smaller than a bitmap up to ~half the groups changed on real
     # weight updates (changes cluster); the exact count is checked below.
-    if int(np.count_nonzero(mask)) * r * (4 + w) > 1.5 * m * w:
+    groups = int(np.count_nonzero(mask))
+    if groups * r * (4 + w) > 1.5 * m * w:
         return None
+    if r > 1 and 4 * groups > mask.size:
+        # Over a quarter of the groups changed: the scan of the groups is branchy and the
+        # second pass no longer pays for itself, so scan words directly (~1.5x faster here).
+        x = ws.buf("words", m * w, new.dtype)
+        if old is None:
+            np.copyto(x, new)
+        else:
+            np.bitwise_xor(old, new, out=x)
+        changed = ws.buf("changed", m, np.dtype(bool))
+        np.not_equal(x, 0, out=changed)
+        pos = np.flatnonzero(changed)
+        if pos.size * (4 + w) > m * w:
+            return None
+        return pos, np.take(x, pos, mode="clip")
     # Indices come from flatnonzero, so they are in range: mode="clip" skips
     # numpy's bounds-checked, buffered path.
     gpos = np.flatnonzero(mask)
@@ -216,7 +231,9 @@ def encode_chunk(old: np.ndarray | None, new: np.ndarray, ws: Workspace) -> byte
         nnz = int(np.count_nonzero(changed))
         nbits = (m + 7) // 8
         if nbits + w * nnz <= 0.9 * w * m:
-            vals = np.compress(changed, x)
+            # flatnonzero + take is ~1.7x faster than np.compress on 2+ byte words; its
+            # int64 positions (8 bytes a change) would outgrow the scratch bound on bytes.
+            vals = np.take(x, np.flatnonzero(changed), mode="clip") if w > 1 else np.compress(changed, x)
             body = np.empty(5 + nbits + w * nnz, np.uint8)
             _header(body, _BITMAP, nnz)
             body[5 : 5 + nbits] = np.packbits(changed, bitorder="little")

@@ -22,7 +22,8 @@ written in a second.
 
 from __future__ import annotations
 
-import queue
+import itertools
+import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -93,30 +94,69 @@ def _split(nwords: int, wsize: int, chunk_bytes: int) -> list[tuple[int, int]]:
 
 
 def _run(jobs: list[Callable[[Workspace], T]], threads: int, level: int = 1) -> list[T | DeltaError]:
-    """Run jobs on `threads` workers; a DeltaError is returned in its slot, not raised."""
+    """Run jobs on `threads` workers; a DeltaError is returned in its slot, not raised.
 
-    def guarded(job: Callable[[Workspace], T], ws: Workspace) -> T | DeltaError:
-        try:
-            return job(ws)
-        except DeltaError as e:
-            return e
+    The calling thread is one of the workers and the others come from a pool kept for
+    the process (`_helpers`), so a call starts no thread. Workers take the next job
+    index from a shared counter rather than one future per job: a message of many
+    small tensors costs one hand-off per helper, not one per chunk, which matters on
+    a loaded machine where every wake-up of a waiting thread may wait for a time
+    slice. Each thread keeps its `Workspace` (zstd contexts, scratch) between calls.
+    Any other exception is raised after every worker has stopped touching the inputs.
+    """
+    n = len(jobs)
+    results: list[T | DeltaError | None] = [None] * n
+    counter = itertools.count()
 
-    if threads <= 1 or len(jobs) <= 1:
-        ws = Workspace(level)
-        return [guarded(j, ws) for j in jobs]
-    pool: queue.SimpleQueue[Workspace] = queue.SimpleQueue()
-    for _ in range(threads):
-        pool.put(Workspace(level))
+    def work() -> None:
+        ws = _workspace(level)
+        for i in counter:  # itertools.count's next() is atomic under the GIL
+            if i >= n:
+                return
+            try:
+                results[i] = jobs[i](ws)
+            except DeltaError as e:
+                results[i] = e
 
-    def with_ws(job: Callable[[Workspace], T]) -> T | DeltaError:
-        ws = pool.get()
-        try:
-            return guarded(job, ws)
-        finally:
-            pool.put(ws)
+    helpers = min(threads, n) - 1
+    if helpers <= 0:
+        work()
+        return results  # type: ignore[return-value]
+    pool = _helpers(helpers)
+    futures = [pool.submit(work) for _ in range(helpers)]
+    try:
+        work()
+    finally:
+        errors = [f.exception() for f in futures]  # waits for each
+    for e in errors:
+        if e is not None:
+            raise e
+    return results  # type: ignore[return-value]
 
-    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="weightsync") as ex:
-        return list(ex.map(with_ws, jobs))
+
+_local = threading.local()
+_pools: dict[int, ThreadPoolExecutor] = {}
+_pools_lock = threading.Lock()
+
+
+def _workspace(level: int) -> Workspace:
+    """This thread's workspace for zstd `level` (made on first use, then reused)."""
+    spaces: dict[int, Workspace] | None = getattr(_local, "spaces", None)
+    if spaces is None:
+        spaces = _local.spaces = {}
+    ws = spaces.get(level)
+    if ws is None:
+        ws = spaces[level] = Workspace(level)
+    return ws
+
+
+def _helpers(n: int) -> ThreadPoolExecutor:
+    """A process-wide pool of `n` helper threads (idle ones cost nothing but a stack)."""
+    with _pools_lock:
+        pool = _pools.get(n)
+        if pool is None:
+            pool = _pools[n] = ThreadPoolExecutor(max_workers=n, thread_name_prefix="weightsync")
+        return pool
 
 
 def _check_same(prev: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]) -> None:
