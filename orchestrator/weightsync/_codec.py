@@ -280,11 +280,8 @@ def encode_keyframe(
     )  # fmt: skip
 
 
-def _plan(
-    message: WeightMessage, target: Mapping[str, torch.Tensor]
-) -> tuple[list[np.ndarray], list[_Chunk]]:
-    """Validate message against target and cut it into chunk jobs. Raises before any write."""
-    meta = message.meta
+def _plan(meta: MessageMeta, target: Mapping[str, torch.Tensor]) -> tuple[list[np.ndarray], list[_Chunk]]:
+    """Validate a message's metadata against target and cut it into chunk jobs. Raises before any write."""
     if meta.hash_algo not in HASHERS:
         raise MalformedMessageError(f"hash {meta.hash_algo!r} is not available here (install xxhash)")
     wanted = {t.name for t in meta.tensors}
@@ -351,7 +348,7 @@ def _apply(message: WeightMessage, target: Mapping[str, torch.Tensor], *, thread
     """fresh: target is all zeros and may be left garbage on error, so a
     keyframe is applied in one pass like a delta against zeros."""
     meta = message.meta
-    words, chunks = _plan(message, target)
+    words, chunks = _plan(message.meta, target)
     hasher = HASHERS[meta.hash_algo]
     frames = message.frames
     name = [t.name for t in meta.tensors]
