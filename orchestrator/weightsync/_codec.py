@@ -1,14 +1,16 @@
 """Encode and apply weight messages: deltas between snapshots, and keyframes.
 
 A *snapshot* is `dict[str, torch.Tensor]` of contiguous CPU tensors of any
-dtype. Work is split into chunks (see `_chunks`) and run on a thread pool of
-`threads` workers, each with its own zstd contexts and scratch.
+dtype. Work is split into chunks (see `_chunks`) and run by `threads` workers:
+the calling thread plus helpers from a process-wide pool (`_run`), each with
+its own zstd contexts and scratch, kept between calls.
 
 Memory: besides the snapshots, the message and the per-tensor hash digests,
 encoding and applying hold only the workers' scratch, O(threads x
 chunk_bytes); the chunk size is capped at largest_tensor_bytes / (8 x threads)
 (never below 4 KiB) so that scratch stays under one copy of the largest
-tensor even for tiny models.
+tensor even for tiny models. A thread's scratch stays allocated after a call
+(at its largest chunk so far), so the next call allocates nothing.
 
 Atomicity (`apply`): a delta is applied chunk by chunk in place, hashing each
 chunk's new bytes as it goes. If any chunk fails to decode or any tensor's
