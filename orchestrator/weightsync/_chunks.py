@@ -181,9 +181,10 @@ def _gap_changes(
     groups = int(np.count_nonzero(mask))
     if groups * r * (4 + w) > 1.5 * m * w:
         return None
-    if r > 1 and 4 * groups > mask.size:
-        # Over a quarter of the groups changed: the scan of the groups is branchy and the
-        # second pass no longer pays for itself, so scan words directly (~1.5x faster here).
+    if r > 1 and 5 * groups > 2 * mask.size:
+        # Over 40% of the groups changed: then scanning the words directly is faster
+        # (np.flatnonzero is slowest at middling densities, which is where the groups'
+        # scan and its second pass both land); below, it is up to 2x slower.
         x = ws.buf("words", m * w, new.dtype)
         if old is None:
             np.copyto(x, new)
