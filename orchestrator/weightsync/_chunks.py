@@ -77,15 +77,14 @@ def word_dtype(itemsize: int) -> np.dtype:
     return _WORD.get(itemsize, _WORD[1])
 
 
-def _params(level: int, dense: bool) -> zstandard.ZstdCompressionParameters:
-    """zstd parameters for `level`. Dense byte planes (keyframes) at the fast levels
-    (<= 1): matches of 7+ bytes and a 64-entry hash table. Planes of weights hold almost
-    no long repeats, so the default match search mostly burns time: bf16 keyframe planes
-    compress ~2.4x faster and ~2% smaller; the literals' entropy coding, where the gain
-    is, stays. Sparse bodies (deltas) keep the level's defaults, which find the repeats
-    in their gap planes (a few tenths of a percent smaller there)."""
-    if level > 1 or not dense:
-        return zstandard.ZstdCompressionParameters.from_level(level, write_content_size=True)
+def _dense_params(level: int) -> zstandard.ZstdCompressionParameters | None:
+    """zstd parameters for keyframes' dense byte planes at the fast levels (<= 1): matches
+    of 7+ bytes and a 64-entry hash table. Planes of weights hold almost no long repeats,
+    so the default match search mostly burns time: bf16 keyframe planes compress ~2.4x
+    faster and ~2% smaller; the literals' entropy coding, where the gain is, stays. None
+    (plain `level`) above 1, and for deltas, whose gap planes and zero runs do repeat."""
+    if level > 1:
+        return None
     return zstandard.ZstdCompressionParameters.from_level(
         level, min_match=7, hash_log=6, search_log=1, write_content_size=True
     )
@@ -108,14 +107,16 @@ class Workspace:
     @property
     def cctx(self) -> zstandard.ZstdCompressor:
         if self._cctx is None:
-            self._cctx = zstandard.ZstdCompressor(compression_params=_params(self._level, dense=False))
+            self._cctx = zstandard.ZstdCompressor(level=self._level, write_content_size=True)
         return self._cctx
 
     @property
     def cctx_dense(self) -> zstandard.ZstdCompressor:
-        """The compressor for dense byte planes (see `_params`)."""
+        """The compressor for keyframes' dense byte planes (see `_dense_params`)."""
         if self._cctx_dense is None:
-            self._cctx_dense = zstandard.ZstdCompressor(compression_params=_params(self._level, dense=True))
+            params = _dense_params(self._level)
+            self._cctx_dense = (self.cctx if params is None else
+                                zstandard.ZstdCompressor(compression_params=params))
         return self._cctx_dense
 
     @property
@@ -265,7 +266,8 @@ def encode_chunk(old: np.ndarray | None, new: np.ndarray, ws: Workspace) -> byte
             body = ws.buf("body", 1 + m * w, np.dtype(np.uint8))
             body[0] = _DENSE
             _to_planes(x, body[1:])
-            return bytes(memoryview(ws.cctx_dense.compress(body)))
+            if old is None:  # a keyframe chunk (deltas keep the level's defaults, see `_dense_params`)
+                return bytes(memoryview(ws.cctx_dense.compress(body)))
     # python-zstandard returns a bytes object that keeps its compressBound-sized
     # allocation (only the length is trimmed); copy so a stored delta costs its
     # wire size in memory, not its raw size.
