@@ -152,6 +152,15 @@ def _xor_planes_into(planes: np.ndarray, target: np.ndarray, tmp: np.ndarray) ->
         np.bitwise_xor(target, tmp, out=target)
 
 
+def _write_planes_into(planes: np.ndarray, target: np.ndarray) -> None:
+    """target = words assembled from byte planes, highest byte first (Horner: shift, OR)."""
+    n, w = target.size, target.dtype.itemsize
+    np.copyto(target, planes[(w - 1) * n : w * n], casting="unsafe")
+    for j in range(w - 2, -1, -1):
+        np.left_shift(target, 8, out=target)
+        np.bitwise_or(target, planes[j * n : (j + 1) * n], out=target, casting="unsafe")
+
+
 def _from_planes(planes: np.ndarray, dtype: np.dtype, n: int) -> np.ndarray:
     out = np.zeros(n, dtype)
     if n:
@@ -274,8 +283,11 @@ def encode_chunk(old: np.ndarray | None, new: np.ndarray, ws: Workspace) -> byte
     return bytes(memoryview(ws.cctx.compress(body)))
 
 
-def decode_xor_into(frame, target: np.ndarray, ws: Workspace, *, tensor: str, chunk: int) -> None:
-    """target ^= the change words carried by `frame` (target: word array).
+def decode_xor_into(frame, target: np.ndarray, ws: Workspace, *, tensor: str, chunk: int,
+                    overwrite: bool = False) -> None:
+    """target ^= the change words carried by `frame` (target: word array); with
+    `overwrite`, target = those words (a keyframe chunk over whatever target held:
+    a dense body is assembled straight into target, in half the passes of an XOR).
 
     Decompresses and validates the whole body before writing, so on any
     CorruptPayloadError (bad frame, wrong size, positions out of range)
@@ -300,7 +312,10 @@ def decode_xor_into(frame, target: np.ndarray, ws: Workspace, *, tensor: str, ch
     if mode == _DENSE:
         if body.size != 1 + m * w:
             raise bad(f"dense body is {body.size} bytes, expected {1 + m * w}")
-        _xor_planes_into(body[1:], target, ws.buf("words", m * w, target.dtype))
+        if overwrite:
+            _write_planes_into(body[1:], target)
+        else:
+            _xor_planes_into(body[1:], target, ws.buf("words", m * w, target.dtype))
         return
     if mode not in (_GAPS, _BITMAP) or body.size < 5:
         raise bad(f"unknown chunk layout {mode}")
@@ -309,6 +324,8 @@ def decode_xor_into(frame, target: np.ndarray, ws: Workspace, *, tensor: str, ch
     if nnz > m or body.size != 5 + index_bytes + w * nnz:
         raise bad(f"body of {body.size} bytes does not fit {nnz} changes")
     if nnz == 0:
+        if overwrite:
+            target.fill(0)
         return
     vals = _from_planes(body[5 + index_bytes :], target.dtype, nnz)
     if mode == _GAPS:
@@ -317,12 +334,16 @@ def decode_xor_into(frame, target: np.ndarray, ws: Workspace, *, tensor: str, ch
         pos -= 1
         if gaps.min() == 0 or pos[-1] >= m:
             raise bad("change positions repeat or run past the chunk")
+        if overwrite:
+            target.fill(0)
         target[pos] ^= vals
         return
     bits = body[5 : 5 + nbits]
     changed = np.unpackbits(bits, count=m, bitorder="little").view(bool)
     if int(np.count_nonzero(changed)) != nnz or np.count_nonzero(np.unpackbits(bits)) != nnz:
         raise bad(f"bitmap does not mark exactly {nnz} changes")
+    if overwrite:
+        target.fill(0)
     done = 0
     for start in range(0, m, _BLOCK):  # blockwise, so positions stay O(_BLOCK)
         pos = np.flatnonzero(changed[start : start + _BLOCK])

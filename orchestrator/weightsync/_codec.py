@@ -355,10 +355,12 @@ def _apply(message: WeightMessage, target: Mapping[str, torch.Tensor], *, thread
     frames = message.frames
     name = [t.name for t in meta.tensors]
 
+    keyframe = meta.is_keyframe  # a keyframe's chunks overwrite (see decode_xor_into)
+
     def xor_job(c: _Chunk, *, digest: bool) -> Callable[[Workspace], bytes]:
         def job(ws: Workspace) -> bytes:
             view = words[c.tensor][c.start : c.stop]
-            decode_xor_into(frames[c.frame], view, ws, tensor=name[c.tensor], chunk=c.index)
+            decode_xor_into(frames[c.frame], view, ws, tensor=name[c.tensor], chunk=c.index, overwrite=keyframe)
             return hasher(view) if digest else b""
 
         return job
@@ -367,18 +369,15 @@ def _apply(message: WeightMessage, target: Mapping[str, torch.Tensor], *, thread
         def job(ws: Workspace) -> bytes:
             w = words[c.tensor]
             view = ws.buf("verify", (c.stop - c.start) * w.dtype.itemsize, w.dtype)
-            view.fill(0)
-            decode_xor_into(frames[c.frame], view, ws, tensor=name[c.tensor], chunk=c.index)
+            decode_xor_into(frames[c.frame], view, ws, tensor=name[c.tensor], chunk=c.index, overwrite=True)
             return hasher(view)
 
         return job
 
-    if meta.is_keyframe and not fresh:
+    if keyframe and not fresh:
         error = _verify(meta, chunks, _run([scratch_job(c) for c in chunks], threads))
         if error is not None:
             raise error
-        for w in words:
-            w.fill(0)
         _raise_first(_run([xor_job(c, digest=False) for c in chunks], threads))
         return
     results = _run([xor_job(c, digest=True) for c in chunks], threads)

@@ -96,12 +96,10 @@ class PartAssembler:
 
     ``meta`` must be the (already verified) metadata of part 0; ``target`` a snapshot of
     exactly its tensors, dtypes and shapes (StructureMismatchError otherwise), whose bytes
-    are overwritten. ``fresh``: target is known to be zeros (a new allocation), so a
-    chunk is XOR-decoded into it without clearing it first.
+    are overwritten.
     """
 
-    def __init__(self, meta: MessageMeta, target: Mapping[str, torch.Tensor], *, threads: int = 2,
-                 fresh: bool = False) -> None:
+    def __init__(self, meta: MessageMeta, target: Mapping[str, torch.Tensor], *, threads: int = 2) -> None:
         if not meta.is_keyframe:
             raise MalformedMessageError(f"only keyframes are streamed; got a delta from {meta.base_version}")
         if meta.hash_algo not in HASHERS:
@@ -111,7 +109,6 @@ class PartAssembler:
         self._lengths = [n for t in meta.tensors for n in t.chunks]
         self._digests: list[list[bytes]] = [[] for _ in meta.tensors]
         self._threads = threads
-        self._fresh = fresh
         self._next = 0
         self._cursor = 0
         self._parts: int | None = None
@@ -176,12 +173,9 @@ class PartAssembler:
         name = self.meta.tensors[c.tensor].name
         hasher = HASHERS[self.meta.hash_algo]
         view: np.ndarray = self._words[c.tensor][c.start : c.stop]
-        fresh = self._fresh
 
         def run(ws: Workspace) -> bytes:
-            if not fresh:
-                view.fill(0)
-            decode_xor_into(frame, view, ws, tensor=name, chunk=c.index)
+            decode_xor_into(frame, view, ws, tensor=name, chunk=c.index, overwrite=True)
             return hasher(view)
 
         return run

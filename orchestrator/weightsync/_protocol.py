@@ -407,10 +407,9 @@ class WeightReceiver:
         self._snapshot = self._staged = None  # from here on, its bytes are the stream's
         self.needs_keyframe = True
         del spare
-        fresh = target is None
-        if target is None:
-            target = {tm.name: torch.zeros(tm.shape, dtype=_dtype(tm.dtype, tm.name)) for tm in meta.tensors}
-        self._incoming = (PartAssembler(meta, target, threads=self._threads, fresh=fresh), target)
+        if target is None:  # every byte is written by the stream: no need to zero it
+            target = {tm.name: torch.empty(tm.shape, dtype=_dtype(tm.dtype, tm.name)) for tm in meta.tensors}
+        self._incoming = (PartAssembler(meta, target, threads=self._threads), target)
 
     def apply_all(self, messages: Iterable[WeightMessage]) -> int | None:
         """Apply messages in order; stops at (and raises) the first failure."""

@@ -163,3 +163,20 @@ def test_a_whole_message_ends_an_unfinished_stream() -> None:
     assert rx.version == 0 and same_bytes(rx.snapshot, _publisher(1).snapshot("bf16"))
     with pytest.raises(MalformedMessageError, match="no stream"):
         rx.apply_part(*message_part(pub.keyframe("bf16"), 1, 6000))
+
+
+def test_sparse_keyframe_chunks_overwrite_what_the_snapshot_held() -> None:
+    """A mostly-zero tensor's keyframe chunks carry positions, not planes: streamed in
+    place, every other word of the old bytes must still end up zero."""
+    g = torch.Generator().manual_seed(3)
+    sparse = torch.zeros(4096)
+    sparse[torch.randint(0, 4096, (40,), generator=g)] = 1.0
+    pub = WeightPublisher(keyframe_interval=1, chunk_bytes=4096)
+    pub.publish(0, {"sparse": torch.randn(4096, generator=g), "dense": torch.randn(300, generator=g)})
+    rx = WeightReceiver("bf16", {n: t.clone() for n, t in pub.snapshot("bf16").items()}, 0)
+    pub.publish(1, {"sparse": sparse, "dense": torch.randn(300, generator=g)})
+    assert not same_bytes(rx.snapshot, pub.snapshot("bf16"))
+    rx.apply_part(*message_part(pub.keyframe("bf16"), 0, 10))
+    for header, frames in list(message_parts(pub.keyframe("bf16"), 10))[1:]:
+        rx.apply_part(header, frames)
+    assert rx.version == 1 and same_bytes(rx.snapshot, pub.snapshot("bf16"))
