@@ -73,6 +73,14 @@ class PoolConfig(BaseModel):
     """With `hosts`: the controller's CurveZMQ key directory (`id.key_secret`; each host's
     public key in `hosts/<ip>_<port>.key`, else the controller's own when all machines share
     one key pair -- those hosts run with `--trust-own-key`)."""
+    prefix_cache: bool = True
+    """torch backend: keep a session's KV cache between its turns (a harness episode's
+    requests all go to one rank), so a turn prefills only the tokens past the cached
+    prefix; false recomputes the whole context at every turn."""
+    stale_prefix: Literal["reuse", "recompute"] = "reuse"
+    """torch backend, a cached prefix older than the weights now held (a weight update came
+    between two turns): `reuse` its keys and values as computed (every generated token still
+    records the version that produced it) or `recompute` it under the new weights."""
     gpus: list[int] | None = None
     """device `cuda`: the CUDA device index of each rank (`count` of them; rank r uses
     `gpus[r]`); None: each rank takes the next GPU of its own machine (with n hosts, rank r
@@ -152,6 +160,9 @@ class PoolConfig(BaseModel):
                 raise ValueError(f"{who}: urls must be http:// or https:// base URLs")
             if self.device == "cpu" or self.gpu == "cpu":
                 raise ValueError(f"{who}: backend 'sglang' runs on CUDA GPUs; device must be 'cuda'")
+            if not self.prefix_cache or self.stale_prefix != "reuse":
+                raise ValueError(f"{who}: prefix_cache and stale_prefix are torch-backend settings "
+                                 "(an SGLang server keeps its own prefix cache)")
         elif self.urls is not None or self.launch is not None or self.weights_dir is not None:
             raise ValueError(f"{who}: urls, launch and weights_dir belong to backend 'sglang' "
                              f"(this pool's backend is {self.backend!r})")

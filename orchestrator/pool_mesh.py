@@ -148,6 +148,7 @@ def pool_mesh(pool: Any, model_config: dict[str, Any] | str, *, seed: int,
         init_seed=None, max_batch=pool.capacity, max_len=max_len,
         staleness_budget=pool.staleness_budget, weights_key=weights_key,
         seed=seed, backend=pool.backend, sglang=sglang, gpus=pool_gpus(pool),
+        prefix_cache=pool.prefix_cache, stale_prefix=pool.stale_prefix,
         procs=pool_procs(pool), name=f"sampler-{pool.name}", env=env, **placement)
 
 

@@ -16,6 +16,13 @@ stops the server: each request is its own task in hypercorn's nursery.
 Every chat response carries ``x-flotilla-sampler-ms``: how long the request waited on
 the sampler (the rest of its latency is the gateway's own).
 
+``stream: true`` is answered in OpenAI's chunk format, but only once the reply is
+complete: the sampler's ``generate`` is one actor call that returns the whole
+generation (the runtime's calls return one value each; ``stream`` there means one value
+per actor, not a value per token), and the reply's final form is known only at the
+end -- stop strings cut it, and a tool call is parsed out of the generated text. A
+harness that streams gets the same chunks it would get from OpenAI, all at once.
+
 Runs in the environment actor's own trio loop (``serve_gateway`` is a structured
 lifetime started with ``nursery.start``), so a request handler awaits the sampler
 like any other actor task and never blocks the loop.
@@ -53,18 +60,24 @@ def _error(e: GatewayError) -> JSONResponse:
 
 
 async def _body(request: Request, model: type[BaseModel]) -> Any:
+    """The request body validated as ``model``: parsed and validated in one pass from the
+    raw bytes (pydantic-core's JSON parser; no intermediate Python dicts)."""
     raw = await request.body()
     try:
-        data = json.loads(raw)
-    except ValueError as e:
-        raise GatewayError(400, f"body is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise GatewayError(400, f"body must be a JSON object, got {type(data).__name__}")
-    try:
-        return model.model_validate(data)
+        return model.model_validate_json(raw)
     except ValidationError as e:
+        first = e.errors()[0]
+        if not first["loc"]:   # the body itself: not JSON, or not an object
+            if first["type"] == "json_invalid":
+                raise GatewayError(400, f"body is not valid JSON: {first['msg']}") from None
+            raise GatewayError(400, f"body must be a JSON object, got {_json_kind(first.get('input'))}") from None
         msg, param = format_validation_error(e)
         raise GatewayError(400, msg, param=param) from None
+
+
+def _json_kind(value: Any) -> str:
+    return {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean",
+            type(None): "null"}.get(type(value), type(value).__name__)
 
 
 def build_app(lookup: Callable[[str], Session | None], model_name: str) -> Starlette:
@@ -163,6 +176,45 @@ def build_app(lookup: Callable[[str], Session | None], model_name: str) -> Starl
     return Starlette(routes=routes, exception_handlers={HTTPException: not_found, Exception: crashed})
 
 
+def _one_write_per_response() -> None:
+    """Make hypercorn's HTTP/1.1 protocol write a response's head together with its body.
+
+    Hypercorn writes the status line and headers as soon as the app starts its response,
+    and the body in a second write: two sends on the socket and, for the client, two
+    wake-ups per turn. A response that declares its ``content-length`` (every JSON
+    answer; not a stream) has its body right behind its head, so the head is held and
+    goes out with the body, in one write. Streams (SSE) are not held: their head goes
+    out at once. Hypercorn's protocol class is changed once per process, and only when
+    it has the shape this relies on (hypercorn 0.17-0.18); otherwise nothing changes.
+    """
+    import h11
+    from hypercorn.events import RawData
+    from hypercorn.protocol.h11 import H11Protocol
+
+    original = getattr(H11Protocol, "_send_h11_event", None)
+    if original is None or getattr(original, "flotilla_one_write", False):
+        return
+
+    async def send_h11_event(self: Any, event: Any) -> None:
+        head = self.__dict__.pop("_flotilla_head", None)
+        if head is None and not (isinstance(event, h11.Response) and any(
+                k.lower() == b"content-length" for k, _ in event.headers)):
+            return await original(self, event)
+        try:
+            data = self.connection.send(event)
+        except h11.LocalProtocolError:
+            if self.connection.their_state != h11.ERROR:
+                raise
+            data = b""
+        if head is None:
+            self._flotilla_head = data   # sent with the body, next
+            return
+        await self.send(RawData(data=head + (data or b"")))
+
+    send_h11_event.flotilla_one_write = True  # type: ignore[attr-defined]
+    H11Protocol._send_h11_event = send_h11_event  # type: ignore[method-assign]
+
+
 async def serve_gateway(app: Starlette, host: str = "127.0.0.1", port: int = 0, *,
                         task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
     """Serve ``app`` with hypercorn's trio worker until cancelled; reports the base address
@@ -173,8 +225,10 @@ async def serve_gateway(app: Starlette, host: str = "127.0.0.1", port: int = 0, 
     from hypercorn.config import Config
     from hypercorn.trio import serve
 
+    _one_write_per_response()
     config = Config()
     config.bind = [f"{host}:{port}"]
+    config.include_server_header = False
     config.accesslog = None
     config.errorlog = None
     config.keep_alive_timeout = 75

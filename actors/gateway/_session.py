@@ -104,6 +104,13 @@ class _Plan:
         return self.seg
 
 
+def _same(held: dict[str, Any], sent: dict[str, Any]) -> bool:
+    """Whether a harness sent back a held message unchanged (as a template renders it).
+    Plain equality first: it settles every message but tool calls (whose ids and JSON
+    spacing the client may change) at C speed, so matching a long history stays cheap."""
+    return held == sent or _canon(held) == _canon(sent)
+
+
 def _canon(m: dict[str, Any]) -> Any:
     """What a template renders of a message (for history matching)."""
     calls = [(c["function"]["name"], _json(c["function"].get("arguments")))
@@ -172,7 +179,7 @@ class Session:
             finish = ("tool_calls" if message.get("tool_calls")
                       else "stop" if cut_text is not None else result.finish_reason)
             self.transcript = [*messages, reply]
-            pieces = [self.fmt.decode([t]) for t in ids]
+            pieces = [self.fmt.decode([t]) for t in ids] if req.stream else []
             return (chat_response(self.model, message, finish, len(seg.builder) - kept, kept), pieces)
 
     def _plan_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> _Plan:
@@ -180,7 +187,7 @@ class Session:
         if seg is not None and seg.kind == "chat" and seg.tools == tools:
             k = len(seg.messages)
             new = messages[k:]
-            if (new and all(_canon(a) == _canon(b) for a, b in zip(seg.messages, messages, strict=False))
+            if (new and all(_same(a, b) for a, b in zip(seg.messages, messages, strict=False))
                     and not any(m["role"] == "assistant" for m in new)):
                 try:
                     ids = self.fmt.render_new(seg.messages, new, generated=seg.last_reply, tools=tools, turn=k)

@@ -225,6 +225,38 @@ class SamplerActor(Actor):
         return self._backend.version
 
     @endpoint
+    async def apply_weights_part(self, header: dict[str, Any], frames: list[Any]) -> int:
+        """One part of a streamed keyframe (``weightsync.message_part``), decoded into the
+        receiver's own snapshot (``WeightReceiver.apply_part``: no second copy); returns the
+        version now in use. After the last part the engine switches to the keyframe, unless
+        it is below the version in use (then it is staged until deltas bring it there).
+
+        Errors: weightsync's ``DeltaError`` subclasses (a corrupt or misordered part, a
+        hash mismatch, a bad seal, a stale keyframe): the stream ends, the engine keeps
+        generating with the weights it has, and the next update must be a keyframe.
+        Cancellation does not interrupt a part in progress (shielded, as ``apply_weights``).
+        """
+        async with self._lock:
+            with trio.CancelScope(shield=True), span(
+                "weights.part", pool=self.pool, precision=self.precision, seq=header.get("seq"),
+                parts=header.get("parts"), wire_bytes=sum(memoryview(f).nbytes for f in frames),
+            ) as s:
+                meta = await trio.to_thread.run_sync(self._receiver.apply_part, header, frames)
+                snapshot, version = self._receiver.snapshot, self._receiver.version
+                if meta is not None and snapshot is not None and version == meta.version:
+                    new_hashes = {t.name: t.hash for t in meta.tensors}
+                    # The hashes name the bytes the engine holds, so they tell what changed
+                    # even though the snapshot's memory was rewritten whole.
+                    changed = ([n for n, h in new_hashes.items() if self._hashes[n] != h]
+                               if new_hashes.keys() == self._hashes.keys() else None)
+                    self._hashes = {}
+                    await self._backend.update_weights(snapshot, version, changed)
+                    self._hashes = new_hashes
+                    self._updates += 1
+                s.set_attribute("to_version", self._backend.version)
+        return self._backend.version
+
+    @endpoint
     def end_session(self, session_id: str) -> bool:
         """Free a session's cached prefix (its episode is over); False if none is held."""
         return self._backend.end_session(session_id)

@@ -465,7 +465,7 @@ class DecoderEngine:
             keys = kc[:, :, :span].index_select(0, slot_idx)
             values = vc[:, :, :span].index_select(0, slot_idx)
             a = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
-            x = x + F.linear(a.transpose(1, 2).reshape(b, t, self._q_dim), layer["o"])
+            x = x + _linear(a.transpose(1, 2).reshape(b, t, self._q_dim), layer["o"], layer.get("o_b"))
             x = self._mlp_block(layer, x)
         self.lengths[slot_host] = start + lens
         last = (lens - 1).to(dev)

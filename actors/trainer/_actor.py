@@ -33,7 +33,15 @@ from actors.trainer._dist import World, init_group
 from actors.trainer._memory import size_report
 from actors.types import Trajectory
 from orchestrator.runtime import Actor, current_rank, endpoint, span
-from orchestrator.weightsync import Precision, WeightMessage, WeightPublisher
+from orchestrator.weightsync import (
+    DEFAULT_PART_BYTES,
+    Precision,
+    VersionError,
+    WeightMessage,
+    WeightPublisher,
+    message_part,
+    part_plan,
+)
 from policies import RecipeConfig
 
 __all__ = ["TrainerActor"]
@@ -171,6 +179,34 @@ class TrainerActor(Actor):
         have = None if have_version is None or have_version < 0 else have_version
         pub = self._main_publisher("updates_for")
         return [_frames(m) for m in pub.updates_for(receiver, have, precision)]
+
+    @endpoint
+    def update_path(self, receiver: str, have_version: int | None, precision: Precision,
+                    part_bytes: int = DEFAULT_PART_BYTES) -> dict[str, Any]:
+        """``updates_for``, with a keyframe at the start of the path left out, to be fetched
+        in parts with ``keyframe_part``: ``{"keyframe": None | {"version", "parts",
+        "wire_bytes"}, "deltas": [frames, ...]}``. Registers the receiver."""
+        have = None if have_version is None or have_version < 0 else have_version
+        msgs = self._main_publisher("update_path").updates_for(receiver, have, precision)
+        keyframe = None
+        if msgs and msgs[0].is_keyframe:
+            kf, msgs = msgs[0], msgs[1:]
+            keyframe = {"version": kf.version, "parts": len(part_plan(kf.meta, part_bytes)),
+                        "wire_bytes": kf.nbytes}
+        return {"keyframe": keyframe, "deltas": [_frames(m) for m in msgs]}
+
+    @endpoint
+    def keyframe_part(self, precision: Precision, version: int, seq: int,
+                      part_bytes: int = DEFAULT_PART_BYTES) -> tuple[dict[str, Any], list[bytes]]:
+        """Part ``seq`` of the stored keyframe ``version`` (``weightsync.message_part``: its
+        frames are the stored ones, nothing is re-encoded). Raises VersionError once a newer
+        keyframe has replaced it (the publisher keeps only the newest), ValueError for a
+        ``seq`` past the last part."""
+        kf = self._main_publisher("keyframe_part").keyframe(precision)
+        if kf.version != version:
+            raise VersionError(f"keyframe v{version} is no longer held; the newest is v{kf.version}")
+        header, frames = message_part(kf, seq, part_bytes)
+        return header, [f if isinstance(f, bytes) else bytes(f) for f in frames]
 
     @endpoint
     def ack(self, receiver: str, version: int) -> None:

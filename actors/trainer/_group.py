@@ -133,6 +133,13 @@ class TrainerGroup:
     async def updates_for(self, receiver: str, have: int, precision: str) -> list[list[bytes]]:
         return await self._main.updates_for.call_one(receiver, have, precision)
 
+    async def update_path(self, receiver: str, have: int, precision: str, part_bytes: int) -> dict[str, Any]:
+        return await self._main.update_path.call_one(receiver, have, precision, part_bytes)
+
+    async def keyframe_part(self, precision: str, version: int, seq: int,
+                            part_bytes: int) -> tuple[dict[str, Any], list[bytes]]:
+        return await self._main.keyframe_part.call_one(precision, version, seq, part_bytes)
+
     async def ack(self, receiver: str, version: int) -> None:
         await self._main.ack.call_one(receiver, version)
 

@@ -1,7 +1,8 @@
 """Weight sync: one worker per sampler keeps it at the trainer's newest version.
 
 Deltas when the sampler holds a version the publisher knows, a keyframe when it holds
-nothing trustworthy (start, respawn, a refused update). After the trainer went back to
+nothing trustworthy (start, respawn, a refused update); a keyframe travels in parts
+(`_stream`), so neither the controller nor the sampler holds two copies of it. After the trainer went back to
 a checkpoint (version -2 here), the sampler first forgets its version, so that the
 older keyframe is accepted. The sampler keeps generating while it applies (in-flight
 updates).
@@ -14,6 +15,7 @@ dead actor.
 from __future__ import annotations
 
 from orchestrator.controller._context import Backoff, PoolView, RunContext
+from orchestrator.controller._stream import PART_BYTES, KeyframeGone, send_path
 from orchestrator.runtime import ActorDied, ActorError, span
 
 __all__ = ["sync_worker"]
@@ -34,11 +36,20 @@ async def sync_worker(ctx: RunContext, pool: PoolView, rank: int) -> None:
                 if have == -2:
                     await pool.link.reset_weights(rank)
                     have = pool.versions[rank] = -1
-                updates = await ctx.links.trainer.updates_for(receiver, have, precision)
-                now = await pool.link.apply_weights(rank, updates)
-                s.set_attribute("messages", len(updates))
-                s.set_attribute("wire_bytes", sum(len(f) for u in updates for f in u))
+                path = await ctx.links.trainer.update_path(receiver, have, precision, PART_BYTES)
+                now, wire = await send_path(ctx.links.trainer, pool.link, rank, precision, path)
+                s.set_attribute("messages", len(path["deltas"]) + (path["keyframe"] is not None))
+                s.set_attribute("keyframe", path["keyframe"] is not None)
+                s.set_attribute("wire_bytes", wire)
             await ctx.links.trainer.ack(receiver, now)
+        except KeyframeGone as e:
+            # The trainer published a newer keyframe mid-stream; the sampler's unfinished
+            # stream is void (its engine keeps the weights it had): start over.
+            ctx.progress.message(f"{e}; streaming the newer keyframe to {receiver}")
+            if pool.versions[rank] != -2:  # a pending reset (trainer went back) comes first
+                pool.versions[rank] = -1
+            await backoff.wait()
+            continue
         except ActorDied:
             if rank in pool.link.dead_ranks():
                 ctx.respawn_dead()

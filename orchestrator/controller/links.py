@@ -34,6 +34,16 @@ class TrainerLink(Protocol):
     async def updates_for(self, receiver: str, have: int, precision: str) -> list[list[bytes]]:
         """Weight messages that bring `receiver` from `have` (-1: nothing) to the newest."""
 
+    async def update_path(self, receiver: str, have: int, precision: str, part_bytes: int) -> dict[str, Any]:
+        """`updates_for`, with a keyframe at its start left out: `{"keyframe": None or
+        {"version", "parts", "wire_bytes"}, "deltas": [frames, ...]}`; the keyframe's
+        parts (of at most `part_bytes` wire bytes) come from `keyframe_part`."""
+
+    async def keyframe_part(self, precision: str, version: int, seq: int,
+                            part_bytes: int) -> tuple[dict[str, Any], list[bytes]]:
+        """Part `seq` (header, frames) of the stored keyframe `version`; ActorError when a
+        newer keyframe has replaced it."""
+
     async def ack(self, receiver: str, version: int) -> None:
         """`receiver` now holds `version`: the publisher may forget what only it needed."""
 
@@ -58,6 +68,9 @@ class PoolLink(Protocol):
 
     async def apply_weights(self, rank: int, updates: list[list[bytes]]) -> int:
         """Apply weight messages on `rank`; the version it holds afterwards."""
+
+    async def apply_weights_part(self, rank: int, header: dict[str, Any], frames: list[Any]) -> int:
+        """Feed one part of a streamed keyframe to `rank`; the version it uses afterwards."""
 
     async def reset_weights(self, rank: int) -> None:
         """Forget the held weights' version, so an older keyframe is accepted (the trainer

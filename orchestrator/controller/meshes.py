@@ -29,6 +29,13 @@ class MeshTrainer:
     async def updates_for(self, receiver: str, have: int, precision: str) -> list[list[bytes]]:
         return await self._actor.updates_for.call_one(receiver, have, precision)
 
+    async def update_path(self, receiver: str, have: int, precision: str, part_bytes: int) -> dict[str, Any]:
+        return await self._actor.update_path.call_one(receiver, have, precision, part_bytes)
+
+    async def keyframe_part(self, precision: str, version: int, seq: int,
+                            part_bytes: int) -> tuple[dict[str, Any], list[bytes]]:
+        return await self._actor.keyframe_part.call_one(precision, version, seq, part_bytes)
+
     async def ack(self, receiver: str, version: int) -> None:
         await self._actor.ack.call_one(receiver, version)
 
@@ -56,6 +63,9 @@ class MeshPool:
 
     async def apply_weights(self, rank: int, updates: list[list[bytes]]) -> int:
         return await self.mesh[rank].apply_weights.call_one(updates)
+
+    async def apply_weights_part(self, rank: int, header: dict[str, Any], frames: list[Any]) -> int:
+        return await self.mesh[rank].apply_weights_part.call_one(header, frames)
 
     async def reset_weights(self, rank: int) -> None:
         await self.mesh[rank].reset_weights.call_one()

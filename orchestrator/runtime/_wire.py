@@ -89,6 +89,10 @@ def encode(value: Any, frames: list[Any], *, where: str = "value") -> Any:
     if t in SCALARS:
         return value
     if t is list:
+        # A list of plain values (token ids, most often) travels as it is: checking the
+        # types is one C-level pass, not a call and an error label per element.
+        if all(type(v) in SCALARS for v in value):
+            return value
         return [encode(v, frames, where=f"{where}[{i}]") for i, v in enumerate(value)]
     if t is dict:
         if all(type(k) is str for k in value) and "__t" not in value:
@@ -214,6 +218,8 @@ def _decode(x: Any, fr: _Frames, where: str, depth: int) -> Any:
     if depth > 200:
         raise WireError(f"{where}: nesting too deep")
     if t is list:
+        if all(type(v) in SCALARS for v in x):
+            return x   # freshly parsed JSON: nothing to rebuild
         return [_decode(v, fr, where, depth + 1) for v in x]
     if t is not dict:
         raise WireError(f"{where}: unexpected JSON value of type {t.__name__}")

@@ -16,12 +16,14 @@ frames) or a safetensors file (`to_bytes` / `from_bytes`). Never pickled.
 The metadata is sealed by a digest (`_auth`: blake2b over every field, keyed
 when publisher and receivers share `auth_key`), checked before anything else;
 receivers never go back to an older version (replayed keyframes are staged,
-never swapped in below the held version). Every failure is a `DeltaError` subclass naming the tensor or problem, and a
+never swapped in below the held version). A stored keyframe can also travel in
+parts (`message_part`, `WeightReceiver.apply_part`, see `_parts`), decoded part by
+part into the receiver's own snapshot, so that neither side holds two copies. Every failure is a `DeltaError` subclass naming the tensor or problem, and a
 failed apply leaves the target bit-identical (undo by XOR, see `_codec`).
 Imports torch; `orchestrator/__init__` does not import this package.
 """
 
-from ._auth import meta_digest, seal, verify
+from ._auth import meta_digest, seal, verify, verify_meta
 from ._codec import Snapshot, apply, decode_keyframe, encode_delta, encode_keyframe, snapshot_bytes
 from ._errors import (
     AuthenticationError,
@@ -44,11 +46,13 @@ from ._fp8 import (
     wire_snapshot,
 )
 from ._message import MessageMeta, Precision, TensorMeta, WeightMessage
+from ._parts import DEFAULT_PART_BYTES, message_part, message_parts, part_plan
 from ._protocol import WeightPublisher, WeightReceiver
 from ._stream import KeyframeAssembler, stream_keyframe
 
 __all__ = [
     "DEFAULT_FP8_SKIP",
+    "DEFAULT_PART_BYTES",
     "FP8_BLOCK",
     "FP8_MAX",
     "AuthenticationError",
@@ -74,11 +78,15 @@ __all__ = [
     "encode_keyframe",
     "fp8_should_quantize",
     "fp8_wire_snapshot",
+    "message_part",
+    "message_parts",
     "meta_digest",
+    "part_plan",
     "quantize_fp8",
     "seal",
     "snapshot_bytes",
     "stream_keyframe",
     "verify",
+    "verify_meta",
     "wire_snapshot",
 ]

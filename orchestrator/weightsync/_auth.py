@@ -20,7 +20,7 @@ import hmac
 from ._errors import AuthenticationError
 from ._message import MessageMeta, WeightMessage
 
-__all__ = ["meta_digest", "seal", "verify"]
+__all__ = ["meta_digest", "seal", "verify", "verify_meta"]
 
 _PERSON = b"flotilla.ws/2"  # domain separation from any other use of the same key
 
@@ -41,11 +41,16 @@ def seal(message: WeightMessage, key: bytes | None = None) -> WeightMessage:
 
 def verify(message: WeightMessage, key: bytes | None = None) -> None:
     """Raise AuthenticationError unless the message's digest matches its metadata (and key)."""
-    want = meta_digest(message.meta, key)
-    if not message.meta.digest:
+    verify_meta(message.meta, key)
+
+
+def verify_meta(meta: MessageMeta, key: bytes | None = None) -> None:
+    """`verify` for metadata alone (the first part of a streamed message)."""
+    want = meta_digest(meta, key)
+    if not meta.digest:
         raise AuthenticationError("message is not sealed (no digest)")
-    if not hmac.compare_digest(want, message.meta.digest):
+    if not hmac.compare_digest(want, meta.digest):
         raise AuthenticationError(
-            f"metadata of v{message.version} does not match its digest"
+            f"metadata of v{meta.version} does not match its digest"
             + (" (altered, or sealed with another key)" if key is not None else " (altered)")
         )

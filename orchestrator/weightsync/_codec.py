@@ -1,14 +1,16 @@
 """Encode and apply weight messages: deltas between snapshots, and keyframes.
 
 A *snapshot* is `dict[str, torch.Tensor]` of contiguous CPU tensors of any
-dtype. Work is split into chunks (see `_chunks`) and run on a thread pool of
-`threads` workers, each with its own zstd contexts and scratch.
+dtype. Work is split into chunks (see `_chunks`) and run by `threads` workers:
+the calling thread plus helpers from a process-wide pool (`_run`), each with
+its own zstd contexts and scratch, kept between calls.
 
 Memory: besides the snapshots, the message and the per-tensor hash digests,
 encoding and applying hold only the workers' scratch, O(threads x
 chunk_bytes); the chunk size is capped at largest_tensor_bytes / (8 x threads)
 (never below 4 KiB) so that scratch stays under one copy of the largest
-tensor even for tiny models.
+tensor even for tiny models. A thread's scratch stays allocated after a call
+(at its largest chunk so far), so the next call allocates nothing.
 
 Atomicity (`apply`): a delta is applied chunk by chunk in place, hashing each
 chunk's new bytes as it goes. If any chunk fails to decode or any tensor's
@@ -22,7 +24,8 @@ written in a second.
 
 from __future__ import annotations
 
-import queue
+import itertools
+import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -93,30 +96,69 @@ def _split(nwords: int, wsize: int, chunk_bytes: int) -> list[tuple[int, int]]:
 
 
 def _run(jobs: list[Callable[[Workspace], T]], threads: int, level: int = 1) -> list[T | DeltaError]:
-    """Run jobs on `threads` workers; a DeltaError is returned in its slot, not raised."""
+    """Run jobs on `threads` workers; a DeltaError is returned in its slot, not raised.
 
-    def guarded(job: Callable[[Workspace], T], ws: Workspace) -> T | DeltaError:
-        try:
-            return job(ws)
-        except DeltaError as e:
-            return e
+    The calling thread is one of the workers and the others come from a pool kept for
+    the process (`_helpers`), so a call starts no thread. Workers take the next job
+    index from a shared counter rather than one future per job: a message of many
+    small tensors costs one hand-off per helper, not one per chunk, which matters on
+    a loaded machine where every wake-up of a waiting thread may wait for a time
+    slice. Each thread keeps its `Workspace` (zstd contexts, scratch) between calls.
+    Any other exception is raised after every worker has stopped touching the inputs.
+    """
+    n = len(jobs)
+    results: list[T | DeltaError | None] = [None] * n
+    counter = itertools.count()
 
-    if threads <= 1 or len(jobs) <= 1:
-        ws = Workspace(level)
-        return [guarded(j, ws) for j in jobs]
-    pool: queue.SimpleQueue[Workspace] = queue.SimpleQueue()
-    for _ in range(threads):
-        pool.put(Workspace(level))
+    def work() -> None:
+        ws = _workspace(level)
+        for i in counter:  # itertools.count's next() is atomic under the GIL
+            if i >= n:
+                return
+            try:
+                results[i] = jobs[i](ws)
+            except DeltaError as e:
+                results[i] = e
 
-    def with_ws(job: Callable[[Workspace], T]) -> T | DeltaError:
-        ws = pool.get()
-        try:
-            return guarded(job, ws)
-        finally:
-            pool.put(ws)
+    helpers = min(threads, n) - 1
+    if helpers <= 0:
+        work()
+        return results  # type: ignore[return-value]
+    pool = _helpers(helpers)
+    futures = [pool.submit(work) for _ in range(helpers)]
+    try:
+        work()
+    finally:
+        errors = [f.exception() for f in futures]  # waits for each
+    for e in errors:
+        if e is not None:
+            raise e
+    return results  # type: ignore[return-value]
 
-    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="weightsync") as ex:
-        return list(ex.map(with_ws, jobs))
+
+_local = threading.local()
+_pools: dict[int, ThreadPoolExecutor] = {}
+_pools_lock = threading.Lock()
+
+
+def _workspace(level: int) -> Workspace:
+    """This thread's workspace for zstd `level` (made on first use, then reused)."""
+    spaces: dict[int, Workspace] | None = getattr(_local, "spaces", None)
+    if spaces is None:
+        spaces = _local.spaces = {}
+    ws = spaces.get(level)
+    if ws is None:
+        ws = spaces[level] = Workspace(level)
+    return ws
+
+
+def _helpers(n: int) -> ThreadPoolExecutor:
+    """A process-wide pool of `n` helper threads (idle ones cost nothing but a stack)."""
+    with _pools_lock:
+        pool = _pools.get(n)
+        if pool is None:
+            pool = _pools[n] = ThreadPoolExecutor(max_workers=n, thread_name_prefix="weightsync")
+        return pool
 
 
 def _check_same(prev: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]) -> None:
@@ -169,8 +211,8 @@ def _encode(
         frames.append(frame)
         per_tensor[i][0].append(len(frame))
         per_tensor[i][1].append(digest)
-    metas = [
-        TensorMeta(
+    metas = [  # built from checked tensors: skip validation (receivers validate what they parse)
+        TensorMeta.model_construct(
             name=name,
             dtype=str(new[name].dtype).removeprefix("torch."),
             shape=tuple(new[name].shape),
@@ -240,11 +282,8 @@ def encode_keyframe(
     )  # fmt: skip
 
 
-def _plan(
-    message: WeightMessage, target: Mapping[str, torch.Tensor]
-) -> tuple[list[np.ndarray], list[_Chunk]]:
-    """Validate message against target and cut it into chunk jobs. Raises before any write."""
-    meta = message.meta
+def _plan(meta: MessageMeta, target: Mapping[str, torch.Tensor]) -> tuple[list[np.ndarray], list[_Chunk]]:
+    """Validate a message's metadata against target and cut it into chunk jobs. Raises before any write."""
     if meta.hash_algo not in HASHERS:
         raise MalformedMessageError(f"hash {meta.hash_algo!r} is not available here (install xxhash)")
     wanted = {t.name for t in meta.tensors}
@@ -311,15 +350,17 @@ def _apply(message: WeightMessage, target: Mapping[str, torch.Tensor], *, thread
     """fresh: target is all zeros and may be left garbage on error, so a
     keyframe is applied in one pass like a delta against zeros."""
     meta = message.meta
-    words, chunks = _plan(message, target)
+    words, chunks = _plan(message.meta, target)
     hasher = HASHERS[meta.hash_algo]
     frames = message.frames
     name = [t.name for t in meta.tensors]
 
+    keyframe = meta.is_keyframe  # a keyframe's chunks overwrite (see decode_xor_into)
+
     def xor_job(c: _Chunk, *, digest: bool) -> Callable[[Workspace], bytes]:
         def job(ws: Workspace) -> bytes:
             view = words[c.tensor][c.start : c.stop]
-            decode_xor_into(frames[c.frame], view, ws, tensor=name[c.tensor], chunk=c.index)
+            decode_xor_into(frames[c.frame], view, ws, tensor=name[c.tensor], chunk=c.index, overwrite=keyframe)
             return hasher(view) if digest else b""
 
         return job
@@ -328,18 +369,15 @@ def _apply(message: WeightMessage, target: Mapping[str, torch.Tensor], *, thread
         def job(ws: Workspace) -> bytes:
             w = words[c.tensor]
             view = ws.buf("verify", (c.stop - c.start) * w.dtype.itemsize, w.dtype)
-            view.fill(0)
-            decode_xor_into(frames[c.frame], view, ws, tensor=name[c.tensor], chunk=c.index)
+            decode_xor_into(frames[c.frame], view, ws, tensor=name[c.tensor], chunk=c.index, overwrite=True)
             return hasher(view)
 
         return job
 
-    if meta.is_keyframe and not fresh:
+    if keyframe and not fresh:
         error = _verify(meta, chunks, _run([scratch_job(c) for c in chunks], threads))
         if error is not None:
             raise error
-        for w in words:
-            w.fill(0)
         _raise_first(_run([xor_job(c, digest=False) for c in chunks], threads))
         return
     results = _run([xor_job(c, digest=True) for c in chunks], threads)

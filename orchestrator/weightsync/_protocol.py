@@ -18,15 +18,25 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from typing_extensions import Buffer
 
-from ._auth import verify
-from ._codec import DEFAULT_CHUNK_BYTES, Snapshot, apply, decode_keyframe, encode_delta, encode_keyframe
-from ._errors import StructureMismatchError, UnknownReceiverError, VersionError
+from ._auth import verify, verify_meta
+from ._codec import (
+    DEFAULT_CHUNK_BYTES,
+    Snapshot,
+    _dtype,
+    apply,
+    decode_keyframe,
+    encode_delta,
+    encode_keyframe,
+)
+from ._errors import MalformedMessageError, StructureMismatchError, UnknownReceiverError, VersionError
 from ._fp8 import DEFAULT_FP8_SKIP, wire_snapshot
-from ._message import Precision, WeightMessage
+from ._message import MessageMeta, Precision, WeightMessage
+from ._parts import PartAssembler, parse_first
 
 __all__ = ["WeightPublisher", "WeightReceiver"]
 
@@ -284,12 +294,15 @@ class WeightReceiver:
         self._threads = threads
         self._key = auth_key
         self._staged: tuple[Snapshot, int] | None = None
+        self._incoming: tuple[PartAssembler, Snapshot] | None = None
         self.needs_keyframe = snapshot is None
 
     @property
     def snapshot(self) -> Snapshot | None:
         """The held weights (tensors are updated in place by deltas; a keyframe
-        with a different layout, or a staged path that caught up, replaces the dict)."""
+        with a different layout, or a staged path that caught up, replaces the dict).
+        None while a streamed keyframe is decoded into their memory, and after such a
+        stream failed (see `apply_part`)."""
         return self._snapshot
 
     @property
@@ -324,6 +337,7 @@ class WeightReceiver:
         return self._guarded(lambda: WeightMessage.from_bytes(data))
 
     def _guarded(self, get: Callable[[], WeightMessage]) -> int | None:
+        self._incoming = None  # a whole message ends any unfinished stream
         try:
             message = get()
             self._apply(message)
@@ -335,6 +349,67 @@ class WeightReceiver:
             raise
         self.needs_keyframe = self._staged is not None
         return self._version
+
+    def apply_part(self, header: Mapping[str, Any], frames: Sequence[Buffer]) -> MessageMeta | None:
+        """Feed one part of a streamed keyframe (`weightsync.message_part`); returns its
+        verified metadata once the last part is in, None before.
+
+        Part 0 starts a stream (ending any unfinished one) after the checks `apply` makes
+        of a keyframe: the seal, the precision, not stale. The keyframe is decoded straight
+        into the memory of the held snapshot when its layout fits (else of a staged one,
+        else of a new one), so the receiver never holds two snapshots: from part 0 until the
+        last part is verified `snapshot` is None, while `version` stays the last good
+        version. Complete, a keyframe above that version is held; one at or below it is
+        staged until deltas bring it there, as with `apply`.
+
+        Errors (DeltaError, see `weightsync._parts`): the stream ends, its partial snapshot
+        is dropped, `needs_keyframe` is set and `version` is still the last good one -- the
+        version of the weights a sampler's engine, which holds its own copy, goes on using.
+        """
+        try:
+            if header.get("seq") == 0:
+                self._start_stream(header)
+            elif self._incoming is None:
+                raise MalformedMessageError(f"keyframe part {header.get('seq')!r} arrived with no stream started")
+            assert self._incoming is not None
+            assembler, target = self._incoming
+            done = assembler.feed(header, frames)
+        except BaseException:
+            self._incoming = None
+            self.needs_keyframe = True
+            raise
+        if not done:
+            return None
+        self._incoming = None
+        version = assembler.meta.version
+        if self._version is None or version > self._version:
+            self._snapshot, self._version = target, version
+        else:
+            self._staged = (target, version)
+            if version >= self._version:
+                self._snapshot, self._staged = target, None
+        self.needs_keyframe = self._staged is not None
+        return assembler.meta
+
+    def _start_stream(self, header: Mapping[str, Any]) -> None:
+        self._incoming = None
+        meta = parse_first(header)
+        verify_meta(meta, self._key)
+        if meta.precision != self.precision:
+            raise StructureMismatchError(f"message is {meta.precision}, receiver holds {self.precision}")
+        if not meta.is_keyframe:
+            raise MalformedMessageError(f"only keyframes are streamed; got a delta from {meta.base_version}")
+        held = self._version
+        if held is not None and meta.version <= held and not self.needs_keyframe:
+            raise VersionError(f"stale keyframe {meta.version}: already at {held}")
+        spare = [self._snapshot, None if self._staged is None else self._staged[0]]
+        target = next((s for s in spare if s is not None and _fits(meta, s)), None)
+        self._snapshot = self._staged = None  # from here on, its bytes are the stream's
+        self.needs_keyframe = True
+        del spare
+        if target is None:  # every byte is written by the stream: no need to zero it
+            target = {tm.name: torch.empty(tm.shape, dtype=_dtype(tm.dtype, tm.name)) for tm in meta.tensors}
+        self._incoming = (PartAssembler(meta, target, threads=self._threads), target)
 
     def apply_all(self, messages: Iterable[WeightMessage]) -> int | None:
         """Apply messages in order; stops at (and raises) the first failure."""
@@ -348,9 +423,9 @@ class WeightReceiver:
             raise StructureMismatchError(f"message is {message.precision}, receiver holds {self.precision}")
         snap, held = self._snapshot, self._version
         if message.is_keyframe:
-            if snap is None or held is None or message.version > held:
+            if held is None or message.version > held:
                 self._staged = None
-                if snap is None or not _fits(message, snap):
+                if snap is None or not _fits(message.meta, snap):
                     self._snapshot = decode_keyframe(message, threads=self._threads)
                 else:
                     apply(message, snap, threads=self._threads)
@@ -383,8 +458,8 @@ class WeightReceiver:
             self._snapshot, self._version, self._staged = staged, version, None
 
 
-def _fits(message: WeightMessage, snap: Mapping[str, torch.Tensor]) -> bool:
-    metas = message.meta.tensors
+def _fits(meta: MessageMeta, snap: Mapping[str, torch.Tensor]) -> bool:
+    metas = meta.tensors
     if len(metas) != len(snap):
         return False
     for tm in metas:

@@ -158,7 +158,7 @@ class KeyframeAssembler:
                                                   f"{view.nbytes}-byte chunk", tensor=self._names[i])
                     np.copyto(view, np.frombuffer(data, dtype=view.dtype))
                 else:
-                    decode_xor_into(frame, view, ws, tensor=self._names[i], chunk=c)
+                    decode_xor_into(frame, view, ws, tensor=self._names[i], chunk=c, overwrite=True)
                 got = hasher(view)
                 if got.hex() != digest:
                     raise HashMismatchError(f"chunk {c} decodes to other bytes than were sent",

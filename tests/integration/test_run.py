@@ -53,6 +53,12 @@ async def test_end_to_end_run_writes_outputs_and_one_trace_spans_three_processes
     names = {s["name"] for s in family}
     assert "sampler.generate" in names
 
+    # Samplers start with no weights: their first keyframe came in parts, into their own snapshot.
+    parts = [s for s in spans if s["name"] == "weights.part"]
+    assert {s["attributes"]["pool"] for s in parts} == {"b200-bf16", "h100-fp8"}
+    assert any(s["name"] == "weights.apply" and s["service"] == "controller" and s["attributes"].get("keyframe")
+               for s in spans)
+
     report = (run_dir / "cost_report.md").read_text()
     assert "b200-bf16" in report and "h100-fp8" in report
     train_spans = [s for s in spans if s["name"] == "train_step" and s["service"] == "controller"]

@@ -1,6 +1,7 @@
 """Each supported family: a tiny random checkpoint saved by transformers, loaded by
 ``build_model`` (the trainer's) and by the torch engine (the sampler's); the engine's
-logits equal transformers' within 1e-4 at prefill and at every KV-cache decode step."""
+logits equal transformers' within 1e-4 at prefill, at every KV-cache decode step and when
+a chunk of tokens extends the cache (the prefix-cache path)."""
 from __future__ import annotations
 
 import json
@@ -74,6 +75,12 @@ def test_engine_logits_equal_transformers(tmp_path, family: str, overrides: dict
                 out = ref_model(torch.tensor([[c[step]]]), cache=caches[row], use_cache=True)
                 caches[row] = out.cache
                 torch.testing.assert_close(got[row], out.logits[0, -1], atol=1e-4, rtol=0)
+        # The prefix-cache path: chunks of several tokens appended to the cached ones.
+        chunks = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (4, 1, 6)]
+        got = engine.extend(slots, chunks)
+        for row, c in enumerate(chunks):
+            out = ref_model(torch.tensor([c]), cache=caches[row], use_cache=True)
+            torch.testing.assert_close(got[row], out.logits[0, -1], atol=1e-4, rtol=0)
 
 
 def test_other_architectures_are_refused_by_name(tmp_path) -> None:

@@ -31,10 +31,30 @@ def test_sglang_pool_connects_or_launches() -> None:
     ({"count": 2, "gpus": [0]}, "gpus must list 2 device indices"),
     ({"device": "cpu", "gpus": [0]}, "gpus is for device 'cuda' pools"),
     ({"backend": "sglang", "launch": {"model_path": "m", "port": 0}}, "port"),
+    ({"backend": "sglang", "urls": ["http://a:1"], "stale_prefix": "recompute"}, "torch-backend settings"),
+    ({"backend": "sglang", "urls": ["http://a:1"], "prefix_cache": False}, "torch-backend settings"),
+    ({"stale_prefix": "sometimes"}, "stale_prefix"),
 ])
 def test_impossible_placements_are_refused_naming_the_field(fields, message) -> None:
     with pytest.raises(ValidationError, match=message):
         _pool(**fields)
+
+
+def test_prefix_cache_switches_load_from_the_pool_table() -> None:
+    from hardware import HardwareConfig
+
+    a, b = HardwareConfig.from_toml_text("""
+[[pools]]
+name = "a"
+gpu = "cpu"
+prefix_cache = false
+[[pools]]
+name = "b"
+gpu = "cpu"
+stale_prefix = "recompute"
+""").pools
+    assert (a.prefix_cache, a.stale_prefix) == (False, "reuse")
+    assert (b.prefix_cache, b.stale_prefix) == (True, "recompute")
 
 
 def test_device_names_map_to_the_catalog_and_mismatches_warn() -> None:

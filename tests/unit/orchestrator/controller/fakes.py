@@ -21,7 +21,7 @@ from hardware import ModelSpec
 from orchestrator.config import RunConfig
 from orchestrator.controller import Controller, ControllerState, Links
 from orchestrator.progress import Progress
-from orchestrator.runtime import ActorDied
+from orchestrator.runtime import ActorDied, ActorError
 from policies.metrics import PoolMetrics
 
 TOKENS = 4  # generated tokens per episode
@@ -90,6 +90,20 @@ class FakeTrainer:
         self._alive()
         return [[str(self.v).encode()]]
 
+    async def update_path(self, receiver: str, have: int, precision: str, part_bytes: int) -> dict[str, Any]:
+        """A sampler with nothing gets a two-part keyframe of the current version."""
+        self._alive()
+        if have < 0:
+            return {"keyframe": {"version": self.v, "parts": 2, "wire_bytes": 2}, "deltas": []}
+        return {"keyframe": None, "deltas": [[str(self.v).encode()]]}
+
+    async def keyframe_part(self, precision: str, version: int, seq: int,
+                            part_bytes: int) -> tuple[dict[str, Any], list[bytes]]:
+        self._alive()
+        if version != self.v:
+            raise ActorError("VersionError", f"keyframe v{version} is no longer held", "")
+        return {"seq": seq, "parts": 2, "version": version}, [b"k"]
+
     async def ack(self, receiver: str, version: int) -> None:
         self._alive()
         self.acks[receiver] = version
@@ -153,6 +167,13 @@ class FakePool:
         self._alive(rank)
         await trio.sleep(0.01)
         self.held[rank] = int(updates[-1][0])
+        return self.held[rank]
+
+    async def apply_weights_part(self, rank: int, header: dict[str, Any], frames: list[Any]) -> int:
+        self._alive(rank)
+        await trio.sleep(0.005)
+        if header["seq"] == header["parts"] - 1:
+            self.held[rank] = header["version"]
         return self.held[rank]
 
     async def reset_weights(self, rank: int) -> None:
