@@ -51,9 +51,9 @@ from typing import Any
 # The repository root first: benchmarks/actors.py must not shadow the `actors` package.
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
-from _runs import demo_raw, load_average, run_variants  # noqa: E402
-from ablation import FP8_BUDGET, VARIANTS  # noqa: E402
-from ablation import build_raw as ablation_raw  # noqa: E402
+from _runs import demo_raw, load_average, run_variants
+from ablation import FP8_BUDGET, VARIANTS
+from ablation import build_raw as ablation_raw
 
 WINDOW = 10
 COLLAPSE_DROP = 0.2

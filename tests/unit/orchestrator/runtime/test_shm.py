@@ -14,7 +14,14 @@ import trio
 import zmq
 
 from orchestrator.runtime import open_mesh
-from orchestrator.runtime._shm import ENABLED, SHM_MIN_BYTES, SegmentPool, export_frames, import_frames, segments_created
+from orchestrator.runtime._shm import (
+    ENABLED,
+    SHM_MIN_BYTES,
+    SegmentPool,
+    export_frames,
+    import_frames,
+    segments_created,
+)
 
 from ._actors import Echo
 from .test_wire import _recv
