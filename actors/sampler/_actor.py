@@ -213,16 +213,23 @@ class SamplerActor(Actor):
                     if version == held and snapshot is before:
                         continue  # staged: a keyframe path still below the held version
                     assert snapshot is not None and version is not None
-                    new_hashes = {t.name: t.hash for t in msg.meta.tensors}
-                    changed = None
-                    if snapshot is before and new_hashes.keys() == self._hashes.keys():
-                        changed = [n for n, h in new_hashes.items() if self._hashes[n] != h]
-                    self._hashes = {}  # until the backend holds these weights: next load is a full one
-                    await self._backend.update_weights(snapshot, version, changed)
-                    self._hashes = new_hashes
-                    self._updates += 1
+                    # a new snapshot object (a keyframe) is loaded whole
+                    await self._load(snapshot, version, msg.meta, diff=snapshot is before)
                 s.set_attribute("to_version", self._backend.version)
         return self._backend.version
+
+    async def _load(self, snapshot: Any, version: int, meta: Any, *, diff: bool) -> None:
+        """Hand the receiver's snapshot at ``version`` to the backend. With ``diff``, and the
+        same tensors as the weights in use, only those whose hash changed are named as
+        changed; otherwise the backend loads everything."""
+        new_hashes = {t.name: t.hash for t in meta.tensors}
+        changed = None
+        if diff and new_hashes.keys() == self._hashes.keys():
+            changed = [n for n, h in new_hashes.items() if self._hashes[n] != h]
+        self._hashes = {}  # until the backend holds these weights: next load is a full one
+        await self._backend.update_weights(snapshot, version, changed)
+        self._hashes = new_hashes
+        self._updates += 1
 
     @endpoint
     async def apply_weights_part(self, header: dict[str, Any], frames: list[Any]) -> int:
@@ -244,15 +251,9 @@ class SamplerActor(Actor):
                 meta = await trio.to_thread.run_sync(self._receiver.apply_part, header, frames)
                 snapshot, version = self._receiver.snapshot, self._receiver.version
                 if meta is not None and snapshot is not None and version == meta.version:
-                    new_hashes = {t.name: t.hash for t in meta.tensors}
                     # The hashes name the bytes the engine holds, so they tell what changed
                     # even though the snapshot's memory was rewritten whole.
-                    changed = ([n for n, h in new_hashes.items() if self._hashes[n] != h]
-                               if new_hashes.keys() == self._hashes.keys() else None)
-                    self._hashes = {}
-                    await self._backend.update_weights(snapshot, version, changed)
-                    self._hashes = new_hashes
-                    self._updates += 1
+                    await self._load(snapshot, version, meta, diff=True)
                 s.set_attribute("to_version", self._backend.version)
         return self._backend.version
 

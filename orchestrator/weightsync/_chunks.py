@@ -195,13 +195,7 @@ def _gap_changes(
         # Over 40% of the groups changed: then scanning the words directly is faster
         # (np.flatnonzero is slowest at middling densities, which is where the groups'
         # scan and its second pass both land); below, it is up to 2x slower.
-        x = ws.buf("words", m * w, new.dtype)
-        if old is None:
-            np.copyto(x, new)
-        else:
-            np.bitwise_xor(old, new, out=x)
-        changed = ws.buf("changed", m, np.dtype(bool))
-        np.not_equal(x, 0, out=changed)
+        x, changed = _xor_words(old, new, ws)
         pos = np.flatnonzero(changed)
         if pos.size * (4 + w) > m * w:
             return None
@@ -231,6 +225,18 @@ def _gap_changes(
     return pos, vals
 
 
+def _xor_words(old: np.ndarray | None, new: np.ndarray, ws: Workspace) -> tuple[np.ndarray, np.ndarray]:
+    """``old ^ new`` (``new`` itself when old is None) and its nonzero mask, in ``ws``'s buffers."""
+    x = ws.buf("words", new.size * new.dtype.itemsize, new.dtype)
+    if old is None:
+        np.copyto(x, new)
+    else:
+        np.bitwise_xor(old, new, out=x)
+    changed = ws.buf("changed", new.size, np.dtype(bool))
+    np.not_equal(x, 0, out=changed)
+    return x, changed
+
+
 def _header(body: np.ndarray, mode: int, nnz: int) -> None:
     body[0] = mode
     body[1:5].view("<u4")[0] = nnz
@@ -254,13 +260,7 @@ def encode_chunk(old: np.ndarray | None, new: np.ndarray, ws: Workspace) -> byte
         _to_planes(gaps, body[5 : 5 + 4 * nnz])
         _to_planes(vals, body[5 + 4 * nnz :])
     else:
-        x = ws.buf("words", m * w, new.dtype)
-        if old is None:
-            np.copyto(x, new)
-        else:
-            np.bitwise_xor(old, new, out=x)
-        changed = ws.buf("changed", m, np.dtype(bool))
-        np.not_equal(x, 0, out=changed)
+        x, changed = _xor_words(old, new, ws)
         nnz = int(np.count_nonzero(changed))
         nbits = (m + 7) // 8
         if nbits + w * nnz <= 0.9 * w * m:
