@@ -116,9 +116,9 @@ async def _flotilla(quick: bool, rtt_only: bool = False) -> dict[str, float]:
             # The first transfer of a size also allocates its shared-memory segments on both
             # sides; it is reported apart, the figure is the steady state that reuses them.
             t = time.perf_counter()
-            del_me = await ep.call_one(x)
+            first = await ep.call_one(x)
             out[key.replace("_gbps", "_first_gbps")] = 2 * size / (time.perf_counter() - t) / 1e9
-            del del_me
+            del first
             speeds = []
             for _ in range(reps):
                 t = time.perf_counter()

@@ -98,7 +98,7 @@ class Arithmetic(Environment):
     def reset(self, task: TaskSpec) -> str:
         # the k-th pair in (sum, a) order, k uniform over the (max_sum + 1)(max_sum + 2) / 2 pairs
         k = random.Random(task.seed).randrange((self.max_sum + 1) * (self.max_sum + 2) // 2)
-        total = int((math.isqrt(8 * k + 1) - 1) // 2)  # the largest s with s(s + 1)/2 <= k
+        total = (math.isqrt(8 * k + 1) - 1) // 2  # the largest s with s(s + 1)/2 <= k
         self.a = k - total * (total + 1) // 2
         self.b = total - self.a
         return f"what is {self.a} + {self.b} ?"

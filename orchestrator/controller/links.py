@@ -31,13 +31,11 @@ class TrainerLink(Protocol):
     async def train_step(self, batch: list[Trajectory]) -> StepResult:
         """One optimizer step on `batch` (all-or-nothing), then publish the new version."""
 
-    async def updates_for(self, receiver: str, have: int, precision: str) -> list[list[bytes]]:
-        """Weight messages that bring `receiver` from `have` (-1: nothing) to the newest."""
-
     async def update_path(self, receiver: str, have: int, precision: str, part_bytes: int) -> dict[str, Any]:
-        """`updates_for`, with a keyframe at its start left out: `{"keyframe": None or
-        {"version", "parts", "wire_bytes"}, "deltas": [frames, ...]}`; the keyframe's
-        parts (of at most `part_bytes` wire bytes) come from `keyframe_part`."""
+        """The weight messages that bring `receiver` from `have` (-1: nothing) to the newest,
+        with a keyframe at their start left out: `{"keyframe": None or {"version", "parts",
+        "wire_bytes"}, "deltas": [frames, ...]}`; the keyframe's parts (of at most
+        `part_bytes` wire bytes) come from `keyframe_part`."""
 
     async def keyframe_part(self, precision: str, version: int, seq: int,
                             part_bytes: int) -> tuple[dict[str, Any], list[bytes]]:

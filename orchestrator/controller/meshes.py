@@ -26,9 +26,6 @@ class MeshTrainer:
     async def train_step(self, batch: list[Trajectory]) -> StepResult:
         return await self._actor.train_step.call_one(batch)
 
-    async def updates_for(self, receiver: str, have: int, precision: str) -> list[list[bytes]]:
-        return await self._actor.updates_for.call_one(receiver, have, precision)
-
     async def update_path(self, receiver: str, have: int, precision: str, part_bytes: int) -> dict[str, Any]:
         return await self._actor.update_path.call_one(receiver, have, precision, part_bytes)
 

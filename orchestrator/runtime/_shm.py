@@ -106,7 +106,7 @@ class SegmentPool:
         return best
 
     def _create(self, n: int) -> _Segment | None:
-        self._trim(keep=0)
+        self._trim()
         size = _HEAD + max(n, SHM_MIN_BYTES)
         size = -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
         name = f"{_PREFIX}{os.getpid()}-{next(_ids)}"
@@ -128,11 +128,11 @@ class SegmentPool:
         self.created += 1
         return seg
 
-    def _trim(self, keep: int) -> None:
+    def _trim(self) -> None:
         free = [s for s in self.segments if not s.busy()]
         idle = sum(s.size for s in free)
         for seg in free:  # oldest first
-            if idle <= self.idle_bytes - keep:
+            if idle <= self.idle_bytes:
                 break
             self._drop(seg)
             idle -= seg.size

@@ -86,10 +86,6 @@ class FakeTrainer:
                           overall=_metrics(tokens),
                           per_pool={p: _metrics(1) for p in {t.pool for t in batch}})
 
-    async def updates_for(self, receiver: str, have: int, precision: str) -> list[list[bytes]]:
-        self._alive()
-        return [[str(self.v).encode()]]
-
     async def update_path(self, receiver: str, have: int, precision: str, part_bytes: int) -> dict[str, Any]:
         """A sampler with nothing gets a two-part keyframe of the current version."""
         self._alive()

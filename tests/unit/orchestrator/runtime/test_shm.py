@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 import torch
 import trio
-import zmq
 
 from orchestrator.runtime import open_mesh
 from orchestrator.runtime._shm import (
@@ -24,7 +23,7 @@ from orchestrator.runtime._shm import (
 )
 
 from ._actors import Echo
-from .test_wire import _recv
+from .test_wire import _recv, raw_dealer
 
 pytestmark = pytest.mark.skipif(not ENABLED, reason="no /dev/shm here (or FLOTILLA_SHM=0)")
 
@@ -97,10 +96,7 @@ def test_small_frames_stay_zeromq_frames() -> None:
 async def test_a_forged_segment_name_gets_a_bad_reply_and_the_actor_keeps_serving() -> None:
     with trio.fail_after(30):
         async with open_mesh(Echo) as mesh:
-            sock = zmq.Context.instance().socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(mesh.addresses[0])
-            try:
+            with raw_dealer(mesh.addresses[0]) as sock:
                 call = {"id": 1, "kind": "call", "endpoint": "echo", "args": [{"__t": "bytes", "f": 1, "n": 4096}]}
                 table = json.dumps([[1, "flotilla-1-0/../../etc/passwd", 4096]]).encode()
                 sock.send_multipart([b"S" + table + b"\n" + json.dumps(call).encode(), b""])
@@ -108,5 +104,3 @@ async def test_a_forged_segment_name_gets_a_bad_reply_and_the_actor_keeps_servin
                 header = json.loads(reply[0])
                 assert header["kind"] == "bad" and header["id"] == 1 and "declared 4096 bytes" in header["message"]
                 assert await mesh[0].echo.call_one(42) == 42
-            finally:
-                sock.close()

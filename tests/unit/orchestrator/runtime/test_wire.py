@@ -6,6 +6,8 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -109,6 +111,18 @@ async def test_tensors_round_trip_bit_exact_through_an_actor() -> None:
             assert torch.equal(back_big.view(torch.int32), big)
 
 
+@contextmanager
+def raw_dealer(address: str) -> Iterator[zmq.Socket[Any]]:
+    """A bare DEALER socket to an actor: messages go out exactly as built, no runtime."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    try:
+        yield sock
+    finally:
+        sock.close()
+
+
 async def _recv(sock: zmq.Socket[Any]) -> list[bytes]:
     while not sock.get(zmq.EVENTS) & zmq.POLLIN:
         await trio.lowlevel.wait_readable(sock.getsockopt(zmq.FD))
@@ -133,10 +147,7 @@ async def test_malformed_messages_are_rejected_and_actor_keeps_serving() -> None
     ]
     with trio.fail_after(30):
         async with open_mesh(Echo) as mesh:
-            sock = zmq.Context.instance().socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(mesh.addresses[0])
-            try:
+            with raw_dealer(mesh.addresses[0]) as sock:
                 for frames, rid in bad_messages:
                     sock.send_multipart(frames)
                     reply = await _recv(sock)
@@ -147,8 +158,6 @@ async def test_malformed_messages_are_rejected_and_actor_keeps_serving() -> None
                     assert await mesh[0].echo.call_one(42) == 42
                 sock.send_multipart([b'{"id": 9, "kind": "cancel"}'])  # unknown cancel: ignored
                 assert await mesh[0].scale.call_one([1.5]) == [3.0]
-            finally:
-                sock.close()
 
 
 def test_importing_orchestrator_does_not_import_torch() -> None:
