@@ -128,7 +128,7 @@ class Wire:
 
     def __init__(self, precision: str, master: dict[str, torch.Tensor]) -> None:
         self.precision = precision
-        self.snap = wire_snapshot(master, precision, flat=True)  # type: ignore[arg-type]  # as WeightPublisher makes them
+        self.snap = wire_snapshot(master, precision)  # type: ignore[arg-type]
         self.raw = snapshot_bytes(self.snap)
         self.keyframe = encode_keyframe(self.snap, 0, precision, threads=THREADS)  # type: ignore[arg-type]
         self.receiver = WeightReceiver(precision, threads=THREADS)  # type: ignore[arg-type]
@@ -136,7 +136,7 @@ class Wire:
         self.bit_exact = same_bytes(self.receiver.snapshot, self.snap)  # type: ignore[arg-type]
 
     def step(self, version: int, master: dict[str, torch.Tensor], *, baselines: bool) -> dict:
-        new = wire_snapshot(master, self.precision, flat=True)  # type: ignore[arg-type]
+        new = wire_snapshot(master, self.precision)  # type: ignore[arg-type]
         t0, c0 = time.perf_counter(), time.process_time()
         msg = encode_delta(self.snap, new, version, version - 1, self.precision, threads=THREADS)  # type: ignore[arg-type]
         t_enc, c_enc = time.perf_counter() - t0, time.process_time() - c0

@@ -40,7 +40,6 @@ __all__ = [
     "decode_xor_into",
     "default_hash_algo",
     "encode_chunk",
-    "to_planes",
     "tree_hash",
     "word_dtype",
 ]
@@ -134,7 +133,7 @@ class Workspace:
         return b[:nbytes].view(dtype)
 
 
-def to_planes(words: np.ndarray, out: np.ndarray) -> None:
+def _to_planes(words: np.ndarray, out: np.ndarray) -> None:
     """Byte j of every word -> out[j*n:(j+1)*n]. Consumes `words` (shifted in place)."""
     n, w = words.size, words.dtype.itemsize
     for j in range(w):
@@ -258,8 +257,8 @@ def encode_chunk(old: np.ndarray | None, new: np.ndarray, ws: Workspace) -> byte
         del pos
         body = np.empty(5 + (4 + w) * nnz, np.uint8)
         _header(body, _GAPS, nnz)
-        to_planes(gaps, body[5 : 5 + 4 * nnz])
-        to_planes(vals, body[5 + 4 * nnz :])
+        _to_planes(gaps, body[5 : 5 + 4 * nnz])
+        _to_planes(vals, body[5 + 4 * nnz :])
     else:
         x, changed = _xor_words(old, new, ws)
         nnz = int(np.count_nonzero(changed))
@@ -271,11 +270,11 @@ def encode_chunk(old: np.ndarray | None, new: np.ndarray, ws: Workspace) -> byte
             body = np.empty(5 + nbits + w * nnz, np.uint8)
             _header(body, _BITMAP, nnz)
             body[5 : 5 + nbits] = np.packbits(changed, bitorder="little")
-            to_planes(vals, body[5 + nbits :])
+            _to_planes(vals, body[5 + nbits :])
         else:
             body = ws.buf("body", 1 + m * w, np.dtype(np.uint8))
             body[0] = _DENSE
-            to_planes(x, body[1:])
+            _to_planes(x, body[1:])
             if old is None:  # a keyframe chunk (deltas keep the level's defaults, see `_dense_params`)
                 return bytes(memoryview(ws.cctx_dense.compress(body)))
     # python-zstandard returns a bytes object that keeps its compressBound-sized

@@ -10,11 +10,7 @@ encoding and applying hold only the workers' scratch, O(threads x
 chunk_bytes); the chunk size is capped at largest_tensor_bytes / (8 x threads)
 (never below 4 KiB) so that scratch stays under one copy of the largest
 tensor even for tiny models. A thread's scratch stays allocated after a call
-(at its largest chunk so far), so the next call allocates nothing. A delta's
-scan (`_scan`) works on ranges of several chunks: up to largest_tensor_bytes /
-(8 x threads) each, but at least 1 MiB, so its scratch (~6x a range at most)
-stays under one copy of the largest tensor once that is 12 MiB or more
-(threads x ~6 MiB below that).
+(at its largest chunk so far), so the next call allocates nothing.
 
 Atomicity (`apply`): a delta is applied chunk by chunk in place, hashing each
 chunk's new bytes as it goes. If any chunk fails to decode or any tensor's
@@ -50,7 +46,6 @@ from ._chunks import (
 )
 from ._errors import DeltaError, HashMismatchError, MalformedMessageError, StructureMismatchError
 from ._message import MessageMeta, Precision, TensorMeta, WeightMessage
-from ._scan import encode_range, plan_ranges
 
 __all__ = ["Snapshot", "apply", "decode_keyframe", "encode_delta", "encode_keyframe", "snapshot_bytes"]
 
@@ -59,7 +54,6 @@ T = TypeVar("T")
 
 DEFAULT_CHUNK_BYTES = 4 << 20
 _MIN_CHUNK = 4096
-_MIN_RANGE = 1 << 20  # bytes a delta worker scans at once, at least (see `_scan`)
 
 
 def snapshot_bytes(snapshot: Mapping[str, torch.Tensor]) -> int:
@@ -201,11 +195,19 @@ def _encode(
     cb = _chunk_size(chunk_bytes, largest, threads)
     hasher = HASHERS[algo]
     names = list(new)
-    chunks = _delta_chunks(prev, new, names, cb, threads, level, hasher) if prev is not None else \
-        _keyframe_chunks(new, names, cb, threads, level, hasher)
+    jobs: list[Callable[[Workspace], tuple[bytes, bytes]]] = []
+    owner: list[int] = []
+    for i, name in enumerate(names):
+        q = _words(new[name], name)
+        p = None if prev is None else _words(prev[name], name)
+        for s, e in _split(q.size, q.dtype.itemsize, cb):
+            qs, ps = q[s:e], None if p is None else p[s:e]
+            jobs.append(lambda ws, ps=ps, qs=qs: (encode_chunk(ps, qs, ws), hasher(qs)))
+            owner.append(i)
+    results = _run(jobs, threads, level)
     frames: list[bytes] = []
     per_tensor: list[tuple[list[int], list[bytes]]] = [([], []) for _ in names]
-    for i, frame, digest in chunks:
+    for i, (frame, digest) in zip(owner, results, strict=True):  # type: ignore[misc]
         frames.append(frame)
         per_tensor[i][0].append(len(frame))
         per_tensor[i][1].append(digest)
@@ -229,33 +231,6 @@ def _encode(
         tensors=tuple(metas),
     )
     return seal(WeightMessage(meta, frames), auth_key)
-
-
-def _keyframe_chunks(new: Mapping[str, torch.Tensor], names: list[str], cb: int, threads: int, level: int,
-                     hasher: Callable[[object], bytes]) -> list[tuple[int, bytes, bytes]]:
-    """(tensor index, frame, digest) per chunk, in message order: one job per chunk."""
-    jobs: list[Callable[[Workspace], tuple[bytes, bytes]]] = []
-    owner: list[int] = []
-    for i, name in enumerate(names):
-        q = _words(new[name], name)
-        for s, e in _split(q.size, q.dtype.itemsize, cb):
-            jobs.append(lambda ws, qs=q[s:e]: (encode_chunk(None, qs, ws), hasher(qs)))
-            owner.append(i)
-    results = _run(jobs, threads, level)
-    return [(i, frame, digest) for i, (frame, digest) in zip(owner, results, strict=True)]  # type: ignore[misc]
-
-
-def _delta_chunks(prev: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor], names: list[str], cb: int,
-                  threads: int, level: int, hasher: Callable[[object], bytes]) -> list[tuple[int, bytes, bytes]]:
-    """(tensor index, frame, digest) per chunk, in message order: scanned by ranges (`_scan`)."""
-    for name in names:
-        _words(new[name], name), _words(prev[name], name)  # contiguous CPU tensors, or a clear error
-    largest = max((t.numel() * t.element_size() for t in new.values()), default=0)
-    target = min(max(snapshot_bytes(new) // (4 * threads), _MIN_RANGE), max(largest // (8 * threads), _MIN_RANGE))
-    ranges = plan_ranges(names, prev, new, lambda words, w: _split(words, w, cb), target)
-    results = _run([lambda ws, rng=rng: encode_range(rng, ws, hasher) for rng in ranges], threads, level)
-    done = sorted(c for part in results for c in part)  # type: ignore[union-attr]
-    return [(ti, frame, digest) for ti, _ci, frame, digest in done]
 
 
 def encode_delta(

@@ -130,45 +130,14 @@ def fp8_wire_snapshot(
 
 
 def wire_snapshot(
-    master: Mapping[str, torch.Tensor], precision: Precision, *, fp8_skip: Sequence[str] = DEFAULT_FP8_SKIP,
-    flat: bool = False,
+    master: Mapping[str, torch.Tensor], precision: Precision, *, fp8_skip: Sequence[str] = DEFAULT_FP8_SKIP
 ) -> dict[str, torch.Tensor]:
     """The snapshot samplers of `precision` hold, built from master weights:
     bf16 / fp32 cast every floating tensor (fresh copies), fp8 follows
-    `fp8_wire_snapshot`. Raises ValueError for an unknown precision.
-
-    `flat` (bf16 / fp32): the tensors are views into one buffer, each at a 64-byte
-    aligned offset (zeroed padding between them), grouped by item size. A publisher's
-    snapshots are made so: `encode_delta` then scans a whole snapshot as a few memory
-    runs instead of tensor by tensor (`weightsync._scan`). Not for code that needs
-    separate storages (safetensors refuses tensors that share one)."""
+    `fp8_wire_snapshot`. Raises ValueError for an unknown precision."""
     if precision == "fp8":
         return fp8_wire_snapshot(master, skip=fp8_skip)
     if precision not in ("bf16", "fp32"):
         raise ValueError(f"unknown precision {precision!r}; expected bf16, fp8 or fp32")
     dt = torch.bfloat16 if precision == "bf16" else torch.float32
-    if flat:
-        return _flat_copy(master, dt)
     return {n: _copy(t, dt if t.is_floating_point() else None) for n, t in master.items()}
-
-
-_ALIGN = 64
-
-
-def _flat_copy(master: Mapping[str, torch.Tensor], dt: torch.dtype) -> dict[str, torch.Tensor]:
-    """`_copy` of every tensor (floating ones as `dt`), as views into one zeroed buffer."""
-    dtypes = {n: dt if t.is_floating_point() else t.dtype for n, t in master.items()}
-    order = sorted(master, key=lambda n: -dtypes[n].itemsize)  # stable: by item size, then dict order
-    offsets: dict[str, int] = {}
-    size = 0
-    for n in order:
-        offsets[n] = size
-        size += -(-master[n].numel() * dtypes[n].itemsize // _ALIGN) * _ALIGN
-    buf = torch.zeros(size, dtype=torch.uint8)
-    out: dict[str, torch.Tensor] = {}
-    for n, t in master.items():
-        nbytes = t.numel() * dtypes[n].itemsize
-        view = buf[offsets[n]:offsets[n] + nbytes].view(dtypes[n]).view(t.shape)
-        view.copy_(t.detach())
-        out[n] = view
-    return out

@@ -144,7 +144,7 @@ class WeightPublisher:
         """
         if version < 0 or (self._latest is not None and version <= self._latest):
             raise VersionError(f"published version {version} must exceed the latest, {self._latest}")
-        snaps = {p: wire_snapshot(master, p, fp8_skip=self._fp8_skip, flat=True) for p in self.precisions}
+        snaps = {p: wire_snapshot(master, p, fp8_skip=self._fp8_skip) for p in self.precisions}
         due = self._keyframe_version is None or version - self._keyframe_version >= self.keyframe_interval
         out: list[WeightMessage] = []
         keyframes: list[tuple[_Track, WeightMessage]] = []
