@@ -54,6 +54,7 @@ import statistics
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -113,17 +114,18 @@ async def _client_main(spec: dict) -> dict:
         except Exception as e:  # noqa: BLE001 - counted and reported
             failures.append(f"{type(e).__name__}: {e}")
 
-    async def probe(openai_sid: str, raw_sid: str) -> dict:
-        """One openai-client session and one raw-HTTP session, their turns alternating."""
-        client = AsyncOpenAI(base_url=f"{spec['url']}/s/{openai_sid}/v1", api_key=openai_sid, max_retries=0,
-                             http_client=http)
-        raw_client = _RawClient(spec["url"])
-        out: dict = {"openai": ([], []), "raw": ([], [])}
-        chats = {"openai": [{"role": "user", "content": spec["first"]}],
-                 "raw": [{"role": "user", "content": spec["first"]}]}
+    async def probe(sids: dict[str, str]) -> dict:
+        """One session per kind -- raw HTTP to each server, the openai client to the
+        default one -- their turns interleaved (the order rotating every turn)."""
+        kinds = list(sids)
+        client = AsyncOpenAI(base_url=f"{spec['urls']['openai']}/s/{sids['openai']}/v1", api_key=sids["openai"],
+                             max_retries=0, http_client=http)
+        raw_clients = {k: _RawClient(spec["urls"][k]) for k in kinds if k != "openai"}
+        out: dict = {k: ([], []) for k in kinds}
+        chats = {k: [{"role": "user", "content": spec["first"]}] for k in kinds}
         try:
             for t in range(spec["turns"]):
-                for kind in (("openai", "raw") if t % 2 else ("raw", "openai")):
+                for kind in kinds[t % len(kinds):] + kinds[:t % len(kinds)]:
                     messages = chats[kind]
                     t0 = time.perf_counter()
                     if kind == "openai":
@@ -132,8 +134,8 @@ async def _client_main(spec: dict) -> dict:
                         text = r.parse().choices[0].message.content or ""
                         header = r.headers["x-flotilla-sampler-ms"]
                     else:
-                        body, headers = raw_client.post(
-                            f"/s/{raw_sid}/v1/chat/completions",
+                        body, headers = raw_clients[kind].post(
+                            f"/s/{sids[kind]}/v1/chat/completions",
                             {"model": "flotilla", "messages": messages, "max_tokens": spec["max_tokens"]})
                         text = body["choices"][0]["message"]["content"] or ""
                         header = headers["x-flotilla-sampler-ms"]
@@ -141,14 +143,15 @@ async def _client_main(spec: dict) -> dict:
                     out[kind][1].append(float(header) / 1e3)
                     messages += [{"role": "assistant", "content": text}, {"role": "user", "content": spec["user"]}]
         finally:
-            raw_client.close()
+            for c in raw_clients.values():
+                c.close()
         return out
 
     t0 = time.perf_counter()
     if spec.get("probe"):
-        out = await probe(*spec["sessions"])
+        out = await probe(dict(zip(spec["probe"], spec["sessions"], strict=True)))
         await http.aclose()
-        return {"openai": out["openai"], "raw": out["raw"], "wall": time.perf_counter() - t0}
+        return {**out, "wall": time.perf_counter() - t0}
     await asyncio.gather(*(session(sid, spec["first"]) for sid in spec["sessions"]))
     wall = time.perf_counter() - t0
     await http.aclose()
@@ -233,9 +236,10 @@ async def _gateway_main(args) -> dict:
     env = {"OMP_NUM_THREADS": "1"}
 
     samplers: dict = {}
+    urls: dict[str, str] = {}
 
     async def phase(name: str, n: int, turns: int, first: str, max_tokens: int, user_turn: str = user,
-                    probe: bool = False) -> dict:
+                    probe: tuple[str, ...] = ()) -> dict:
         sampler = samplers[name]
 
         async def gen(req):
@@ -243,7 +247,7 @@ async def _gateway_main(args) -> dict:
             computes.append(res.seconds)
             return res
         sessions = [gw.open_session(task, gen, limits, 0) for _ in range(n)]
-        spec = {"url": gw.address, "sessions": [s.id for s in sessions], "turns": turns, "probe": probe,
+        spec = {"url": gw.address, "urls": urls, "sessions": [s.id for s in sessions], "turns": turns, "probe": probe,
                 "max_tokens": max_tokens, "first": first, "user": user_turn}
         cpu0 = _actor_cpu(name)
         own0 = time.process_time()
@@ -262,7 +266,10 @@ async def _gateway_main(args) -> dict:
 
     async with trio.open_nursery() as nursery, sampler_mesh(True) as on, sampler_mesh(False) as off:
         samplers.update({"sampler-on": on[0], "sampler-off": off[0]})
-        gw.address = await nursery.start(serve_gateway, _timed_app(gw.app, app_times))
+        app = _timed_app(gw.app, app_times)
+        gw.address = await nursery.start(serve_gateway, app)
+        hyper = await nursery.start(partial(serve_gateway, server="hypercorn"), app)
+        urls.update({"raw": gw.address, "openai": gw.address, "raw_hypercorn": hyper})
         for name in samplers:
             await phase(name, 2, 2, first_short, 4)   # warm-up (imports, first forwards)
         # Alternating, so that the machine's load drifts over both alike.
@@ -273,8 +280,9 @@ async def _gateway_main(args) -> dict:
         results["stats_off"] = await off[0].stats.call_one()
         app_times.clear()
         computes.clear()
-        results["probe"] = await phase("sampler-on", 2, args.probe_turns, first_short, 1, user_turn="higher",
-                                       probe=True)
+        kinds = ("raw", "raw_hypercorn", "openai")
+        results["probe"] = await phase("sampler-on", len(kinds), args.probe_turns, first_short, 1,
+                                       user_turn="higher", probe=kinds)
         results["app_times"] = list(app_times)
         results["computes"] = list(computes)
         results["overhead"] = await phase("sampler-on", args.sessions, args.turns, first_short, 4)
@@ -288,7 +296,7 @@ def main() -> None:
     ap.add_argument("--sessions", type=int, default=64, help="concurrent sessions (overhead phase)")
     ap.add_argument("--turns", type=int, default=4, help="turns per concurrent session")
     ap.add_argument("--probe-turns", type=int, default=50,
-                    help="turns of each probe session (openai and raw HTTP, alternating; overhead)")
+                    help="turns of each probe session (raw HTTP to each server, openai client; overhead)")
     ap.add_argument("--multi-sessions", type=int, default=8, help="concurrent 8-turn sessions (multi-turn)")
     ap.add_argument("--multi-reps", type=int, default=3, help="multi-turn runs per sampler (alternating)")
     ap.add_argument("--system", type=int, default=1024, help="multi-turn: tokens of the first prompt")
@@ -311,11 +319,11 @@ def main() -> None:
 
     def minus_wait(pair) -> list[float]:
         return [lat - w for lat, w in zip(*pair, strict=True)]
-    raw, oai = minus_wait(probe["raw"]), minus_wait(probe["openai"])
+    raw, oai, hyper = minus_wait(probe["raw"]), minus_wait(probe["openai"]), minus_wait(probe["raw_hypercorn"])
     conc = [lat - w for lat, w in zip(ov["latency"], ov["sampler"], strict=True)]
     app = r["app_times"]
-    waits = probe["raw"][1] + probe["openai"][1]
-    probe_turns = len(raw) + len(oai)
+    waits = probe["raw"][1] + probe["openai"][1] + probe["raw_hypercorn"][1]
+    probe_turns = len(raw) + len(oai) + len(hyper)
     cpu_turn = probe["gateway_cpu"] / probe_turns
     ok = args.sessions - len(ov["failures"])
     on_wall = statistics.median(x["wall"] for x in r["multi_on"])
@@ -339,7 +347,8 @@ def main() -> None:
         ("sampler wait p50", f"{statistics.median(waits) * 1e3:.2f} ms",
          f"of which computing {statistics.median(r['computes']) * 1e3:.2f} ms"),
         ("overhead p50 / p99 (raw HTTP)", ms(raw), f"{len(raw)} turns: latency - sampler wait"),
-        ("  through the openai client", ms(oai), f"{len(oai)} turns, alternating with raw"),
+        ("  served by hypercorn", ms(hyper), f"{len(hyper)} turns, interleaved"),
+        ("  through the openai client", ms(oai), f"{len(oai)} turns, interleaved"),
         ("  inside the ASGI app", ms(app), "no HTTP parsing, no sockets"),
         ("gateway CPU per turn", f"{cpu_turn * 1e3:.2f} ms", "process time / probe turns"),
         ("concurrent sessions ok", f"{ok}/{args.sessions}", f"{args.turns} turns each, openai client"),
@@ -366,6 +375,8 @@ def main() -> None:
         "overhead_p50_ms": round(_pct(raw, 0.5) * 1e3, 3),
         "overhead_p99_ms": round(_pct(raw, 0.99) * 1e3, 3),
         "overhead_measured_by": "raw HTTP/1.1 keep-alive client: latency - x-flotilla-sampler-ms",
+        "hypercorn_overhead_p50_ms": round(_pct(hyper, 0.5) * 1e3, 3),
+        "hypercorn_overhead_p99_ms": round(_pct(hyper, 0.99) * 1e3, 3),
         "openai_overhead_p50_ms": round(_pct(oai, 0.5) * 1e3, 3),
         "openai_overhead_p99_ms": round(_pct(oai, 0.99) * 1e3, 3),
         "app_overhead_p50_ms": round(_pct(app, 0.5) * 1e3, 3),

@@ -1,4 +1,5 @@
-"""The gateway's HTTP side: a Starlette app served by hypercorn's trio worker.
+"""The gateway's HTTP side: a Starlette app, served by this package's lean HTTP/1.1
+server on trio and h11 (``actors.gateway._server``) or by hypercorn's trio worker.
 
 Routes (each also under ``/s/{session}/...``, the per-episode base URL)::
 
@@ -52,7 +53,7 @@ from actors.gateway._schemas import (
 )
 from actors.gateway._session import Session
 
-__all__ = ["build_app", "serve_gateway"]
+__all__ = ["SERVERS", "build_app", "serve_gateway"]
 
 
 def _error(e: GatewayError) -> JSONResponse:
@@ -215,13 +216,26 @@ def _one_write_per_response() -> None:
     H11Protocol._send_h11_event = send_h11_event  # type: ignore[method-assign]
 
 
-async def serve_gateway(app: Starlette, host: str = "127.0.0.1", port: int = 0, *,
-                        task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
-    """Serve ``app`` with hypercorn's trio worker until cancelled; reports the base address
-    (``http://host:port``) once it listens.
+SERVERS = ("flotilla", "hypercorn")
+"""The HTTP servers ``serve_gateway`` can run: this package's lean HTTP/1.1 server
+(``actors.gateway._server``, the default) or hypercorn's trio worker."""
 
-    Cancellation closes the listener and the open connections (hypercorn's own nursery).
+
+async def serve_gateway(app: Starlette, host: str = "127.0.0.1", port: int = 0, *, server: str = "flotilla",
+                        task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
+    """Serve ``app`` until cancelled with ``server`` (one of ``SERVERS``); reports the base
+    address (``http://host:port``) once it listens.
+
+    Cancellation closes the listener and the open connections.
     """
+    if server == "flotilla":
+        from actors.gateway._server import serve_asgi
+
+        async with trio.open_nursery() as nursery:
+            task_status.started(await nursery.start(serve_asgi, app, host, port))
+        return
+    if server != "hypercorn":
+        raise ValueError(f"gateway server {server!r}: expected one of {', '.join(SERVERS)}")
     from hypercorn.config import Config
     from hypercorn.trio import serve
 

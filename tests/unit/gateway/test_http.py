@@ -36,10 +36,10 @@ class Replies:
                               pool="fake", prompt_tokens=len(req.prompt_ids), seconds=0.0)
 
 
-@pytest.fixture
-async def served(nursery):
+@pytest.fixture(params=["flotilla", "hypercorn"])
+async def served(nursery, request):
     fmt = WordChatFormat()
-    gw = Gateway(fmt, model_name="tiny")
+    gw = Gateway(fmt, model_name="tiny", server=request.param)
     await nursery.start(gw.serve)
     gen = Replies(fmt, ["3", "5", "correct"])
     session = gw.open_session(TASK, gen, SessionLimits(SamplingParams(), 48, 4), 0)
