@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import uuid
-from functools import partial
 from collections.abc import Awaitable, Callable
+from functools import partial
 
 import trio
 

@@ -199,7 +199,7 @@ class _Connection:
             await self.app(scope, receive, send)
         except OSError:
             return False   # the client left mid-response
-        except Exception as e:  # noqa: BLE001 - one failed request must not stop the server
+        except Exception as e:
             log.exception("gateway: the app failed on %s %s", scope["method"], scope["path"])
             if head is None:
                 await self._error(500, f"internal error: {type(e).__name__}: {e}", type="server_error")
