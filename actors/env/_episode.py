@@ -41,7 +41,7 @@ class EpisodeBuilder:
         self.ids: list[int] = [int(i) for i in prompt_ids]
         self.mask: list[bool] = [False] * len(self.ids)
         self._sup_ids: list[torch.Tensor] = []
-        self._counts: list[torch.Tensor] = []
+        self._counts: list[int] = []
         self._logq: list[torch.Tensor] = []
         self._versions: list[int] = []
 
@@ -61,26 +61,28 @@ class EpisodeBuilder:
         Raises ValueError naming the field when the sampler's record does not have
         one row and one version per generated token.
         """
+        # Few torch calls: the gateway runs this once per turn with cold caches, where each
+        # dispatcher call costs microseconds; the offsets are checked as Python ints.
         n = len(token_ids)
-        off = support_offsets.to(torch.int64)
-        if off.numel() != n + 1 or len(versions) != n:
-            raise ValueError(f"sampler result: {n} tokens but support_offsets has {off.numel()} "
+        off = support_offsets.tolist()
+        if len(off) != n + 1 or len(versions) != n:
+            raise ValueError(f"sampler result: {n} tokens but support_offsets has {len(off)} "
                              f"entries (want {n + 1}) and versions {len(versions)} (want {n})")
         nnz = support_ids.numel()
-        if int(off[0]) != 0 or int(off[-1]) != nnz or support_logq.numel() != nnz:
-            raise ValueError(f"sampler result: support_offsets [{int(off[0])}..{int(off[-1])}] do "
+        if off[0] != 0 or off[-1] != nnz or support_logq.numel() != nnz:
+            raise ValueError(f"sampler result: support_offsets [{off[0]}..{off[-1]}] do "
                              f"not span support_ids ({nnz}) / support_logq ({support_logq.numel()})")
         self.ids += [int(i) for i in token_ids]
         self.mask += [True] * n
-        self._sup_ids.append(support_ids.to(torch.int32))
-        self._counts.append(off[1:] - off[:-1])
-        self._logq.append(support_logq.to(torch.float32))
+        self._sup_ids.append(support_ids if support_ids.dtype == torch.int32 else support_ids.to(torch.int32))
+        self._counts += [b - a for a, b in zip(off, off[1:])]
+        self._logq.append(support_logq if support_logq.dtype == torch.float32 else support_logq.float())
         self._versions += [int(v) for v in versions]
 
     def build(self, *, task: TaskSpec, pool: str, reward: float, turns: int, seconds: float,
               failed: bool = False, error: str | None = None,
               error_traceback: str | None = None) -> Trajectory:
-        counts = torch.cat(self._counts) if self._counts else torch.zeros(0, dtype=torch.int64)
+        counts = torch.tensor(self._counts, dtype=torch.int64)
         offsets = torch.zeros(counts.numel() + 1, dtype=torch.int64)
         offsets[1:] = torch.cumsum(counts, 0)
         return Trajectory(

@@ -8,9 +8,10 @@ OpenAI API does, but a field we model with a wrong type or value is a 400 naming
 from __future__ import annotations
 
 import json
+import random
+import re
 import time
-import uuid
-from typing import Any, Literal
+from typing import Any, Literal, NotRequired
 
 from pydantic import (
     BaseModel,
@@ -20,6 +21,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from typing_extensions import TypedDict
 
 __all__ = [
     "ChatMessage",
@@ -31,6 +33,7 @@ __all__ = [
     "error_body",
     "format_validation_error",
     "stream_chunks",
+    "template_message",
 ]
 
 
@@ -49,11 +52,17 @@ def error_body(message: str, *, type: str = "invalid_request_error", param: str 
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|[A-Za-z_-]+\[.*\])$")
+
+
 def format_validation_error(err: ValidationError) -> tuple[str, str | None]:
     """(one-line message naming the first bad field, that field's dotted path)."""
-    e = err.errors()[0]
-    loc = ".".join(str(p) for p in e["loc"]) or None
-    more = f" (and {len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
+    errors = err.errors()
+    # A union reports one error per branch, its loc tagged with the branch ("str",
+    # "list[TextPart]"): the deepest error is the branch that came closest.
+    e = max(errors, key=lambda x: len(x["loc"]))
+    loc = ".".join(str(p) for p in e["loc"] if not _UNION_TAG.match(str(p))) or None
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
     return f"{loc or 'body'}: {e['msg']}{more}", loc
 
 
@@ -61,61 +70,61 @@ class _Open(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
-class FunctionCall(_Open):
+# The messages are TypedDicts, not models: a harness resends its whole history every
+# turn, and validating dicts costs less than half of building a model per message.
+class FunctionCall(TypedDict):
     name: str
     """The tool's name."""
-    arguments: str | dict[str, Any] = "{}"
+    arguments: NotRequired[str | dict[str, Any]]
     """Arguments as the JSON string OpenAI sends (a dict is accepted too)."""
 
 
-class ToolCall(_Open):
-    id: str | None = None
+class ToolCall(TypedDict):
+    id: NotRequired[str | None]
     """Call id (echoed in the tool message's ``tool_call_id``)."""
-    type: Literal["function"] = "function"
+    type: NotRequired[Literal["function"]]
     """Only function tools exist."""
     function: FunctionCall
     """Which function, with which arguments."""
 
 
-class ChatMessage(_Open):
+class TextPart(TypedDict):
+    type: Literal["text"]
+    """Only text parts (images and audio are refused)."""
+    text: str
+
+
+class ChatMessage(TypedDict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     """Who speaks; ``developer`` is treated as ``system``."""
-    content: str | list[dict[str, Any]] | None = None
-    """Text, or a list of ``{"type": "text", "text": ...}`` parts (other part types refused)."""
-    tool_calls: list[ToolCall] | None = None
+    content: NotRequired[str | list[TextPart] | None]
+    """Text, or a list of ``{"type": "text", "text": ...}`` parts."""
+    tool_calls: NotRequired[list[ToolCall] | None]
     """Assistant tool calls."""
-    tool_call_id: str | None = None
+    tool_call_id: NotRequired[str | None]
     """A tool message's call id."""
-    name: str | None = None
+    name: NotRequired[str | None]
     """Optional speaker/tool name."""
 
-    @field_validator("content")
-    @classmethod
-    def _text_parts(cls, v: Any) -> Any:
-        if isinstance(v, list):
-            for i, part in enumerate(v):
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise ValueError(f"content part {i}: only {{'type': 'text', 'text': str}} parts "
-                                     f"are supported, got type {part.get('type')!r}")
-        return v
 
-    def template_message(self) -> dict[str, Any]:
-        """The message as a chat template reads it (text content, dict arguments)."""
-        content = self.content
-        if isinstance(content, list):
-            content = "".join(p["text"] for p in content)
-        msg: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
-                               "content": content or ""}
-        if self.tool_calls:
-            msg["tool_calls"] = [{"type": "function", "function": {
-                "name": c.function.name, "arguments": _args(c.function.arguments)}}
-                for c in self.tool_calls]
-        if self.role == "tool":
-            if self.tool_call_id is not None:
-                msg["tool_call_id"] = self.tool_call_id
-            if self.name is not None:
-                msg["name"] = self.name
-        return msg
+def template_message(m: ChatMessage) -> dict[str, Any]:
+    """A validated message as a chat template reads it (text content, dict arguments)."""
+    role = m["role"]
+    content = m.get("content")
+    if type(content) is not str:
+        content = "".join(p["text"] for p in content) if content else ""
+    msg: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": content}
+    calls = m.get("tool_calls")
+    if calls:
+        msg["tool_calls"] = [{"type": "function", "function": {
+            "name": c["function"]["name"], "arguments": _args(c["function"].get("arguments", "{}"))}}
+            for c in calls]
+    if role == "tool":
+        if m.get("tool_call_id") is not None:
+            msg["tool_call_id"] = m["tool_call_id"]
+        if m.get("name") is not None:
+            msg["name"] = m["name"]
+    return msg
 
 
 def _args(arguments: str | dict[str, Any]) -> Any:
@@ -201,7 +210,7 @@ class CompletionRequest(_Sampling):
 
 
 def _id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+    return f"{prefix}-{random.getrandbits(96):024x}"   # unique, not secret: no syscall
 
 
 def _usage(prompt: int, completion: int) -> dict[str, int]:
@@ -214,7 +223,7 @@ def openai_message(msg: dict[str, Any]) -> dict[str, Any]:
     calls = msg.get("tool_calls")
     if calls:
         out["tool_calls"] = [{
-            "id": f"call_{uuid.uuid4().hex[:16]}", "type": "function",
+            "id": f"call_{random.getrandbits(64):016x}", "type": "function",
             "function": {"name": c["function"]["name"],
                          "arguments": (c["function"]["arguments"]
                                        if isinstance(c["function"]["arguments"], str)

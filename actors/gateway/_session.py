@@ -44,6 +44,7 @@ from actors.gateway._schemas import (
     chat_response,
     completion_response,
     openai_message,
+    template_message,
 )
 from actors.sampler import GenerateRequest, GenerateResult
 from actors.types import SamplingParams, TaskSpec, Trajectory
@@ -162,7 +163,7 @@ class Session:
         fit the context, (409) when the session is closed, (502) when the sampler fails;
         the session is then unchanged.
         """
-        messages = [m.template_message() for m in req.messages]
+        messages = [template_message(m) for m in req.messages]
         tools = req.template_tools()
         async with self._lock:
             self.check_open()
@@ -289,10 +290,13 @@ class Session:
         return result, len(result.token_ids), None
 
     def _record(self, seg: _Segment, result: GenerateResult, kept: int) -> None:
-        off = result.support_offsets
-        end = int(off[kept])
-        seg.builder.add_generated(result.token_ids[:kept], result.support_ids[:end], off[:kept + 1],
-                                  result.support_logq[:end], result.versions[:kept])
+        r = result
+        if kept == len(r.token_ids):   # the usual case: no stop string cut the reply
+            seg.builder.add_generated(r.token_ids, r.support_ids, r.support_offsets, r.support_logq, r.versions)
+        else:
+            end = int(r.support_offsets[kept])
+            seg.builder.add_generated(r.token_ids[:kept], r.support_ids[:end], r.support_offsets[:kept + 1],
+                                      r.support_logq[:end], r.versions[:kept])
         self.pool = result.pool
         seg.turns += 1
 

@@ -71,7 +71,7 @@ async def test_malformed_requests_get_openai_errors_and_the_server_keeps_serving
     await _err(await c.post(url, json={**ok, "max_tokens": 0}), 400, "max_tokens")
     await _err(await c.post(url, json={**ok, "tools": [{"type": "web"}]}), 400)
     await _err(await c.post(url, json={**ok, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
-               400)
+               400, "messages.0.content.0.type")
     # The word format has no tool turns: a clear 400, not a crash.
     await _err(await c.post(url, json={**ok, "messages": [{"role": "tool", "content": "5"}]}), 400, "messages")
     await _err(await c.post(url, json={**ok, "messages": [{"role": "user", "content": "x " * 60}]}), 400)
