@@ -56,8 +56,18 @@ from actors.gateway._session import Session
 __all__ = ["SERVERS", "build_app", "serve_gateway"]
 
 
+class _JSON(JSONResponse):
+    """Starlette's JSONResponse with one encoder for the process (``json.dumps`` with
+    options builds an encoder per call)."""
+
+    _encoder = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+    def render(self, content: Any) -> bytes:
+        return self._encoder.encode(content).encode()
+
+
 def _error(e: GatewayError) -> JSONResponse:
-    return JSONResponse(error_body(e.message, type=e.type, param=e.param, code=e.code), status_code=e.status)
+    return _JSON(error_body(e.message, type=e.type, param=e.param, code=e.code), status_code=e.status)
 
 
 async def _body(request: Request, model: type[BaseModel]) -> Any:
@@ -114,7 +124,7 @@ def build_app(lookup: Callable[[str], Session | None], model_name: str) -> Starl
         # contract, so its last sampler wait is this request's.
         timing = {"x-flotilla-sampler-ms": f"{session.last_sampler_s * 1e3:.3f}"}
         if not req.stream:
-            return JSONResponse(response, headers=timing)
+            return _JSON(response, headers=timing)
         chunks = stream_chunks(response, pieces)
 
         async def events() -> Any:
@@ -131,12 +141,12 @@ def build_app(lookup: Callable[[str], Session | None], model_name: str) -> Starl
             if req.stream:
                 raise GatewayError(400, "stream: streaming is supported for chat completions only",
                                    param="stream")
-            return JSONResponse(await session.complete(req))
+            return _JSON(await session.complete(req))
         except GatewayError as e:
             return _error(e)
 
     async def models(request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [
+        return _JSON({"object": "list", "data": [
             {"id": model_name, "object": "model", "created": 0, "owned_by": "flotilla"}]})
 
     async def reward(request: Request) -> Response:
@@ -154,16 +164,16 @@ def build_app(lookup: Callable[[str], Session | None], model_name: str) -> Starl
             session.reward = value
         except GatewayError as e:
             return _error(e)
-        return JSONResponse({"ok": True})
+        return _JSON({"ok": True})
 
     async def not_found(request: Request, exc: Exception) -> Response:
         status = exc.status_code if isinstance(exc, HTTPException) else 500
         msg = f"{request.method} {request.url.path}: " + (
             "no such route" if status == 404 else "method not allowed" if status == 405 else "error")
-        return JSONResponse(error_body(msg, code="not_found" if status == 404 else None), status_code=status)
+        return _JSON(error_body(msg, code="not_found" if status == 404 else None), status_code=status)
 
     async def crashed(request: Request, exc: Exception) -> Response:
-        return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", type="server_error"),
+        return _JSON(error_body(f"internal error: {type(exc).__name__}: {exc}", type="server_error"),
                             status_code=500)
 
     routes = []

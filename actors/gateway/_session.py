@@ -38,6 +38,7 @@ from actors.chat import ChatFormat, ChatTemplateError
 from actors.env._episode import EpisodeBuilder
 from actors.gateway._render import conversation_from
 from actors.gateway._schemas import (
+    ChatMessage,
     ChatRequest,
     CompletionRequest,
     GatewayError,
@@ -163,11 +164,10 @@ class Session:
         fit the context, (409) when the session is closed, (502) when the sampler fails;
         the session is then unchanged.
         """
-        messages = [template_message(m) for m in req.messages]
         tools = req.template_tools()
         async with self._lock:
             self.check_open()
-            plan = self._plan_chat(messages, tools)
+            plan, messages = self._plan_chat(req.messages, tools)
             result, kept, cut_text = await self._sample(plan.prompt(), req)
             seg = plan.commit(self.segments)
             self._record(seg, result, kept)
@@ -183,25 +183,34 @@ class Session:
             pieces = [self.fmt.decode([t]) for t in ids] if req.stream else []
             return (chat_response(self.model, message, finish, len(seg.builder) - kept, kept), pieces)
 
-    def _plan_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> _Plan:
+    def _plan_chat(self, sent: list[ChatMessage], tools: list[dict[str, Any]] | None
+                   ) -> tuple[_Plan, list[dict[str, Any]]]:
+        """How to serve ``sent``: extend the last segment or start one. Returns the plan
+        and the messages in template form."""
         seg = self.segments[-1] if self.segments else None
         if seg is not None and seg.kind == "chat" and seg.tools == tools:
             k = len(seg.messages)
+            if seg.messages == sent[:k]:   # the usual turn, compared at C speed
+                messages, same = seg.messages + [template_message(m) for m in sent[k:]], True
+            else:
+                messages = [template_message(m) for m in sent]
+                same = all(_same(a, b) for a, b in zip(seg.messages, messages, strict=False))
             new = messages[k:]
-            if (new and all(_same(a, b) for a, b in zip(seg.messages, messages, strict=False))
-                    and not any(m["role"] == "assistant" for m in new)):
+            if new and same and not any(m["role"] == "assistant" for m in new):
                 try:
                     ids = self.fmt.render_new(seg.messages, new, generated=seg.last_reply, tools=tools, turn=k)
                 except (ChatTemplateError, ValueError):
                     pass   # the template cannot extend this history append-only: new segment
                 else:
-                    return _Plan(seg, ids, new)
+                    return _Plan(seg, ids, new), messages
+        else:
+            messages = [template_message(m) for m in sent]
         try:
             conv = conversation_from(self.fmt, messages, tools)
         except (ChatTemplateError, ValueError) as e:
             raise GatewayError(400, f"messages: {e}", param="messages") from None
         fresh = _Segment("chat", EpisodeBuilder(conv.ids), messages=list(conv.messages), tools=tools)
-        return _Plan(None, [], fresh=fresh)
+        return _Plan(None, [], fresh=fresh), messages
 
     # ----------------------------------------------------------- completions
     async def complete(self, req: CompletionRequest) -> dict[str, Any]:
