@@ -118,10 +118,13 @@ class TaskSection(_Section):
     grader: str | None = None
     """Harness: `module:function` given (transcript, params) returning the reward (else the
     harness reports it: a `{"reward": x}` stdout line, POST /reward, or the return value)."""
+    gateway_server: Literal["flotilla", "hypercorn"] | None = None
+    """Harness: the gateway's HTTP server, `flotilla` (the default: a lean HTTP/1.1 server on
+    trio and h11, the least overhead per turn) or `hypercorn` (its trio worker)."""
 
     @model_validator(mode="after")
     def _harness_fields(self) -> TaskSection:
-        given = [f for f in ("command", "entrypoint", "grader") if getattr(self, f) is not None]
+        given = [f for f in ("command", "entrypoint", "grader", "gateway_server") if getattr(self, f) is not None]
         if self.kind == "harness" and (self.command is None) == (self.entrypoint is None):
             raise ValueError("kind = 'harness' needs exactly one of command or entrypoint")
         if self.kind == "env" and given:

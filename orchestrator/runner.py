@@ -238,7 +238,8 @@ def _env_config(cfg: RunConfig, env_config: Any) -> Any:
     from actors.gateway import HarnessConfig
 
     harness = HarnessConfig(command=cfg.task.command, entrypoint=cfg.task.entrypoint, grader=cfg.task.grader,
-                            timeout_s=cfg.task.episode_timeout_s, max_new_tokens=cfg.task.max_new_tokens)
+                            timeout_s=cfg.task.episode_timeout_s, max_new_tokens=cfg.task.max_new_tokens,
+                            server=cfg.task.gateway_server or "flotilla")
     return env_config.model_copy(update={"harness": harness})
 
 

@@ -35,7 +35,7 @@ import sys
 import traceback
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import trio
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -72,6 +72,9 @@ class HarnessConfig(BaseModel):
     """Working directory of the command (default: the actor's)."""
     env: dict[str, str] = Field(default_factory=dict)
     """Extra environment variables of the command."""
+    server: Literal["flotilla", "hypercorn"] = "flotilla"
+    """The gateway's HTTP server: the lean HTTP/1.1 one (``actors/gateway/_server.py``) or
+    hypercorn's trio worker (HTTP/2 and TLS capable, slower per turn)."""
 
     @model_validator(mode="after")
     def _one_kind(self) -> HarnessConfig:
