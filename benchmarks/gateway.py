@@ -1,19 +1,22 @@
 """The gateway's cost per turn, and what the sampler's prefix cache buys a multi-turn agent.
 
 What: sessions driven by a separate client process (as a harness would be) against a
-running gateway (hypercorn + Starlette on trio, in this process) backed by torch
+running gateway (Starlette on the lean trio + h11 server -- and on hypercorn, for
+comparison -- in this process) backed by torch
 ``SamplerActor``s (their own processes, the tiny built-in model, the word tokenizer):
 
 * overhead: per turn, one request at a time, the latency minus the time the request
   waited on the sampler (the ``x-flotilla-sampler-ms`` header the gateway sets), p50/p99,
-  measured three ways side by side in one run -- the turns of an ``openai``-client
-  session and of a raw-HTTP session alternate, so both see the same machine:
+  measured side by side in one run -- the turns of an ``openai``-client session and of
+  two raw-HTTP sessions (one per server) interleave, so all see the same machine:
 
   - ``overhead_p50_ms`` (the target): a minimal HTTP/1.1 client (a blocking keep-alive
     socket with TCP_NODELAY: write the request, read the status line, headers and body,
     parse the JSON). It counts everything the gateway does for a turn -- loopback TCP
     both ways, hypercorn's HTTP parsing and writing, routing, validation, template and
     token bookkeeping, response JSON -- and next to nothing of the client's own;
+  - ``hypercorn_overhead_p50_ms``: the same client against the same app served by
+    hypercorn's trio worker (``gateway_server = "hypercorn"``);
   - ``openai_overhead_p50_ms``: the official ``openai`` client (``with_raw_response``,
     then ``parse()``). It adds that library's request building and response parsing
     (httpx, pydantic models), which a harness pays whatever server it talks to: not

@@ -74,7 +74,7 @@ class HarnessConfig(BaseModel):
     """Extra environment variables of the command."""
     server: Literal["flotilla", "hypercorn"] = "flotilla"
     """The gateway's HTTP server: the lean HTTP/1.1 one (``actors/gateway/_server.py``) or
-    hypercorn's trio worker (HTTP/2 and TLS capable, slower per turn)."""
+    hypercorn's trio worker (slower per turn)."""
 
     @model_validator(mode="after")
     def _one_kind(self) -> HarnessConfig:

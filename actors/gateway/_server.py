@@ -8,7 +8,7 @@ around h11) measured 0.45 ms per turn on this project's 2-core machine with a sa
 that answers at once, and about twice that after the sampler's usual wait; this server
 does the same HTTP/1.1 work with the same protocol engine (h11) in one task per
 connection, in about half of that (``benchmarks/gateway.py`` runs both side by side).
-hypercorn stays available (``server="hypercorn"``: HTTP/2, TLS, a longer record).
+hypercorn stays available (``server="hypercorn"``: a server with a longer record).
 
 What it does:
 
@@ -27,7 +27,9 @@ What it does:
 * an app that fails gets a 500 (when it had not started its answer) and the
   connection is closed; the server and the other connections go on.
 
-Not here: HTTP/2, TLS, WebSockets, lifespan events (the gateway has no startup work).
+Not here: HTTP/2, TLS, WebSockets, lifespan events (the gateway has no startup work), and
+no early ``http.disconnect``: a request whose client left runs to its end (its sampler call
+included) and its answer is dropped.
 """
 from __future__ import annotations
 
