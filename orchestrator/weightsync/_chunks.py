@@ -40,6 +40,7 @@ __all__ = [
     "decode_xor_into",
     "default_hash_algo",
     "encode_chunk",
+    "looks_sparse",
     "tree_hash",
     "word_dtype",
 ]
@@ -168,60 +169,61 @@ def _from_planes(planes: np.ndarray, dtype: np.dtype, n: int) -> np.ndarray:
     return out
 
 
-def _gap_changes(
-    old: np.ndarray | None, new: np.ndarray, ws: Workspace
-) -> tuple[np.ndarray, np.ndarray] | None:
-    """(positions, x values) of changed words when the gaps layout fits, else None.
+def _planes_into(words: np.ndarray, out: np.ndarray) -> None:
+    """Byte j of every word -> out[j*n:(j+1)*n], in one strided copy (``words`` untouched).
 
-    Scans 8-byte groups first: np.flatnonzero costs ~1 ns per element scanned,
-    so finding changed groups and then changed words inside only those is ~3x
-    cheaper for bf16 than scanning every word -- while changes are sparse.
+    Slower per byte than `_to_planes`' shifts, but one numpy call instead of 2w - 1: for
+    the small gap and value arrays of a delta, what costs is the calls -- each one a
+    release and re-take of the GIL that the other worker thread may be holding."""
+    n, w = words.size, words.dtype.itemsize
+    out.reshape(w, n)[...] = words.view(np.uint8).reshape(n, w).T
+
+
+_SPARSE = 0.003
+"""Below this fraction of changed words (estimated from a sample), changes are found
+8-byte groups first."""
+
+
+def looks_sparse(old: np.ndarray, new: np.ndarray) -> bool:
+    """Whether a sample of every 1021st word has fewer than `_SPARSE` changed (a few
+    microseconds; it only picks `encode_chunk`'s scan, never the layout). Asked once
+    per tensor by the calling thread, before the workers start: inside a worker every
+    extra numpy call is one more hand-over of the GIL between the workers."""
+    a, b = old[::1021], new[::1021]
+    return a.size > 0 and np.count_nonzero(a != b) < _SPARSE * a.size
+
+
+def _sparse_changes(old: np.ndarray, new: np.ndarray, ws: Workspace) -> tuple[np.ndarray, np.ndarray]:
+    """(positions, x values) of the changed words, found 8-byte groups first.
+
+    np.flatnonzero costs ~1 ns per element scanned, so finding changed groups and
+    then changed words inside only those is ~3x cheaper for bf16 than scanning every
+    word -- while changes are sparse; at a few percent of words changed the second
+    pass costs more than it saves.
     """
     m, w = new.size, new.dtype.itemsize
     r = 8 // w if w < 8 and (m * w) % 8 == 0 else 1
-    wide_new = new.view("<u8") if r > 1 else new
-    wide_old = None if old is None else (old.view("<u8") if r > 1 else old)
+    wide_new, wide_old = (new.view("<u8"), old.view("<u8")) if r > 1 else (new, old)
     mask = ws.buf("mask", wide_new.size, np.dtype(bool))
-    if wide_old is None:
-        np.not_equal(wide_new, 0, out=mask)
-    else:
-        np.not_equal(wide_old, wide_new, out=mask)
-    # Gaps stay smaller than a bitmap up to ~half the groups changed on real
-    # weight updates (changes cluster); the exact count is checked below.
-    groups = int(np.count_nonzero(mask))
-    if groups * r * (4 + w) > 1.5 * m * w:
-        return None
-    if r > 1 and 5 * groups > 2 * mask.size:
-        # Over 40% of the groups changed: then scanning the words directly is faster
-        # (np.flatnonzero is slowest at middling densities, which is where the groups'
-        # scan and its second pass both land); below, it is up to 2x slower.
-        x, changed = _xor_words(old, new, ws)
-        pos = np.flatnonzero(changed)
-        if pos.size * (4 + w) > m * w:
-            return None
-        return pos, np.take(x, pos, mode="clip")
+    np.not_equal(wide_old, wide_new, out=mask)
     # Indices come from flatnonzero, so they are in range: mode="clip" skips
     # numpy's bounds-checked, buffered path.
     gpos = np.flatnonzero(mask)
     gx = np.take(wide_new, gpos, mode="clip")
-    if wide_old is not None:
-        np.bitwise_xor(gx, np.take(wide_old, gpos, mode="clip"), out=gx)
-    if r > 1:
-        words = gx.view(new.dtype)
-        sub = np.flatnonzero(words != 0)  # nonzero() on bool is ~2x faster than on ints
-        vals = np.take(words, sub, mode="clip")
-        del words, gx
-        low = (sub & (r - 1)).astype(np.uint8)
-        shift = r.bit_length() - 1
-        np.right_shift(sub, shift, out=sub)
-        pos = np.take(gpos, sub, mode="clip")
-        del sub, gpos
-        np.left_shift(pos, shift, out=pos)
-        np.bitwise_or(pos, low, out=pos, casting="unsafe")
-    else:
-        pos, vals = gpos, gx
-    if pos.size * (4 + w) > m * w:
-        return None
+    np.bitwise_xor(gx, np.take(wide_old, gpos, mode="clip"), out=gx)
+    if r == 1:
+        return gpos, gx
+    words = gx.view(new.dtype)
+    sub = np.flatnonzero(words != 0)  # nonzero() on bool is ~2x faster than on ints
+    vals = np.take(words, sub, mode="clip")
+    del words, gx
+    low = (sub & (r - 1)).astype(np.uint8)
+    shift = r.bit_length() - 1
+    np.right_shift(sub, shift, out=sub)
+    pos = np.take(gpos, sub, mode="clip")
+    del sub, gpos
+    np.left_shift(pos, shift, out=pos)
+    np.bitwise_or(pos, low, out=pos, casting="unsafe")
     return pos, vals
 
 
@@ -242,41 +244,64 @@ def _header(body: np.ndarray, mode: int, nnz: int) -> None:
     body[1:5].view("<u4")[0] = nnz
 
 
-def encode_chunk(old: np.ndarray | None, new: np.ndarray, ws: Workspace) -> bytes:
+def _gaps_body(pos: np.ndarray, vals: np.ndarray) -> np.ndarray:
+    nnz, w = pos.size, vals.dtype.itemsize
+    gaps = np.empty(nnz, "<u4")
+    if nnz:
+        gaps[0] = pos[0] + 1
+        np.subtract(pos[1:], pos[:-1], out=gaps[1:], casting="unsafe")
+    body = np.empty(5 + (4 + w) * nnz, np.uint8)
+    _header(body, _GAPS, nnz)
+    _planes_into(gaps, body[5 : 5 + 4 * nnz])
+    _planes_into(vals, body[5 + 4 * nnz :])
+    return body
+
+
+def encode_chunk(old: np.ndarray | None, new: np.ndarray, ws: Workspace, *, sparse: bool = False) -> bytes:
     """One zstd frame for the change from `old` to `new` (word arrays of equal
-    size; old None means zeros, i.e. a keyframe chunk)."""
+    size; old None means zeros, i.e. a keyframe chunk); `sparse`: few words changed
+    (`looks_sparse`), so they are found 8-byte groups first.
+
+    The layout is the smallest raw body: gaps while a change costs less than a word
+    (up to a third of bf16 words changed), then a bitmap, then dense planes. Few numpy
+    calls per chunk: two worker threads share the GIL between their calls.
+    """
     m, w = new.size, new.dtype.itemsize
-    found = _gap_changes(old, new, ws)
-    if found is not None:
-        pos, vals = found
-        nnz = pos.size
-        gaps = np.empty(nnz, "<u4")
-        if nnz:
-            gaps[0] = pos[0] + 1
-            np.subtract(pos[1:], pos[:-1], out=gaps[1:], casting="unsafe")
-        del pos
-        body = np.empty(5 + (4 + w) * nnz, np.uint8)
-        _header(body, _GAPS, nnz)
-        _to_planes(gaps, body[5 : 5 + 4 * nnz])
-        _to_planes(vals, body[5 + 4 * nnz :])
-    else:
-        x, changed = _xor_words(old, new, ws)
+    nbits = (m + 7) // 8
+    if sparse and old is not None:
+        pos, vals = _sparse_changes(old, new, ws)
+        if (4 + w) * pos.size <= m * w:
+            return bytes(memoryview(ws.cctx.compress(_gaps_body(pos, vals))))
+        del pos, vals   # the sample misled: scan again below
+    changed = ws.buf("changed", m, np.dtype(bool))
+    np.not_equal(new, 0, out=changed) if old is None else np.not_equal(old, new, out=changed)
+    if old is None:   # a keyframe: nearly every word nonzero, positions would be waste
         nnz = int(np.count_nonzero(changed))
-        nbits = (m + 7) // 8
-        if nbits + w * nnz <= 0.9 * w * m:
-            # flatnonzero + take is ~1.7x faster than np.compress on 2+ byte words; its
-            # int64 positions (8 bytes a change) would outgrow the scratch bound on bytes.
-            vals = np.take(x, np.flatnonzero(changed), mode="clip") if w > 1 else np.compress(changed, x)
+        pos = np.flatnonzero(changed) if nbits + w * nnz <= 0.9 * w * m else None
+    else:
+        pos = np.flatnonzero(changed)
+        nnz = pos.size
+    if pos is not None and ((4 + w) * nnz <= m * w or nbits + w * nnz <= 0.9 * w * m):
+        # Only the changed words are XORed: a pass over the chunk saved.
+        vals = np.take(new, pos, mode="clip")
+        if old is not None:
+            np.bitwise_xor(vals, np.take(old, pos, mode="clip"), out=vals)
+        if (4 + w) * nnz <= m * w:
+            body = _gaps_body(pos, vals)
+        else:
+            del pos
             body = np.empty(5 + nbits + w * nnz, np.uint8)
             _header(body, _BITMAP, nnz)
             body[5 : 5 + nbits] = np.packbits(changed, bitorder="little")
-            _to_planes(vals, body[5 + nbits :])
-        else:
-            body = ws.buf("body", 1 + m * w, np.dtype(np.uint8))
-            body[0] = _DENSE
-            _to_planes(x, body[1:])
-            if old is None:  # a keyframe chunk (deltas keep the level's defaults, see `_dense_params`)
-                return bytes(memoryview(ws.cctx_dense.compress(body)))
+            _planes_into(vals, body[5 + nbits :])
+    else:
+        del pos
+        x, _ = _xor_words(old, new, ws)
+        body = ws.buf("body", 1 + m * w, np.dtype(np.uint8))
+        body[0] = _DENSE
+        _to_planes(x, body[1:])
+        if old is None:  # a keyframe chunk (deltas keep the level's defaults, see `_dense_params`)
+            return bytes(memoryview(ws.cctx_dense.compress(body)))
     # python-zstandard returns a bytes object that keeps its compressBound-sized
     # allocation (only the length is trimmed); copy so a stored delta costs its
     # wire size in memory, not its raw size.

@@ -41,6 +41,7 @@ from ._chunks import (
     decode_xor_into,
     default_hash_algo,
     encode_chunk,
+    looks_sparse,
     tree_hash,
     word_dtype,
 )
@@ -77,7 +78,11 @@ def _dtype(name: str, tensor: str) -> torch.dtype:
 
 
 def _chunk_size(requested: int, largest: int, threads: int) -> int:
-    cap = max(_MIN_CHUNK, largest // (8 * threads))
+    """`requested`, capped so the largest tensor still splits into 6 jobs per thread:
+    enough to balance the workers and to keep their scratch (up to ~6 chunks a worker,
+    when applying mixed layouts) under one copy of the largest tensor. Smaller chunks
+    only add numpy calls, and every call hands the GIL between the workers."""
+    cap = max(_MIN_CHUNK, largest // (6 * threads))
     return max(8, min(requested, cap) // 8 * 8)
 
 
@@ -200,9 +205,10 @@ def _encode(
     for i, name in enumerate(names):
         q = _words(new[name], name)
         p = None if prev is None else _words(prev[name], name)
+        sparse = p is not None and looks_sparse(p, q)
         for s, e in _split(q.size, q.dtype.itemsize, cb):
             qs, ps = q[s:e], None if p is None else p[s:e]
-            jobs.append(lambda ws, ps=ps, qs=qs: (encode_chunk(ps, qs, ws), hasher(qs)))
+            jobs.append(lambda ws, ps=ps, qs=qs, sp=sparse: (encode_chunk(ps, qs, ws, sparse=sp), hasher(qs)))
             owner.append(i)
     results = _run(jobs, threads, level)
     frames: list[bytes] = []
