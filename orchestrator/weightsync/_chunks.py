@@ -179,18 +179,24 @@ def _planes_into(words: np.ndarray, out: np.ndarray) -> None:
     out.reshape(w, n)[...] = words.view(np.uint8).reshape(n, w).T
 
 
-_SPARSE = 0.003
+_SPARSE = (0.003, 0.1)
 """Below this fraction of changed words (estimated from a sample), changes are found
-8-byte groups first."""
+8-byte groups first: in chunks under 1 MiB, and in larger ones. One flatnonzero over
+a chunk's words costs ~0.35 ns a word while the chunk fits in cache and ~1 ns beyond,
+so large chunks gain from the group scan up to ~10% changed, small ones only when
+almost nothing changed (measured on real AdamW steps: a 7.6 M model's 0.35 MB
+chunks, a 125 M model's 4 MB chunks)."""
 
 
-def looks_sparse(old: np.ndarray, new: np.ndarray) -> bool:
-    """Whether a sample of every 1021st word has fewer than `_SPARSE` changed (a few
-    microseconds; it only picks `encode_chunk`'s scan, never the layout). Asked once
-    per tensor by the calling thread, before the workers start: inside a worker every
-    extra numpy call is one more hand-over of the GIL between the workers."""
+def looks_sparse(old: np.ndarray, new: np.ndarray, chunk_bytes: int) -> bool:
+    """Whether a sample of every 1021st word has fewer changed than `_SPARSE` allows for
+    chunks of `chunk_bytes` (a few microseconds; it only picks `encode_chunk`'s scan,
+    never the layout). Asked once per tensor by the calling thread, before the workers
+    start: inside a worker every extra numpy call is one more hand-over of the GIL
+    between the workers."""
+    limit = _SPARSE[chunk_bytes >= 1 << 20]
     a, b = old[::1021], new[::1021]
-    return a.size > 0 and np.count_nonzero(a != b) < _SPARSE * a.size
+    return a.size > 0 and np.count_nonzero(a != b) < limit * a.size
 
 
 def _sparse_changes(old: np.ndarray, new: np.ndarray, ws: Workspace) -> tuple[np.ndarray, np.ndarray]:

@@ -211,7 +211,7 @@ def _encode(
     for i, name in enumerate(names):
         q = _words(new[name], name)
         p = None if prev is None else _words(prev[name], name)
-        sparse = p is not None and looks_sparse(p, q)
+        sparse = p is not None and looks_sparse(p, q, cb)
         for s, e in _split(q.size, q.dtype.itemsize, cb):
             qs, ps = q[s:e], None if p is None else p[s:e]
             jobs.append(lambda ws, ps=ps, qs=qs, sp=sparse: (encode_chunk(ps, qs, ws, sparse=sp), hasher(qs)))
