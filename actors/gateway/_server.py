@@ -228,7 +228,10 @@ async def serve_asgi(app: ASGIApp, host: str = "127.0.0.1", port: int = 0, *, ma
 
     async def handle(stream: trio.SocketStream) -> None:
         async with stream:
-            await _Connection(stream, app, max_body, keep_alive_s).serve()
+            try:
+                await _Connection(stream, app, max_body, keep_alive_s).serve()
+            except Exception:  # noqa: BLE001 - one connection's failure must not stop the server
+                log.exception("gateway: a connection failed")
 
     async with trio.open_nursery() as nursery:
         await nursery.start(trio.serve_listeners, handle, listeners)

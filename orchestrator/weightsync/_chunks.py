@@ -181,11 +181,11 @@ def _planes_into(words: np.ndarray, out: np.ndarray) -> None:
 
 _SPARSE = (0.003, 0.1)
 """Below this fraction of changed words (estimated from a sample), changes are found
-8-byte groups first: in chunks under 1 MiB, and in larger ones. One flatnonzero over
-a chunk's words costs ~0.35 ns a word while the chunk fits in cache and ~1 ns beyond,
-so large chunks gain from the group scan up to ~10% changed, small ones only when
-almost nothing changed (measured on real AdamW steps: a 7.6 M model's 0.35 MB
-chunks, a 125 M model's 4 MB chunks)."""
+8-byte groups first: the first figure for chunks under 1 MiB, the second for larger
+ones. One flatnonzero over a chunk's words costs ~0.35 ns a word while the chunk fits
+in cache and ~1 ns beyond, so large chunks gain from the group scan up to ~10% changed,
+small ones only when almost nothing changed (measured on real AdamW steps: a 7.6 M
+model's 0.35 MB chunks, a 125 M model's 4 MB chunks)."""
 
 
 def looks_sparse(old: np.ndarray, new: np.ndarray, chunk_bytes: int) -> bool:

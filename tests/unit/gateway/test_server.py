@@ -114,3 +114,15 @@ async def test_a_client_leaving_mid_request_does_not_stop_the_server(address) ->
     await stream.aclose()
     [(ok, _, _)] = await _exchange(address, _post("/fine", b"{}"))
     assert ok == 200
+
+
+async def test_an_idle_connection_is_closed_after_keep_alive(nursery) -> None:
+    url = await nursery.start(lambda task_status: serve_asgi(echo_app, keep_alive_s=0.2, task_status=task_status))
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    stream = await trio.open_tcp_stream(host, int(port))
+    async with stream:
+        await stream.send_all(_post("/one", b"x"))
+        first = await stream.receive_some(65536)
+        assert first.startswith(b"HTTP/1.1 200")
+        with trio.fail_after(5):   # the server closes it: end of stream, no bytes
+            assert await stream.receive_some(65536) == b""
