@@ -275,9 +275,12 @@ class Session:
         s = lim.sampling
         temperature = req.temperature if lim.honor_sampling and req.temperature is not None else s.temperature
         top_p = req.top_p if lim.honor_sampling and req.top_p is not None else s.top_p
-        greq = GenerateRequest(
+        # Built from checked values (the request was validated, the ids are the template's,
+        # max_new >= 1): not validated again here, where it would walk the whole prompt on
+        # every turn; the sampler validates what it receives.
+        greq = GenerateRequest.model_construct(
             request_id=f"{self.id}/{self.turns}", prompt_ids=prompt, max_new_tokens=max_new,
-            stop_token_ids=self.fmt.stop_ids, temperature=temperature, top_k=s.top_k, top_p=top_p,
+            stop_token_ids=list(self.fmt.stop_ids), temperature=temperature, top_k=s.top_k, top_p=top_p,
             min_version=self.min_version, session_id=self.id)
         t0 = time.perf_counter()
         try:
