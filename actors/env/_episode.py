@@ -11,6 +11,7 @@ support record has one row per True in the mask.
 from __future__ import annotations
 
 import inspect
+import itertools
 import time
 import traceback
 from contextlib import nullcontext
@@ -75,7 +76,7 @@ class EpisodeBuilder:
         self.ids += [int(i) for i in token_ids]
         self.mask += [True] * n
         self._sup_ids.append(support_ids if support_ids.dtype == torch.int32 else support_ids.to(torch.int32))
-        self._counts += [b - a for a, b in zip(off, off[1:])]
+        self._counts += [b - a for a, b in itertools.pairwise(off)]
         self._logq.append(support_logq if support_logq.dtype == torch.float32 else support_logq.float())
         self._versions += [int(v) for v in versions]
 

@@ -230,7 +230,7 @@ async def serve_asgi(app: ASGIApp, host: str = "127.0.0.1", port: int = 0, *, ma
         async with stream:
             try:
                 await _Connection(stream, app, max_body, keep_alive_s).serve()
-            except Exception:  # noqa: BLE001 - one connection's failure must not stop the server
+            except Exception:   # one connection's failure must not stop the server
                 log.exception("gateway: a connection failed")
 
     async with trio.open_nursery() as nursery:
