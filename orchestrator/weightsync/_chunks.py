@@ -226,16 +226,14 @@ def _sparse_changes(old: np.ndarray, new: np.ndarray, ws: Workspace) -> tuple[np
     return pos, vals
 
 
-def _xor_words(old: np.ndarray | None, new: np.ndarray, ws: Workspace) -> tuple[np.ndarray, np.ndarray]:
-    """``old ^ new`` (``new`` itself when old is None) and its nonzero mask, in ``ws``'s buffers."""
+def _xor_words(old: np.ndarray | None, new: np.ndarray, ws: Workspace) -> np.ndarray:
+    """``old ^ new`` (a copy of ``new`` when old is None) in ``ws``'s scratch."""
     x = ws.buf("words", new.size * new.dtype.itemsize, new.dtype)
     if old is None:
         np.copyto(x, new)
     else:
         np.bitwise_xor(old, new, out=x)
-    changed = ws.buf("changed", new.size, np.dtype(bool))
-    np.not_equal(x, 0, out=changed)
-    return x, changed
+    return x
 
 
 def _header(body: np.ndarray, mode: int, nnz: int) -> None:
@@ -261,9 +259,10 @@ def encode_chunk(old: np.ndarray | None, new: np.ndarray, ws: Workspace, *, spar
     size; old None means zeros, i.e. a keyframe chunk); `sparse`: few words changed
     (`looks_sparse`), so they are found 8-byte groups first.
 
-    The layout is the smallest raw body: gaps while a change costs less than a word
-    (up to a third of bf16 words changed), then a bitmap, then dense planes. Few numpy
-    calls per chunk: two worker threads share the GIL between their calls.
+    The layout: gaps while their body is no larger than the words (up to a third of
+    bf16 words changed; they compress best), else a bitmap while it saves a tenth, else
+    dense planes. Few numpy calls per chunk: two worker threads share the GIL between
+    their calls.
     """
     m, w = new.size, new.dtype.itemsize
     nbits = (m + 7) // 8
@@ -273,19 +272,21 @@ def encode_chunk(old: np.ndarray | None, new: np.ndarray, ws: Workspace, *, spar
             return bytes(memoryview(ws.cctx.compress(_gaps_body(pos, vals))))
         del pos, vals   # the sample misled: scan again below
     changed = ws.buf("changed", m, np.dtype(bool))
-    np.not_equal(new, 0, out=changed) if old is None else np.not_equal(old, new, out=changed)
     if old is None:   # a keyframe: nearly every word nonzero, positions would be waste
+        np.not_equal(new, 0, out=changed)
         nnz = int(np.count_nonzero(changed))
         pos = np.flatnonzero(changed) if nbits + w * nnz <= 0.9 * w * m else None
     else:
+        np.not_equal(old, new, out=changed)
         pos = np.flatnonzero(changed)
         nnz = pos.size
-    if pos is not None and ((4 + w) * nnz <= m * w or nbits + w * nnz <= 0.9 * w * m):
+    gaps = (4 + w) * nnz <= m * w
+    if pos is not None and (gaps or nbits + w * nnz <= 0.9 * w * m):
         # Only the changed words are XORed: a pass over the chunk saved.
         vals = np.take(new, pos, mode="clip")
         if old is not None:
             np.bitwise_xor(vals, np.take(old, pos, mode="clip"), out=vals)
-        if (4 + w) * nnz <= m * w:
+        if gaps:
             body = _gaps_body(pos, vals)
         else:
             del pos
@@ -295,7 +296,7 @@ def encode_chunk(old: np.ndarray | None, new: np.ndarray, ws: Workspace, *, spar
             _planes_into(vals, body[5 + nbits :])
     else:
         del pos
-        x, _ = _xor_words(old, new, ws)
+        x = _xor_words(old, new, ws)
         body = ws.buf("body", 1 + m * w, np.dtype(np.uint8))
         body[0] = _DENSE
         _to_planes(x, body[1:])
