@@ -53,7 +53,7 @@ from actors.gateway._schemas import (
 )
 from actors.gateway._session import Session
 
-__all__ = ["SERVERS", "build_app", "serve_gateway"]
+__all__ = ["SERVERS", "build_app", "check_server", "serve_gateway"]
 
 
 class _JSON(JSONResponse):
@@ -231,6 +231,12 @@ SERVERS = ("flotilla", "hypercorn")
 (``actors.gateway._server``, the default) or hypercorn's trio worker."""
 
 
+def check_server(server: str) -> None:
+    """Raise ValueError unless ``server`` is one of ``SERVERS``."""
+    if server not in SERVERS:
+        raise ValueError(f"gateway server {server!r}: expected one of {', '.join(SERVERS)}")
+
+
 async def serve_gateway(app: Starlette, host: str = "127.0.0.1", port: int = 0, *, server: str = "flotilla",
                         task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
     """Serve ``app`` until cancelled with ``server`` (one of ``SERVERS``); reports the base
@@ -238,14 +244,13 @@ async def serve_gateway(app: Starlette, host: str = "127.0.0.1", port: int = 0, 
 
     Cancellation closes the listener and the open connections.
     """
+    check_server(server)
     if server == "flotilla":
         from actors.gateway._server import serve_asgi
 
         async with trio.open_nursery() as nursery:
             task_status.started(await nursery.start(serve_asgi, app, host, port))
         return
-    if server != "hypercorn":
-        raise ValueError(f"gateway server {server!r}: expected one of {', '.join(SERVERS)}")
     from hypercorn.config import Config
     from hypercorn.trio import serve
 

@@ -8,7 +8,7 @@ from functools import partial
 import trio
 
 from actors.chat import ChatFormat
-from actors.gateway._app import SERVERS, build_app, serve_gateway
+from actors.gateway._app import build_app, check_server, serve_gateway
 from actors.gateway._session import Session, SessionLimits
 from actors.sampler import GenerateRequest, GenerateResult
 from actors.types import TaskSpec
@@ -30,8 +30,7 @@ class Gateway:
                  port: int = 0, server: str = "flotilla") -> None:
         self.fmt = fmt
         self.model_name = model_name
-        if server not in SERVERS:
-            raise ValueError(f"gateway server {server!r}: expected one of {', '.join(SERVERS)}")
+        check_server(server)
         self.host, self.port, self.server = host, port, server
         self.sessions: dict[str, Session] = {}
         self.address: str | None = None

@@ -189,7 +189,7 @@ async def _run_entrypoint(cfg: HarnessConfig, task: TaskSpec, base_url: str) -> 
             out = fn(base_url, task_dict(task))
             if inspect.isawaitable(out):
                 out = await out
-        except Exception:
+        except Exception:   # the harness's crash is the episode's failure
             raise HarnessFailed(f"harness raised; traceback tail: {_tail(traceback.format_exc())}") from None
     if cs.cancelled_caught:
         raise HarnessFailed(f"harness timed out after {cfg.timeout_s:g} s")
@@ -232,7 +232,7 @@ async def play_harness_episode(
             if cfg.grader is not None:
                 try:
                     reward = await _grade(cfg.grader, session.transcript, task)
-                except Exception:
+                except Exception:   # the grader's crash is the episode's failure
                     raise HarnessFailed(f"grader {cfg.grader} raised; traceback tail: "
                                         f"{_tail(traceback.format_exc())}") from None
             elif session.reward is not None:
@@ -251,5 +251,5 @@ async def play_harness_episode(
         with trio.CancelScope(shield=True), trio.move_on_after(5):
             try:
                 await end_session(session.id)
-            except Exception:
+            except Exception:   # freeing a cache is best effort; eviction frees it anyway
                 pass
