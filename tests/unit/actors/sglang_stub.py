@@ -134,7 +134,11 @@ def make_handler(state: StubState) -> type[BaseHTTPRequestHandler]:
 
         def do_POST(self) -> None:
             n = int(self.headers.get("Content-Length") or 0)
-            body = json.loads(self.rfile.read(n) or b"{}")
+            raw = self.rfile.read(n)
+            if len(raw) < n:   # the client closed mid-body (a cancelled call): never arrived
+                self.close_connection = True
+                return
+            body = json.loads(raw or b"{}")
             state.record(self.path, body)
             if self.path == "/generate":
                 self._send(*_generate(state, body))
