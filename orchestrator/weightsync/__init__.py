@@ -20,6 +20,9 @@ never swapped in below the held version). A stored keyframe can also travel in
 parts (`message_part`, `WeightReceiver.apply_part`, see `_parts`), decoded part by
 part into the receiver's own snapshot, so that neither side holds two copies. Every failure is a `DeltaError` subclass naming the tensor or problem, and a
 failed apply leaves the target bit-identical (undo by XOR, see `_codec`).
+Snapshots in shared memory (`wire_snapshot(..., shared=True)`, `share`; the
+publisher's by default) are encoded by helper processes rather than threads, which
+share one GIL (`_shared`, `start_helpers`, `helper_stats`).
 Imports torch; `orchestrator/__init__` does not import this package.
 """
 
@@ -48,6 +51,7 @@ from ._fp8 import (
 from ._message import MessageMeta, Precision, TensorMeta, WeightMessage
 from ._parts import DEFAULT_PART_BYTES, message_part, message_parts, part_plan
 from ._protocol import WeightPublisher, WeightReceiver
+from ._shared import helper_stats, share, start_helpers
 from ._stream import KeyframeAssembler, stream_keyframe
 
 __all__ = [
@@ -78,13 +82,16 @@ __all__ = [
     "encode_keyframe",
     "fp8_should_quantize",
     "fp8_wire_snapshot",
+    "helper_stats",
     "message_part",
     "message_parts",
     "meta_digest",
     "part_plan",
     "quantize_fp8",
     "seal",
+    "share",
     "snapshot_bytes",
+    "start_helpers",
     "stream_keyframe",
     "verify",
     "verify_meta",

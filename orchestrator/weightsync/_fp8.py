@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from ._message import Precision
+from ._shared import allocate, share
 
 __all__ = [
     "DEFAULT_FP8_SKIP",
@@ -130,14 +131,29 @@ def fp8_wire_snapshot(
 
 
 def wire_snapshot(
-    master: Mapping[str, torch.Tensor], precision: Precision, *, fp8_skip: Sequence[str] = DEFAULT_FP8_SKIP
+    master: Mapping[str, torch.Tensor],
+    precision: Precision,
+    *,
+    fp8_skip: Sequence[str] = DEFAULT_FP8_SKIP,
+    shared: bool = False,
 ) -> dict[str, torch.Tensor]:
     """The snapshot samplers of `precision` hold, built from master weights:
     bf16 / fp32 cast every floating tensor (fresh copies), fp8 follows
-    `fp8_wire_snapshot`. Raises ValueError for an unknown precision."""
+    `fp8_wire_snapshot`. With `shared`, the tensors lie in one shared-memory arena
+    (`_shared`), so that encoding them runs on helper processes, not threads (where
+    no shared memory can be had, they are ordinary tensors). Raises ValueError for an
+    unknown precision."""
     if precision == "fp8":
-        return fp8_wire_snapshot(master, skip=fp8_skip)
+        snap = fp8_wire_snapshot(master, skip=fp8_skip)
+        return share(snap) if shared else snap
     if precision not in ("bf16", "fp32"):
         raise ValueError(f"unknown precision {precision!r}; expected bf16, fp8 or fp32")
     dt = torch.bfloat16 if precision == "bf16" else torch.float32
-    return {n: _copy(t, dt if t.is_floating_point() else None) for n, t in master.items()}
+    out = None
+    if shared:  # cast straight into the arena: one pass, as for a fresh copy
+        out = allocate([(n, dt if t.is_floating_point() else t.dtype, tuple(t.shape)) for n, t in master.items()])
+    if out is None:
+        return {n: _copy(t, dt if t.is_floating_point() else None) for n, t in master.items()}
+    for n, t in master.items():
+        out[n].copy_(t.detach())
+    return out

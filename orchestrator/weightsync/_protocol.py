@@ -84,6 +84,11 @@ class WeightPublisher:
 
     Every message is sealed (`weightsync.seal`): with `auth_key` (1..64 bytes, shared
     with the receivers) its digest is a MAC, without one a plain hash.
+
+    With `helper_processes` (and `threads` > 1) the wire snapshots live in shared memory,
+    and those cut into small chunks are encoded by the calling thread and `threads - 1`
+    helper processes instead of threads, which share one GIL (see `_shared`; the helpers
+    start on the first encode and take over once ready, ~0.1 s later).
     """
 
     def __init__(
@@ -96,6 +101,7 @@ class WeightPublisher:
         level: int = 1,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         auth_key: bytes | None = None,
+        helper_processes: bool = True,
     ) -> None:
         if keyframe_interval < 1:
             raise ValueError(f"keyframe_interval must be >= 1, got {keyframe_interval}")
@@ -104,6 +110,7 @@ class WeightPublisher:
         self.keyframe_interval = keyframe_interval
         self.precisions = tuple(precisions)
         self._fp8_skip = tuple(fp8_skip)
+        self._shared = helper_processes and threads > 1
         self._codec = {"threads": threads, "level": level, "chunk_bytes": chunk_bytes, "auth_key": auth_key}
         self._tracks = {p: _Track() for p in self.precisions}
         self._peers: dict[str, _Peer] = {}
@@ -144,7 +151,8 @@ class WeightPublisher:
         """
         if version < 0 or (self._latest is not None and version <= self._latest):
             raise VersionError(f"published version {version} must exceed the latest, {self._latest}")
-        snaps = {p: wire_snapshot(master, p, fp8_skip=self._fp8_skip) for p in self.precisions}
+        snaps = {p: wire_snapshot(master, p, fp8_skip=self._fp8_skip, shared=self._shared)
+                 for p in self.precisions}
         due = self._keyframe_version is None or version - self._keyframe_version >= self.keyframe_interval
         out: list[WeightMessage] = []
         keyframes: list[tuple[_Track, WeightMessage]] = []
