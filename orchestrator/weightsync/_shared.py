@@ -300,10 +300,18 @@ def start_helpers(n: int, *, wait: float = 0.0) -> bool:
         time.sleep(0.01)
 
 
-def helper_stats() -> dict[str, int]:
+def helper_stats() -> dict[str, float]:
     """{"helper_encodes": encodes run on helper processes, "helper_failures": helpers
-    stopped for dying or misbehaving} in this process so far."""
-    return dict(stats)
+    stopped for dying or misbehaving} in this process so far, and "helper_cpu_s": the CPU
+    time of the helpers now running (Linux ``/proc/<pid>/schedstat``; 0 elsewhere)."""
+    cpu = 0.0
+    for h in list(_helpers):
+        try:  # nanoseconds on a CPU (``/proc/<pid>/stat`` counts in 10 ms ticks)
+            with open(f"/proc/{h.proc.pid}/schedstat") as f:
+                cpu += int(f.read().split()[0]) / 1e9
+        except (OSError, ValueError, IndexError):
+            pass
+    return {**stats, "helper_cpu_s": cpu}
 
 
 def _start(n: int) -> None:
