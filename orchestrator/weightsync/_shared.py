@@ -282,6 +282,9 @@ class _Helper:
 
 
 _helpers: list[_Helper] = []
+MAX_FAILURES = 3
+"""After this many helpers died or misbehaved, this process stops starting them (a helper
+that cannot start at all would otherwise be started again at every encode)."""
 stats = {"helper_encodes": 0, "helper_failures": 0}
 """Encodes that ran on helper processes, and helpers stopped for dying or misbehaving."""
 _helpers_lock = threading.Lock()  # one encode at a time uses the helpers
@@ -305,7 +308,7 @@ def helper_stats() -> dict[str, float]:
     stopped for dying or misbehaving} in this process so far, and "helper_cpu_s": the CPU
     time of the helpers now running (Linux ``/proc/<pid>/schedstat``; 0 elsewhere)."""
     cpu = 0.0
-    for h in list(_helpers):
+    for h in list(_helpers):  # noqa: PERF101 -- a copy: another thread's encode may change it
         try:  # nanoseconds on a CPU (``/proc/<pid>/stat`` counts in 10 ms ticks)
             with open(f"/proc/{h.proc.pid}/schedstat") as f:
                 cpu += int(f.read().split()[0]) / 1e9
@@ -320,8 +323,11 @@ def _start(n: int) -> None:
 
 
 def shared_helpers(n: int) -> list[_Helper] | None:
-    """`n` started helpers, or None while they are starting (the caller uses threads
-    then). Starts missing ones; the caller must hold `_helpers_lock`."""
+    """`n` started helpers, or None while they are starting, or for good once
+    `MAX_FAILURES` helpers have failed (the caller uses threads then). Starts missing
+    ones; the caller must hold `_helpers_lock`."""
+    if stats["helper_failures"] >= MAX_FAILURES:
+        return None
     _start(n)
     ready = True
     for h in list(_helpers[:n]):
@@ -393,7 +399,9 @@ def encode_on_helpers(
 
 def _drop(h: _Helper, e: Exception) -> None:
     stats["helper_failures"] += 1
-    log.warning("weightsync: %s; encoding here until another helper is ready", e)
+    later = ("until another helper is ready" if stats["helper_failures"] < MAX_FAILURES
+             else f"from now on ({MAX_FAILURES} helpers failed: no more are started)")
+    log.warning("weightsync: %s; encoding on threads %s", e, later)
     h.close()
     if h in _helpers:
         _helpers.remove(h)

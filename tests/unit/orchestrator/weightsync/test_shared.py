@@ -90,7 +90,8 @@ def test_a_freed_arena_is_reused_and_the_idle_ones_are_capped(monkeypatch: pytes
     assert _shared.locate(fresh["a"])[0] != aid
 
 
-def test_a_killed_helper_costs_only_time() -> None:
+def test_a_killed_helper_costs_only_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(_shared.stats, "helper_failures", 0)  # restored after the test
     prev = mixed_snapshot(0)
     new = nudge(prev, 1, 0.1)
     sprev, snew = _shared.share(prev), _shared.share(new)
@@ -148,3 +149,31 @@ def test_publisher_with_shared_snapshots_keeps_receivers_exact() -> None:
                 r.apply(msg)
             assert same_bytes(r.snapshot, wire_snapshot(state, p))  # type: ignore[arg-type]
     assert _shared.stats["helper_encodes"] > before
+
+
+def test_helpers_that_cannot_start_are_given_up(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    broken = tmp_path / "helper.py"
+    broken.write_text("import sys; sys.exit('no numpy here')\n")
+    monkeypatch.setattr(_shared, "_HELPER", broken)
+    monkeypatch.setitem(_shared.stats, "helper_failures", 0)
+    _shared._close_all()
+    prev = mixed_snapshot(0)
+    new = nudge(prev, 1, 0.1)
+    sprev, snew = _shared.share(prev), _shared.share(new)
+    spawned = []
+    real = _shared._Helper.__init__
+    monkeypatch.setattr(_shared._Helper, "__init__", lambda self: (spawned.append(1), real(self))[1])
+    deadline = time.monotonic() + 30
+    while _shared.stats["helper_failures"] < _shared.MAX_FAILURES and time.monotonic() < deadline:
+        delta = encode_delta(sprev, snew, 1, 0, "bf16", chunk_bytes=1024)  # threads meanwhile
+        target = clone(prev)
+        apply(delta, target)
+        assert same_bytes(target, new)
+        time.sleep(0.02)
+    assert _shared.stats["helper_failures"] == _shared.MAX_FAILURES
+    count = len(spawned)
+    for _ in range(3):
+        encode_delta(sprev, snew, 1, 0, "bf16", chunk_bytes=1024)
+    assert len(spawned) == count == _shared.MAX_FAILURES  # no more are started
+    monkeypatch.undo()
+    _shared._close_all()
