@@ -144,6 +144,8 @@ def _freed(aid: int) -> None:
     arenas beyond `IDLE_BYTES`."""
     closing = []
     with _lock:
+        if aid not in _in_use:  # a table reset by a fork (see `_after_fork`)
+            return
         _in_use.discard(aid)
         _free.append(_arenas[aid])
         while _free and sum(a.size for a in _free) > IDLE_BYTES:
@@ -209,7 +211,11 @@ class _Helper:
     def is_ready(self) -> bool:
         """Whether the helper has started (it sends one byte then); never blocks."""
         if not self.ready and select.select([self.sock], [], [], 0)[0]:
-            if self.sock.recv(1) != b"R":
+            try:
+                hello = self.sock.recv(1)
+            except OSError:
+                hello = b""
+            if hello != b"R":
                 raise HelperError(self._died())
             self.ready = True
         return self.ready
@@ -255,9 +261,12 @@ class _Helper:
         return [(f, digests[i * digest_size : (i + 1) * digest_size]) for i, f in enumerate(frames)]
 
     def _read(self, n: int) -> bytes:
-        data = self.sock.recv(n, socket.MSG_WAITALL) if n else b""
+        data = b""
         while len(data) < n:  # MSG_WAITALL returns short only on a signal or end-of-file
-            more = self.sock.recv(n - len(data), socket.MSG_WAITALL)
+            try:
+                more = self.sock.recv(n - len(data), socket.MSG_WAITALL)
+            except OSError:
+                more = b""
             if not more:
                 raise HelperError(self._died())
             data += more
@@ -339,6 +348,20 @@ def shared_helpers(n: int) -> list[_Helper] | None:
     return _helpers[:n] if ready else None
 
 
+def _after_fork() -> None:
+    """In a forked child: forget the parent's helpers (their sockets are the parent's)
+    and arenas (a free one handed out here would be written under the parent's feet)."""
+    global _lock, _helpers_lock
+    _lock, _helpers_lock = threading.RLock(), threading.Lock()
+    _helpers.clear()
+    _arenas.clear()
+    _in_use.clear()
+    _free.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork)
+
+
 @atexit.register
 def _close_all() -> None:
     for h in _helpers:
@@ -366,34 +389,40 @@ def encode_on_helpers(
     """
     if not _helpers_lock.acquire(blocking=False):
         return None
+    pending: list[tuple[_Helper, range]] = []  # sent, reply not yet read
     try:
         procs = shared_helpers(helpers)
         if procs is None:
             return None
         shares = _split_by_bytes(rows, len(procs) + 1)
-        sent: list[tuple[_Helper, range]] = []
         here = list(shares[-1])
         for h, part in zip(procs, shares[:-1], strict=True):
             try:
                 h.submit([rows[i] for i in part], level=level, algo=algo, chunk_bytes=chunk_bytes)
-                sent.append((h, part))
+                pending.append((h, part))
             except HelperError as e:  # its share runs here
                 _drop(h, e)
                 here += part
         results: list[tuple[bytes, bytes] | None] = [None] * len(rows)
         for i, r in zip(here, run_here(here), strict=True):
             results[i] = r
-        for h, part in sent:
+        while pending:
+            h, part = pending[0]
             try:
                 got = h.collect(len(part), digest_size)
             except HelperError as e:
+                pending.pop(0)
                 _drop(h, e)
                 got = run_here(list(part))
+            else:
+                pending.pop(0)
             for i, r in zip(part, got, strict=True):
                 results[i] = r
         stats["helper_encodes"] += 1
         return results  # type: ignore[return-value]
     finally:
+        for h, _ in pending:  # a reply left unread (this thread raised): out of step
+            _drop(h, HelperError("an encode stopped before reading this helper's reply"))
         _helpers_lock.release()
 
 

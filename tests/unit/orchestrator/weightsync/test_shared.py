@@ -177,3 +177,24 @@ def test_helpers_that_cannot_start_are_given_up(monkeypatch: pytest.MonkeyPatch,
     assert len(spawned) == count == _shared.MAX_FAILURES  # no more are started
     monkeypatch.undo()
     _shared._close_all()
+
+
+def test_an_encode_that_raises_midway_leaves_no_helper_out_of_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(_shared.stats, "helper_failures", 0)
+    prev = mixed_snapshot(0)
+    new = nudge(prev, 1, 0.1)
+    sprev, snew = _shared.share(prev), _shared.share(new)
+    (helper,) = helpers_ready()
+    rows = [(-1, 0, _shared.locate(snew["bf16"])[0], _shared.locate(snew["bf16"])[1], 8, 2)]
+
+    def boom(indices: list[int]) -> list:
+        raise RuntimeError("the caller's share failed")
+
+    with pytest.raises(RuntimeError, match="caller's share"):
+        _shared.encode_on_helpers(rows * 4, 1, level=1, algo="xxh3-128", chunk_bytes=1024,
+                                  digest_size=16, run_here=boom)
+    assert helper.proc.poll() is not None  # stopped: its unread reply cannot confuse the next encode
+    delta = encode_delta(sprev, snew, 1, 0, "bf16", chunk_bytes=1024)
+    target = clone(prev)
+    apply(delta, target)
+    assert same_bytes(target, new)
