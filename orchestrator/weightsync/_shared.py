@@ -291,6 +291,9 @@ class _Helper:
 
 
 _helpers: list[_Helper] = []
+ENABLED = os.environ.get("FLOTILLA_CODEC_HELPERS", "1") != "0"
+"""``FLOTILLA_CODEC_HELPERS=0`` keeps every encode on threads (snapshots still go to
+shared memory when asked: that costs nothing)."""
 MAX_FAILURES = 3
 """After this many helpers died or misbehaved, this process stops starting them (a helper
 that cannot start at all would otherwise be started again at every encode)."""
@@ -333,9 +336,9 @@ def _start(n: int) -> None:
 
 def shared_helpers(n: int) -> list[_Helper] | None:
     """`n` started helpers, or None while they are starting, or for good once
-    `MAX_FAILURES` helpers have failed (the caller uses threads then). Starts missing
-    ones; the caller must hold `_helpers_lock`."""
-    if stats["helper_failures"] >= MAX_FAILURES:
+    `MAX_FAILURES` helpers have failed or when `ENABLED` is off (the caller uses threads
+    then). Starts missing ones; the caller must hold `_helpers_lock`."""
+    if not ENABLED or stats["helper_failures"] >= MAX_FAILURES:
         return None
     _start(n)
     ready = True

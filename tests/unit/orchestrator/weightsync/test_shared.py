@@ -198,3 +198,16 @@ def test_an_encode_that_raises_midway_leaves_no_helper_out_of_step(monkeypatch: 
     target = clone(prev)
     apply(delta, target)
     assert same_bytes(target, new)
+
+
+def test_helpers_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_shared, "ENABLED", False)  # as FLOTILLA_CODEC_HELPERS=0 does
+    prev = mixed_snapshot(0)
+    new = nudge(prev, 1, 0.1)
+    before = _shared.stats["helper_encodes"]
+    delta = encode_delta(_shared.share(prev), _shared.share(new), 1, 0, "bf16", chunk_bytes=1024)
+    assert _shared.stats["helper_encodes"] == before
+    assert not _shared.start_helpers(1)
+    target = clone(prev)
+    apply(delta, target)
+    assert same_bytes(target, new)
