@@ -15,7 +15,7 @@ from orchestrator.config import RunConfig
 from orchestrator.controller.links import Checkpointer, Links, PoolLink
 from orchestrator.controller.state import ControllerState
 from orchestrator.progress import Progress
-from orchestrator.runtime import span
+from orchestrator.runtime import ActorDied, span
 
 __all__ = ["Backoff", "PoolView", "RunContext"]
 
@@ -98,8 +98,19 @@ class RunContext:
         self.last_checkpoint_t = self.t_start
         self.trainer_alive = trio.Event()
         self.trainer_alive.set()
+        self.trainer_death: ActorDied | None = None  # seen by a weight-sync call (see report_trainer_death)
         self._changed = trio.Event()
         self._bumped = trio.Event()
+
+    def report_trainer_death(self, death: ActorDied) -> None:
+        """A call other than a train step found the trainer dead. The trainer loop restores
+        it: otherwise a death between steps would go unnoticed whenever no batch is ready,
+        and none gets ready while the samplers wait for weights from the dead trainer.
+        Ignored while a restore is under way (it is that death, or the next one's train
+        step will tell)."""
+        if self.trainer_alive.is_set() and self.trainer_death is None:
+            self.trainer_death = death
+            self.notify()
 
     # -- wake-ups --------------------------------------------------------------------
     def notify(self) -> None:

@@ -8,7 +8,9 @@ busy time and cost per pool, and writes the step's metrics line. Every
 Trainer death: the batch goes back to the buffer, every rollout in flight is cancelled
 and re-queued (its weights are gone), and the trainer is restored from the last
 checkpoint, up to `[checkpoint] max_restarts` times; the steps since that checkpoint are
-trained again. Past the limit the loop raises `TrainerLost`, naming the actor.
+trained again. Past the limit the loop raises `TrainerLost`, naming the actor. A death
+seen between steps, by a weight-sync call (`RunContext.report_trainer_death`), is
+restored the same way, without waiting for a batch that could not come.
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ class TrainerLost(RuntimeError):
 async def train_loop(ctx: RunContext) -> None:
     n = ctx.cfg.rollout.prompts_per_step
     while ctx.state.step < ctx.cfg.steps and not ctx.stopping:
+        if ctx.trainer_death is not None:  # found by a weight-sync call between steps
+            await restart_trainer(ctx, ctx.trainer_death)
+            continue
         groups, drops = ctx.buffer.take_batch(n, ctx.version, ctx.budget)
         ctx.trace_drops(drops)
         if not groups:
@@ -115,6 +120,7 @@ async def restart_trainer(ctx: RunContext, death: ActorDied) -> None:
         except ActorDied as again:
             death = again
             await backoff.wait()
+    ctx.trainer_death = None  # whoever saw it, this restore answers it
     ctx.state.version, ctx.state.step = version, step
     ctx.metrics.truncate(step)
     ctx.due.clear()  # due versions were counted from the lost steps

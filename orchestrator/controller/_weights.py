@@ -7,9 +7,9 @@ a checkpoint (version -2 here), the sampler first forgets its version, so that t
 older keyframe is accepted. The sampler keeps generating while it applies (in-flight
 updates).
 
-Failure: a dead sampler is respawned and gets a keyframe; a dead trainer is waited
-for (the trainer loop restores it); every retry backs off, so no worker spins on a
-dead actor.
+Failure: a dead sampler is respawned and gets a keyframe; a dead trainer is reported to
+the trainer loop, which restores it, and waited for; every retry backs off, so no worker
+spins on a dead actor.
 """
 
 from __future__ import annotations
@@ -50,11 +50,13 @@ async def sync_worker(ctx: RunContext, pool: PoolView, rank: int) -> None:
                 pool.versions[rank] = -1
             await backoff.wait()
             continue
-        except ActorDied:
+        except ActorDied as e:
             if rank in pool.link.dead_ranks():
                 ctx.respawn_dead()
-            elif pool.versions[rank] >= 0:
-                pool.versions[rank] = -1
+            else:  # the trainer: the trainer loop restores it
+                ctx.report_trainer_death(e)
+                if pool.versions[rank] >= 0:
+                    pool.versions[rank] = -1
             await backoff.wait()
             continue
         except ActorError as e:

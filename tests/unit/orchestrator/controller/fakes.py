@@ -55,6 +55,7 @@ class FakeTrainer:
         self.gate: trio.Event | None = None  # when set: train_step waits for it
         self.entered = trio.Event()
         self.die_at: int | None = None  # the step (1-based) whose train_step kills the trainer
+        self.die_after: int | None = None  # the step after which the trainer dies, between steps
         self.dead = False
         self.saved: dict[str, int] = {}  # checkpoint directory -> version
         self.restarts = 0
@@ -79,6 +80,8 @@ class FakeTrainer:
             raise ActorDied("trainer", 0, "SIGKILL")
         self.batches.append((self.v, batch))
         self.v += 1
+        if self.die_after is not None and len(self.batches) == self.die_after:
+            self.die_after, self.dead = None, True  # this step's result still arrives
         tokens = sum(t.num_generated for t in batch)
         return StepResult(version=self.v, applied=True, loss=0.0, grad_norm=1.0, tokens=tokens,
                           trajectories=len(batch), failed_skipped=0, micro_batches=1,

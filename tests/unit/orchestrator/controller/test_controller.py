@@ -11,7 +11,7 @@ import trio
 
 from orchestrator.controller import ControllerState, TrainerLost
 
-from .fakes import TOKENS, FakeEnvs, Harness, run_config
+from .fakes import TOKENS, FakeEnvs, FakeTrainer, Harness, run_config
 
 
 def _balanced(h: Harness) -> None:
@@ -164,6 +164,29 @@ async def test_a_dead_trainer_is_restored_from_the_last_checkpoint(autojump_cloc
     assert all(p.resets == 1 for p in h.pools.values())  # samplers accept the older keyframe
     newest = max(v for v, _ in h.trainer.batches)
     assert newest == 7
+
+
+class _HeldWhileTrainerDead(FakeEnvs):
+    """Episodes that end while the trainer is dead are held until it is back: so no batch
+    can form after the death, and only the weight sync sees it."""
+
+    trainer: FakeTrainer
+
+    async def run_episode(self, *args, **kwargs):
+        traj = await super().run_episode(*args, **kwargs)
+        while self.trainer.dead:
+            await trio.sleep(0.05)
+        return traj
+
+
+async def test_a_trainer_dying_between_steps_is_restored_without_waiting_for_a_batch(autojump_clock):
+    h = Harness(run_config(steps=6, checkpoint={"every_steps": 2}), envs=_HeldWhileTrainerDead())
+    h.envs.trainer = h.trainer
+    h.trainer.die_after = 3  # its step-3 result arrives, then it is gone
+    with trio.fail_after(3600):  # virtual time: a hang fails fast
+        await h.controller.run()
+    assert h.state.step == 6 and h.trainer.restarts == 1 and h.state.trainer_restarts == 1
+    assert [r["step"] for r in h.metrics.rows] == list(range(1, 7))
 
 
 async def test_a_trainer_dying_past_max_restarts_ends_the_run_naming_it(autojump_clock):
