@@ -3,7 +3,9 @@
 Each new group records the trainer version at which its batch will be trained (groups
 ahead of it / P, +1 if a step is running); its rollouts need weights no older than
 that minus the pool's budget. A rollout whose pool does not hold them yet is held
-back here, holding no sampler slot, which work due earlier (a retry) may need.
+back here, holding no sampler slot, which work due earlier (a retry) may need; and
+the producer looks past it, since the version it waits for may need the work behind
+it (with `staleness_budget = 0`, a group due next behind one due later hung the run).
 
 Cancellation: leaving the nursery abandons the rollouts in flight; their slots stay
 counted as buffered. A sampler or env process that dies mid-rollout is respawned and
@@ -12,6 +14,8 @@ weights are gone) and re-queues them.
 """
 
 from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
 
 import trio
 
@@ -76,27 +80,47 @@ def _place(ctx: RunContext) -> str | None:
 
 
 async def produce(ctx: RunContext, nursery: trio.Nursery) -> None:
+    waiting: list[Slot] = []  # held back for newer weights; work behind them may start now
+
+    async def wait(*slots: Slot) -> None:
+        for s in reversed([*waiting, *slots]):  # back at the head, in their order
+            ctx.buffer.requeue(s)
+        waiting.clear()
+        await ctx.wait_change()
+
+    try:
+        await _produce(ctx, nursery, waiting, wait)
+    finally:
+        for s in reversed(waiting):
+            ctx.buffer.requeue(s)
+
+
+async def _produce(ctx: RunContext, nursery: trio.Nursery, waiting: list[Slot],
+                   wait: Callable[..., Awaitable[None]]) -> None:
     while not ctx.stopping:
         _top_up(ctx)
         slot = ctx.buffer.next_slot()
         if slot is None:
-            await ctx.wait_change()
+            await wait()
             continue
         task = ctx.buffer.task_of(slot)
         if task is None:  # its group was skipped meanwhile
             ctx.buffer.requeue(slot)
             continue
+        if not any(min(v.versions) >= _need_version(ctx, slot, name) for name, v in ctx.pools.items()):
+            # Due at a version no pool holds yet: the slots behind it (a group due now) may
+            # be what that version waits for, so look past it.
+            waiting.append(slot)
+            continue
         pool = _place(ctx)
         if pool is None:
-            ctx.buffer.requeue(slot)
-            await ctx.wait_change()
+            await wait(slot)
             continue
         min_version = _need_version(ctx, slot, pool)
         view = ctx.pools[pool]
         if not ctx.trainer_alive.is_set() or min(view.versions) < min_version:
             ctx.scheduler.release(pool)  # held back: undone, not a finished rollout
-            ctx.buffer.requeue(slot)
-            await ctx.wait_change()
+            await wait(slot)
             continue
         rank = view.pick_rank()
         view.in_flight[rank] += 1

@@ -40,6 +40,8 @@ async def train_loop(ctx: RunContext) -> None:
             continue
         groups, drops = ctx.buffer.take_batch(n, ctx.version, ctx.budget)
         ctx.trace_drops(drops)
+        if drops:  # their slots are queued again: the producer has work it did not see
+            ctx.notify()
         if not groups:
             await ctx.wait_change()
             continue

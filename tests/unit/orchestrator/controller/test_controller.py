@@ -68,17 +68,18 @@ async def test_held_back_rollouts_do_not_move_the_rollout_length_estimate(autoju
                      pools=[{"name": "only", "gpu": "cpu", "staleness_budget": 0,
                              "max_concurrent_rollouts": 16}])
     h = Harness(cfg)
-    releases = 0
-    release = h.scheduler.release
+    held = 0
+    buffer = h.controller.ctx.buffer
+    requeue = buffer.requeue
 
-    def counting_release(pool: str) -> None:
-        nonlocal releases
-        releases += 1
-        release(pool)
+    def counting_requeue(slot) -> None:
+        nonlocal held
+        held += 1
+        requeue(slot)
 
-    h.scheduler.release = counting_release  # type: ignore[method-assign]
+    buffer.requeue = counting_requeue  # type: ignore[method-assign]
     await h.controller.run()
-    assert releases > 10  # work ahead waited for its weights many times
+    assert held > 10  # work ahead waited for its weights many times
     # Every finished rollout generated TOKENS tokens; hold-backs counted as empty rollouts
     # would pull the estimate far below that.
     assert h.scheduler.mean_rollout_tokens == pytest.approx(TOKENS, rel=0.05)
@@ -187,6 +188,21 @@ async def test_a_trainer_dying_between_steps_is_restored_without_waiting_for_a_b
         await h.controller.run()
     assert h.state.step == 6 and h.trainer.restarts == 1 and h.state.trainer_restarts == 1
     assert [r["step"] for r in h.metrics.rows] == list(range(1, 7))
+
+
+@pytest.mark.parametrize("attempt", range(5))  # trio orders tasks at random: several tries
+async def test_an_on_policy_run_survives_a_trainer_restart(autojump_clock, attempt):
+    # With no staleness allowed, the restore leaves stale rollouts to redo and groups due
+    # at different versions: the producer must look past work due later, and the trainer
+    # loop must wake it for the slots it re-queues (each of these once hung the run).
+    on_policy = [{"name": n, "gpu": "cpu", "staleness_budget": 0, "max_concurrent_rollouts": 4}
+                 for n in ("cheap", "dear")]
+    h = Harness(run_config(steps=6, checkpoint={"every_steps": 2}, pools=on_policy))
+    h.trainer.die_at = 4
+    with trio.fail_after(3600):  # virtual time: a hang fails fast
+        await h.controller.run()
+    assert h.state.step == 6 and h.state.trainer_restarts == 1
+    assert h.staleness() and all(s == 0 for _, s in h.staleness())  # trained on-policy throughout
 
 
 async def test_a_trainer_dying_past_max_restarts_ends_the_run_naming_it(autojump_clock):
