@@ -149,6 +149,9 @@ class TrainerGroup:
     async def size_report(self) -> dict[str, Any]:
         return await self._main.size_report.call_one()
 
+    def is_dead(self) -> bool:
+        return bool(self.mesh.dead_ranks)
+
     async def restart(self) -> int:
         """A group cannot replace one rank in place (the survivors' process group is
         broken); raises ``TrainerRankDied`` for the dead rank: the run stops and resumes

@@ -103,7 +103,8 @@ class RunContext:
         self._bumped = trio.Event()
 
     def report_trainer_death(self, death: ActorDied) -> None:
-        """A call other than a train step found the trainer dead. The trainer loop restores
+        """A call other than a train step found the trainer dead (the caller checked
+        ``TrainerLink.is_dead``: a sampler already respawned must not pass for it). The trainer loop restores
         it: otherwise a death between steps would go unnoticed whenever no batch is ready,
         and none gets ready while the samplers wait for weights from the dead trainer.
         Ignored while a restore is under way (it is that death, or the next one's train

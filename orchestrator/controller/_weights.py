@@ -53,8 +53,9 @@ async def sync_worker(ctx: RunContext, pool: PoolView, rank: int) -> None:
         except ActorDied as e:
             if rank in pool.link.dead_ranks():
                 ctx.respawn_dead()
-            else:  # the trainer: the trainer loop restores it
-                ctx.report_trainer_death(e)
+            else:
+                if ctx.links.trainer.is_dead():  # the trainer loop restores it
+                    ctx.report_trainer_death(e)
                 if pool.versions[rank] >= 0:
                     pool.versions[rank] = -1
             await backoff.wait()

@@ -52,6 +52,9 @@ class TrainerLink(Protocol):
         """Replace a dead trainer by one restored from the last checkpoint on disk (its
         initial weights if there is none); returns its version once it answers."""
 
+    def is_dead(self) -> bool:
+        """Whether the trainer's process (any rank's) is known to be gone."""
+
 
 class PoolLink(Protocol):
     """One sampler pool: `size` sampler ranks sharing a config."""

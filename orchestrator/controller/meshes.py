@@ -43,6 +43,9 @@ class MeshTrainer:
         self.mesh.respawn(0)
         return await self.version()  # waits until the new process is constructed
 
+    def is_dead(self) -> bool:
+        return bool(self.mesh.dead_ranks)
+
 
 class MeshPool:
     """One sampler pool's link over its `SamplerActor` mesh."""

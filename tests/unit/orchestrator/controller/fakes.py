@@ -61,6 +61,9 @@ class FakeTrainer:
         self.restarts = 0
         self.acks: dict[str, int] = {}
 
+    def is_dead(self) -> bool:
+        return self.dead
+
     def _alive(self) -> None:
         if self.dead:
             raise ActorDied("trainer", 0, "killed")

@@ -9,6 +9,8 @@ import signal
 import pytest
 import trio
 
+from orchestrator.runtime import ActorDied
+
 from orchestrator.controller import ControllerState, TrainerLost
 
 from .fakes import TOKENS, FakeEnvs, FakeTrainer, Harness, run_config
@@ -188,6 +190,28 @@ async def test_a_trainer_dying_between_steps_is_restored_without_waiting_for_a_b
         await h.controller.run()
     assert h.state.step == 6 and h.trainer.restarts == 1 and h.state.trainer_restarts == 1
     assert [r["step"] for r in h.metrics.rows] == list(range(1, 7))
+
+
+async def test_a_sampler_death_seen_after_its_respawn_does_not_restart_the_trainer(autojump_clock):
+    # The sampler's ActorDied reaches the weight sync after the rank was respawned (it is
+    # no longer in dead_ranks): only a trainer that is really gone may be restored.
+    h = Harness(run_config(steps=6, checkpoint={"every_steps": 2}))
+    pool = h.pools["cheap"]
+    failures = []
+
+    def dies_once(call):
+        async def wrapped(rank, *args):
+            if not failures and h.state.step >= 2:
+                failures.append(rank)
+                raise ActorDied("cheap", rank, "SIGKILL (already respawned)")
+            return await call(rank, *args)
+        return wrapped
+
+    pool.apply_weights = dies_once(pool.apply_weights)  # type: ignore[method-assign]
+    pool.apply_weights_part = dies_once(pool.apply_weights_part)  # type: ignore[method-assign]
+    with trio.fail_after(3600):
+        await h.controller.run()
+    assert failures and h.state.step == 6 and h.state.trainer_restarts == 0 and h.trainer.restarts == 0
 
 
 @pytest.mark.parametrize("attempt", range(5))  # trio orders tasks at random: several tries
