@@ -157,6 +157,15 @@ class Wire:
         self.receiver.apply(WeightMessage.from_frames(self.keyframe.to_frames()))
         self.bit_exact = same_bytes(self.receiver.snapshot, self.snap)  # type: ignore[arg-type]
 
+    def encode(self, prev: dict[str, torch.Tensor], new: dict[str, torch.Tensor],
+               version: int) -> tuple[WeightMessage, float, float]:
+        """The delta, its wall time and its CPU time (this process's and the codec helpers')."""
+        c0 = time.process_time() + helper_stats()["helper_cpu_s"]  # read outside the wall time
+        t0 = time.perf_counter()
+        msg = encode_delta(prev, new, version, version - 1, self.precision, threads=THREADS)  # type: ignore[arg-type]
+        wall = time.perf_counter() - t0
+        return msg, wall, time.process_time() + helper_stats()["helper_cpu_s"] - c0
+
     def step(self, version: int, master: dict[str, torch.Tensor], *, baselines: bool) -> dict:
         new = wire_snapshot(master, self.precision, shared=True)  # type: ignore[arg-type]
         # The headline encode runs first, right after the step, as it always has; then the
@@ -164,15 +173,8 @@ class Wire:
         # (which flatters the threads).
         for n, t in new.items():  # into buffers kept between steps: no fresh pages per step
             self.spare[n].copy_(t)
-        timed: dict[str, tuple[WeightMessage, float, float]] = {}
-        order = [("helpers", self.snap, new), ("threads", self.plain, self.spare)]
-        for path, a, b in order:
-            t0, c0 = time.perf_counter(), time.process_time() + helper_stats()["helper_cpu_s"]
-            m = encode_delta(a, b, version, version - 1, self.precision, threads=THREADS)  # type: ignore[arg-type]
-            c1 = time.process_time() + helper_stats()["helper_cpu_s"]  # the helpers' CPU counts too
-            timed[path] = (m, time.perf_counter() - t0, c1 - c0)
-        msg, t_enc, c_enc = timed["helpers"]
-        t_thr = timed["threads"][1]
+        msg, t_enc, c_enc = self.encode(self.snap, new, version)
+        t_thr = self.encode(self.plain, self.spare, version)[1]
         received = WeightMessage.from_frames(msg.to_frames())
         t0, c0 = time.perf_counter(), time.process_time()
         self.receiver.apply(received)
