@@ -15,8 +15,6 @@ weights are gone) and re-queues them.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-
 import trio
 
 from actors.types import TaskSpec
@@ -79,52 +77,51 @@ def _place(ctx: RunContext) -> str | None:
     return ctx.scheduler.place()
 
 
+def _put_back(ctx: RunContext, waiting: list[Slot], *slots: Slot) -> None:
+    """`waiting`, then `slots`, back at the head of the queue in their order."""
+    for s in reversed([*waiting, *slots]):
+        ctx.buffer.requeue(s)
+    waiting.clear()
+
+
+async def _wait(ctx: RunContext, waiting: list[Slot], *slots: Slot) -> None:
+    _put_back(ctx, waiting, *slots)
+    await ctx.wait_change()
+
+
 async def produce(ctx: RunContext, nursery: trio.Nursery) -> None:
     waiting: list[Slot] = []  # held back for newer weights; work behind them may start now
-
-    async def wait(*slots: Slot) -> None:
-        for s in reversed([*waiting, *slots]):  # back at the head, in their order
-            ctx.buffer.requeue(s)
-        waiting.clear()
-        await ctx.wait_change()
-
     try:
-        await _produce(ctx, nursery, waiting, wait)
+        while not ctx.stopping:
+            _top_up(ctx)
+            slot = ctx.buffer.next_slot()
+            if slot is None:
+                await _wait(ctx, waiting)
+                continue
+            task = ctx.buffer.task_of(slot)
+            if task is None:  # its group was skipped meanwhile
+                ctx.buffer.requeue(slot)
+                continue
+            if not any(min(v.versions) >= _need_version(ctx, slot, name) for name, v in ctx.pools.items()):
+                # Due at a version no pool holds yet: the slots behind it (a group due now) may
+                # be what that version waits for, so look past it.
+                waiting.append(slot)
+                continue
+            pool = _place(ctx)
+            if pool is None:
+                await _wait(ctx, waiting, slot)
+                continue
+            min_version = _need_version(ctx, slot, pool)
+            view = ctx.pools[pool]
+            if not ctx.trainer_alive.is_set() or min(view.versions) < min_version:
+                ctx.scheduler.release(pool)  # held back: undone, not a finished rollout
+                await _wait(ctx, waiting, slot)
+                continue
+            rank = view.pick_rank()
+            view.in_flight[rank] += 1
+            nursery.start_soon(_rollout, ctx, slot, task, view, rank, min_version)
     finally:
-        for s in reversed(waiting):
-            ctx.buffer.requeue(s)
-
-
-async def _produce(ctx: RunContext, nursery: trio.Nursery, waiting: list[Slot],
-                   wait: Callable[..., Awaitable[None]]) -> None:
-    while not ctx.stopping:
-        _top_up(ctx)
-        slot = ctx.buffer.next_slot()
-        if slot is None:
-            await wait()
-            continue
-        task = ctx.buffer.task_of(slot)
-        if task is None:  # its group was skipped meanwhile
-            ctx.buffer.requeue(slot)
-            continue
-        if not any(min(v.versions) >= _need_version(ctx, slot, name) for name, v in ctx.pools.items()):
-            # Due at a version no pool holds yet: the slots behind it (a group due now) may
-            # be what that version waits for, so look past it.
-            waiting.append(slot)
-            continue
-        pool = _place(ctx)
-        if pool is None:
-            await wait(slot)
-            continue
-        min_version = _need_version(ctx, slot, pool)
-        view = ctx.pools[pool]
-        if not ctx.trainer_alive.is_set() or min(view.versions) < min_version:
-            ctx.scheduler.release(pool)  # held back: undone, not a finished rollout
-            await wait(slot)
-            continue
-        rank = view.pick_rank()
-        view.in_flight[rank] += 1
-        nursery.start_soon(_rollout, ctx, slot, task, view, rank, min_version)
+        _put_back(ctx, waiting)
 
 
 async def _rollout(ctx: RunContext, slot: Slot, task: TaskSpec, pool: PoolView, rank: int,
