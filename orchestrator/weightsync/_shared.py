@@ -35,6 +35,7 @@ from __future__ import annotations
 import atexit
 import json
 import logging
+import math
 import mmap
 import os
 import select
@@ -94,22 +95,19 @@ def allocate(spec: Sequence[tuple[str, torch.dtype, tuple[int, ...]]]) -> dict[s
     undefined contents (like ``torch.empty``: a reused arena holds old bytes); None where
     shared memory cannot be had (no ``memfd_create``, out of memory): callers then use
     ordinary tensors. The arena is free again once no tensor uses it."""
-    offsets, size = [], 0
+    spans, size = [], 0  # (offset, bytes) per tensor
     for _, dtype, shape in spec:
-        offsets.append(size)
-        size += -(-_nbytes(dtype, shape) // _ALIGN) * _ALIGN
+        n = math.prod(shape) * dtype.itemsize
+        spans.append((size, n))
+        size += -(-n // _ALIGN) * _ALIGN
     arena = _take(max(size, _ALIGN))
     if arena is None:
         return None
     view = memoryview(arena.mm)
     weakref.finalize(view, _freed, arena.id)  # runs when the last tensor below is gone
     base = torch.frombuffer(view, dtype=torch.uint8)
-    return {name: base[off : off + _nbytes(dtype, shape)].view(dtype).view(shape)
-            for (name, dtype, shape), off in zip(spec, offsets, strict=True)}
-
-
-def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
-    return torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    return {name: base[off : off + n].view(dtype).view(shape)
+            for (name, dtype, shape), (off, n) in zip(spec, spans, strict=True)}
 
 
 def _take(size: int) -> _Arena | None:
