@@ -281,7 +281,7 @@ class Session:
         greq = GenerateRequest.model_construct(
             request_id=f"{self.id}/{self.turns}", prompt_ids=prompt, max_new_tokens=max_new,
             stop_token_ids=list(self.fmt.stop_ids), temperature=temperature, top_k=s.top_k, top_p=top_p,
-            min_version=self.min_version, session_id=self.id)
+            min_keep=s.min_keep, min_version=self.min_version, session_id=self.id)
         t0 = time.perf_counter()
         try:
             result = await self.generate(greq)

@@ -123,6 +123,11 @@ async def test_openai_client_streams_and_history_is_extended_not_retokenised(ser
     assert traj.tokens.tolist() == second + [chat.int_id(5), chat.end_id]
     assert traj.tokens[traj.loss_mask].tolist() == [chat.int_id(3), chat.end_id, chat.int_id(5), chat.end_id]
     assert traj.versions.tolist() == [2, 2, 2, 2] and all(r.session_id == s.id for r in gen.requests)
+    # The recipe's sampling, min_keep included (a one-token support would get no gradient).
+    recipe = SamplingParams()
+    assert all((r.temperature, r.top_k, r.top_p, r.min_keep) == (recipe.temperature, recipe.top_k, recipe.top_p,
+                                                               recipe.min_keep) for r in gen.requests)
+    assert recipe.min_keep == 2
 
 
 async def test_stop_strings_cut_the_reply_and_reward_posts_land(served) -> None:
