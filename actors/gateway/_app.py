@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
@@ -40,7 +40,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from actors.gateway._schemas import (
@@ -56,24 +56,58 @@ from actors.gateway._session import Session
 __all__ = ["SERVERS", "build_app", "check_server", "serve_gateway"]
 
 
-class _JSON(JSONResponse):
-    """Starlette's JSONResponse with one encoder for the process (``json.dumps`` with
-    options builds an encoder per call)."""
+_encoder = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+"""One encoder for the process (``json.dumps`` with options builds one per call)."""
 
-    _encoder = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+class _JSON(JSONResponse):
+    """Starlette's JSONResponse with the process's encoder (for the error handlers)."""
 
     def render(self, content: Any) -> bytes:
-        return self._encoder.encode(content).encode()
+        return _encoder.encode(content).encode()
 
 
-def _error(e: GatewayError) -> JSONResponse:
-    return _JSON(error_body(e.message, type=e.type, param=e.param, code=e.code), status_code=e.status)
+async def _send_json(send: Send, payload: Any, status: int = 200,
+                     headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+    body = _encoder.encode(payload).encode()
+    await send({"type": "http.response.start", "status": status, "headers": [
+        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers]})
+    await send({"type": "http.response.body", "body": body})
 
 
-async def _body(request: Request, model: type[BaseModel]) -> Any:
+class _Endpoint:
+    """A route's ASGI app: ``handler(scope, body, send)`` answers a request whose body is
+    read whole; a ``GatewayError`` it raises (before answering) becomes OpenAI error JSON.
+
+    The routes are raw ASGI rather than Starlette's ``Request -> Response`` functions: a
+    turn then builds no Request or Response object and passes two layers fewer (measured
+    ~0.05 ms a turn on a 2-core machine, where the whole gateway turn is ~0.6 ms).
+    Starlette still routes, answers 404/405 and catches what a handler fails with.
+    """
+
+    def __init__(self, handler: Callable[[dict[str, Any], bytes, Send], Awaitable[None]]) -> None:
+        self.handler = handler
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable[[], Awaitable[dict]], send: Send) -> None:
+        chunks = []
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return   # the client left before its request was read
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        try:
+            await self.handler(scope, b"".join(chunks), send)
+        except GatewayError as e:
+            await _send_json(send, error_body(e.message, type=e.type, param=e.param, code=e.code), e.status)
+
+
+def _validated(raw: bytes, model: type[BaseModel]) -> Any:
     """The request body validated as ``model``: parsed and validated in one pass from the
     raw bytes (pydantic-core's JSON parser; no intermediate Python dicts)."""
-    raw = await request.body()
     try:
         return model.model_validate_json(raw)
     except ValidationError as e:
@@ -94,11 +128,11 @@ def _json_kind(value: Any) -> str:
 def build_app(lookup: Callable[[str], Session | None], model_name: str) -> Starlette:
     """The ASGI app; ``lookup(session_id)`` finds an open (or recently closed) session."""
 
-    def session_of(request: Request) -> Session:
-        sid = request.path_params.get("session")
+    def session_of(scope: dict[str, Any]) -> Session:
+        sid = scope.get("path_params", {}).get("session")
         if sid is None:
-            auth = request.headers.get("authorization", "")
-            scheme, _, key = auth.partition(" ")
+            auth = next((v for k, v in scope["headers"] if k.lower() == b"authorization"), b"")
+            scheme, _, key = auth.decode("latin-1").partition(" ")
             if scheme.lower() != "bearer" or not key.strip():
                 raise GatewayError(401, "no API key: send 'Authorization: Bearer <session key>' or use the "
                                    "session's base URL", type="authentication_error", code="invalid_api_key")
@@ -113,58 +147,44 @@ def build_app(lookup: Callable[[str], Session | None], model_name: str) -> Starl
             raise GatewayError(404, f"no session {sid!r}", code="session_not_found")
         return session
 
-    async def chat(request: Request) -> Response:
-        try:
-            session = session_of(request)
-            req = await _body(request, ChatRequest)
-            response, pieces = await session.chat(req)
-        except GatewayError as e:
-            return _error(e)
+    async def chat(scope: dict[str, Any], body: bytes, send: Send) -> None:
+        session = session_of(scope)
+        req = _validated(body, ChatRequest)
+        response, pieces = await session.chat(req)
         # The session lock is released, but a session serves one request at a time by
         # contract, so its last sampler wait is this request's.
-        timing = {"x-flotilla-sampler-ms": f"{session.last_sampler_s * 1e3:.3f}"}
+        timing = (b"x-flotilla-sampler-ms", f"{session.last_sampler_s * 1e3:.3f}".encode())
         if not req.stream:
-            return _JSON(response, headers=timing)
-        chunks = stream_chunks(response, pieces)
+            return await _send_json(send, response, headers=(timing,))
+        await send({"type": "http.response.start", "status": 200, "headers": [
+            (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"), timing]})
+        for c in stream_chunks(response, pieces):
+            await send({"type": "http.response.body", "body": f"data: {json.dumps(c)}\n\n".encode(),
+                        "more_body": True})
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
 
-        async def events() -> Any:
-            for c in chunks:
-                yield f"data: {json.dumps(c)}\n\n"
-            yield "data: [DONE]\n\n"
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", **timing})
+    async def completions(scope: dict[str, Any], body: bytes, send: Send) -> None:
+        session = session_of(scope)
+        req = _validated(body, CompletionRequest)
+        if req.stream:
+            raise GatewayError(400, "stream: streaming is supported for chat completions only", param="stream")
+        await _send_json(send, await session.complete(req))
 
-    async def completions(request: Request) -> Response:
-        try:
-            session = session_of(request)
-            req = await _body(request, CompletionRequest)
-            if req.stream:
-                raise GatewayError(400, "stream: streaming is supported for chat completions only",
-                                   param="stream")
-            return _JSON(await session.complete(req))
-        except GatewayError as e:
-            return _error(e)
-
-    async def models(request: Request) -> Response:
-        return _JSON({"object": "list", "data": [
+    async def models(scope: dict[str, Any], body: bytes, send: Send) -> None:
+        await _send_json(send, {"object": "list", "data": [
             {"id": model_name, "object": "model", "created": 0, "owned_by": "flotilla"}]})
 
-    async def reward(request: Request) -> Response:
+    async def reward(scope: dict[str, Any], body: bytes, send: Send) -> None:
+        session = session_of(scope)
         try:
-            session = session_of(request)
-            raw = await request.body()
-            try:
-                value = json.loads(raw)["reward"]
-                value = float(value)
-            except (ValueError, KeyError, TypeError):
-                raise GatewayError(400, 'body must be {"reward": <number>}', param="reward") from None
-            if not math.isfinite(value):
-                raise GatewayError(400, "reward must be finite", param="reward")
-            session.check_open()
-            session.reward = value
-        except GatewayError as e:
-            return _error(e)
-        return _JSON({"ok": True})
+            value = float(json.loads(body)["reward"])
+        except (ValueError, KeyError, TypeError):
+            raise GatewayError(400, 'body must be {"reward": <number>}', param="reward") from None
+        if not math.isfinite(value):
+            raise GatewayError(400, "reward must be finite", param="reward")
+        session.check_open()
+        session.reward = value
+        await _send_json(send, {"ok": True})
 
     async def not_found(request: Request, exc: Exception) -> Response:
         status = exc.status_code if isinstance(exc, HTTPException) else 500
@@ -174,15 +194,15 @@ def build_app(lookup: Callable[[str], Session | None], model_name: str) -> Starl
 
     async def crashed(request: Request, exc: Exception) -> Response:
         return _JSON(error_body(f"internal error: {type(exc).__name__}: {exc}", type="server_error"),
-                            status_code=500)
+                     status_code=500)
 
     routes = []
     for prefix in ("", "/s/{session}"):
         routes += [
-            Route(prefix + "/v1/chat/completions", chat, methods=["POST"]),
-            Route(prefix + "/v1/completions", completions, methods=["POST"]),
-            Route(prefix + "/v1/models", models, methods=["GET"]),
-            Route(prefix + "/reward", reward, methods=["POST"]),
+            Route(prefix + "/v1/chat/completions", _Endpoint(chat), methods=["POST"]),
+            Route(prefix + "/v1/completions", _Endpoint(completions), methods=["POST"]),
+            Route(prefix + "/v1/models", _Endpoint(models), methods=["GET"]),
+            Route(prefix + "/reward", _Endpoint(reward), methods=["POST"]),
         ]
     return Starlette(routes=routes, exception_handlers={HTTPException: not_found, Exception: crashed})
 
