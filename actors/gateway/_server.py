@@ -1,31 +1,44 @@
-"""A lean HTTP/1.1 server for ASGI apps, on trio and h11: the gateway's default server.
+"""A lean HTTP/1.1 server for ASGI apps, on trio: the gateway's default server.
 
 Why not only hypercorn: a gateway turn is one small request and one small JSON answer,
 and between turns the process sleeps while the sampler computes, so every turn runs
 its code with cold caches and pays for each layer it passes through. hypercorn's trio
 worker (per-connection and per-request tasks, event queues, its own event classes
 around h11) measured 0.45 ms per turn on this project's 2-core machine with a sampler
-that answers at once, and about twice that after the sampler's usual wait; this server
-does the same HTTP/1.1 work with the same protocol engine (h11) in one task per
-connection, in about half of that (``benchmarks/gateway.py`` runs both side by side).
-hypercorn stays available (``server="hypercorn"``: a server with a longer record).
+that answers at once, and about twice that after the sampler's usual wait. This server
+does a turn's HTTP/1.1 work in one task per connection with a few regular expressions
+and byte joins: no protocol objects per event (``benchmarks/gateway.py`` runs it and
+hypercorn side by side). hypercorn stays available (``server="hypercorn"``: a server
+with a longer record).
 
-What it does:
+What it does (RFC 9112):
 
-* HTTP/1.1 and 1.0, keep-alive, ``Expect: 100-continue``, chunked request bodies and
-  chunked (streamed) responses -- h11 does the protocol, this module only the I/O;
+* HTTP/1.1 and 1.0; keep-alive for 1.1 (until ``Connection: close``), one request
+  per connection for 1.0; pipelined requests are answered in order; empty lines
+  before a request line are skipped;
+* request bodies framed by ``Content-Length`` or ``Transfer-Encoding: chunked``
+  (trailers read and dropped); ``Expect: 100-continue`` is answered before the body
+  is read;
+* strict parsing, the request smuggling cases included: a malformed request line or
+  header line (obs-fold, control bytes, space before the colon), a missing ``Host``
+  in 1.1, ``Content-Length`` that is not one number, or both ``Transfer-Encoding`` and
+  ``Content-Length`` get a 400; a transfer coding other than chunked a 501; heads over
+  64 KiB a 431, bodies over ``max_body`` a 413 -- all as OpenAI error JSON, and the
+  connection is closed (after reading what the client still sends, for a while, so
+  that it gets the answer rather than a reset);
 * ASGI 3.0, ``http`` scope, spec 2.4: the request body is delivered in one
   ``http.request`` message; later ``receive()`` calls wait until the response is done
   and then report ``http.disconnect``; ``send`` raises ``OSError`` once the client is
   gone;
-* a response that declares its ``content-length`` (every JSON answer) leaves in one
-  socket write, head and body together: one wake-up of the client per turn. Other
-  responses (streams) send their head at once;
-* limits: request heads over 64 KiB and bodies over ``max_body`` get 431/413; a
-  connection idle for ``keep_alive_s`` is closed; malformed HTTP gets a 400 -- all as
-  OpenAI error JSON -- and the connection is closed;
-* an app that fails gets a 500 (when it had not started its answer) and the
-  connection is closed; the server and the other connections go on.
+* responses: a response that declares its ``content-length`` (every JSON answer) leaves
+  in one socket write, head and body together -- one wake-up of the client per turn;
+  it may not send more or fewer bytes than it declared. Others (streams) send their head
+  at once and are chunked (1.1) or end with the connection (1.0). HEAD, 1xx, 204 and
+  304 answers carry no body. Response headers are checked (no CR, LF or NUL in a
+  value: no response splitting); the server writes the framing headers itself;
+* idle connections are closed after ``keep_alive_s``; an app that fails gets a 500
+  (when nothing of its answer was written) and the connection is closed; the server
+  and the other connections go on.
 
 Not here: HTTP/2, TLS, WebSockets, lifespan events (the gateway has no startup work), and
 no early ``http.disconnect``: a request whose client left runs to its end (its sampler call
@@ -35,11 +48,12 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Awaitable, Callable
+from http import HTTPStatus
 from typing import Any
 from urllib.parse import unquote
 
-import h11
 import trio
 
 from actors.gateway._schemas import error_body
@@ -53,10 +67,85 @@ ASGIApp = Callable[[dict[str, Any], Callable[[], Awaitable[dict]], Callable[[dic
 
 _MAX_HEAD = 64 * 1024
 _READ = 64 * 1024
+_LINGER_S = 1.0            # after an error answer: how long to read what the client still sends
+_LINGER_BYTES = 1 << 20    # ... and how much of it
+
+_TOKEN = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
+_REQUEST_LINE = re.compile(rb"(%s) ([!-~]+) HTTP/(1\.[01])" % _TOKEN)
+_FIELD = re.compile(rb"(%s):([ \t!-~\x80-\xff]*)" % _TOKEN)
+_NAME = re.compile(_TOKEN)
+_BAD_VALUE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
+_CHUNK_SIZE = re.compile(rb"([0-9A-Fa-f]{1,15})[ \t]*(?:;[ \t!-~\x80-\xff]*)?")
+_STATUS_LINES = {s.value: b"HTTP/1.1 %d %s" % (s.value, s.phrase.encode()) for s in HTTPStatus}
+
+
+def _status_line(status: int) -> bytes:
+    return _STATUS_LINES.get(status) or b"HTTP/1.1 %d " % status
 
 
 class _Closed(Exception):
-    """The client closed the connection (or sent something we cannot answer)."""
+    """The client closed the connection, went idle, or left mid-request."""
+
+
+class _Refused(Exception):
+    """A request this server answers with an error status and a closed connection."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+class _Request:
+    """A request head, parsed and checked (``_Refused`` for what RFC 9112 forbids)."""
+
+    __slots__ = ("chunked", "expect_100", "headers", "keep_alive", "length", "method", "target", "version")
+
+    def __init__(self, head: bytes) -> None:
+        lines = head.split(b"\r\n")
+        m = _REQUEST_LINE.fullmatch(lines[0])
+        if m is None:
+            raise _Refused(400, f"malformed request line {lines[0][:120]!r}")
+        self.method, self.target, self.version = m[1], m[2], m[3]
+        self.headers: list[tuple[bytes, bytes]] = []
+        te: list[bytes] = []
+        cl: list[bytes] = []
+        conn, host, expect = b"", False, b""
+        for line in lines[1:]:
+            f = _FIELD.fullmatch(line)
+            if f is None:
+                raise _Refused(400, f"malformed header line {line[:120]!r}")
+            name, value = f[1].lower(), f[2].strip(b" \t")
+            self.headers.append((name, value))
+            if name == b"content-length":
+                cl += value.split(b",")
+            elif name == b"transfer-encoding":
+                te.append(value)
+            elif name == b"connection":
+                conn += b"," + value.lower()
+            elif name == b"host":
+                host = True
+            elif name == b"expect":
+                expect = value.lower()
+        http11 = self.version == b"1.1"
+        if http11 and not host:
+            raise _Refused(400, "missing Host header")
+        self.keep_alive = http11 and b"close" not in (t.strip() for t in conn.split(b","))
+        self.length, self.chunked = 0, False
+        if te:
+            if cl:
+                raise _Refused(400, "both Transfer-Encoding and Content-Length")
+            if not http11:
+                raise _Refused(400, "Transfer-Encoding in an HTTP/1.0 request")
+            if b",".join(te).lower() != b"chunked":
+                raise _Refused(501, f"Transfer-Encoding {b', '.join(te).decode('latin-1')!r} is not "
+                                    "supported (only chunked)")
+            self.chunked = True
+        elif cl:
+            values = {v.strip() for v in cl}
+            if len(values) != 1 or not (v := values.pop()).isdigit() or len(v) > 18:
+                raise _Refused(400, f"bad Content-Length {b', '.join(cl).decode('latin-1')!r}")
+            self.length = int(v)
+        self.expect_100 = http11 and expect == b"100-continue"
 
 
 class _Connection:
@@ -65,100 +154,142 @@ class _Connection:
     def __init__(self, stream: trio.SocketStream, app: ASGIApp, max_body: int, keep_alive_s: float) -> None:
         self.stream, self.app = stream, app
         self.max_body, self.keep_alive_s = max_body, keep_alive_s
-        self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=_MAX_HEAD)
+        self.buf = bytearray()
         sock = stream.socket
         self.server = tuple(sock.getsockname()[:2])
         self.client = tuple(sock.getpeername()[:2])
 
-    async def _event(self) -> Any:
-        """The next h11 event, reading from the socket as needed (idle timeout applies)."""
-        while True:
-            event = self.h11.next_event()
-            if event is not h11.NEED_DATA:
-                return event
-            data = b""
-            with trio.move_on_after(self.keep_alive_s):
-                try:
-                    data = await self.stream.receive_some(_READ)
-                except (trio.BrokenResourceError, trio.ClosedResourceError):
-                    raise _Closed from None
-                if not data and self.h11.their_state is h11.IDLE:
-                    raise _Closed   # a clean close between requests
-            self.h11.receive_data(data)   # b"" (also on timeout): end of stream, h11 decides
+    # ------------------------------------------------------------------ reading
+    async def _fill(self) -> None:
+        """Read more bytes into the buffer; _Closed at the end of the stream or after
+        ``keep_alive_s`` without a byte."""
+        with trio.move_on_after(self.keep_alive_s):
+            try:
+                data = await self.stream.receive_some(_READ)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                raise _Closed from None
+            if data:
+                self.buf += data
+                return
+        raise _Closed
 
-    async def _write(self, *events: Any) -> None:
-        data = b"".join(self.h11.send(e) or b"" for e in events)
+    async def _until(self, sep: bytes, limit: int, what: str) -> bytes:
+        """The buffer up to ``sep`` (consumed with it); 431 past ``limit`` bytes."""
+        start = 0
+        while (end := self.buf.find(sep, start)) < 0:
+            if len(self.buf) > limit:
+                raise _Refused(431, f"{what} over {limit} bytes")
+            start = max(0, len(self.buf) - len(sep) + 1)
+            await self._fill()
+        if end > limit:
+            raise _Refused(431, f"{what} over {limit} bytes")
+        out = bytes(self.buf[:end])
+        del self.buf[:end + len(sep)]
+        return out
+
+    async def _request(self) -> _Request:
+        while True:
+            while self.buf[:2] == b"\r\n":   # empty lines before a request line
+                del self.buf[:2]
+            if self.buf:
+                break
+            await self._fill()
+        return _Request(await self._until(b"\r\n\r\n", _MAX_HEAD, "request head"))
+
+    async def _body(self, req: _Request) -> bytes:
+        if req.length > self.max_body:
+            raise _Refused(413, f"request body over {self.max_body} bytes")
+        if req.expect_100 and not self.buf and (req.length or req.chunked):
+            await self._write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        if not req.chunked:
+            while len(self.buf) < req.length:
+                await self._fill()
+            body = bytes(self.buf[:req.length])
+            del self.buf[:req.length]
+            return body
+        body = bytearray()
+        while True:
+            line = await self._until(b"\r\n", 4096, "chunk size line")
+            m = _CHUNK_SIZE.fullmatch(line)
+            if m is None:
+                raise _Refused(400, f"malformed chunk size line {line[:120]!r}")
+            size = int(m[1], 16)
+            if size == 0:
+                break
+            if len(body) + size > self.max_body:
+                raise _Refused(413, f"request body over {self.max_body} bytes")
+            while len(self.buf) < size + 2:
+                await self._fill()
+            if self.buf[size:size + 2] != b"\r\n":
+                raise _Refused(400, "a chunk is not followed by CRLF")
+            body += self.buf[:size]
+            del self.buf[:size + 2]
+        trailers = 0
+        while line := await self._until(b"\r\n", _MAX_HEAD, "trailer line"):   # dropped
+            trailers += len(line)
+            if trailers > _MAX_HEAD:
+                raise _Refused(431, f"trailers over {_MAX_HEAD} bytes")
+        return bytes(body)
+
+    # ------------------------------------------------------------------ writing
+    async def _write(self, data: bytes) -> None:
         try:
             await self.stream.send_all(data)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             raise _Closed from None
 
-    async def _error(self, status: int, message: str, *, type: str = "invalid_request_error") -> None:
-        """Answer ``status`` with OpenAI error JSON and have the connection close after it."""
-        if self.h11.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
-            return
+    async def _refuse(self, status: int, message: str, *, type: str = "invalid_request_error") -> None:
+        """Answer ``status`` with OpenAI error JSON, ``connection: close``."""
         body = json.dumps(error_body(message, type=type)).encode()
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                   (b"connection", b"close")]
-        await self._write(h11.Response(status_code=status, headers=headers), h11.Data(data=body),
-                          h11.EndOfMessage())
+        await self._write(b"%s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+                          b"connection: close\r\n\r\n%s" % (_status_line(status), len(body), body))
 
+    async def _linger(self) -> None:
+        """Half-close, then read and drop what the client still sends (a body we refused,
+        pipelined requests) for a while: closing with unread bytes would reset the
+        connection, and the client could lose the answer it has not read yet."""
+        try:
+            await self.stream.send_eof()
+            with trio.move_on_after(_LINGER_S):
+                seen = 0
+                while seen < _LINGER_BYTES and (data := await self.stream.receive_some(_READ)):
+                    seen += len(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+
+    # ------------------------------------------------------------------ serving
     async def serve(self) -> None:
         try:
             while True:
                 try:
-                    event = await self._event()
-                    if not isinstance(event, h11.Request):
-                        return   # ConnectionClosed, or a timeout before a request
-                    if len(event.target) + sum(len(k) + len(v) for k, v in event.headers) > _MAX_HEAD:
-                        # h11 bounds only a head still incomplete; one read may bring it all
-                        await self._error(431, f"request head over {_MAX_HEAD} bytes")
-                        return
-                    body = await self._body()
-                except h11.RemoteProtocolError as e:
-                    status = e.error_status_hint
-                    await self._error(431 if status == 431 else 400, f"malformed HTTP request: {e}")
+                    req = await self._request()
+                    body = await self._body(req)
+                except _Refused as e:
+                    await self._refuse(e.status, f"malformed HTTP request: {e.message}"
+                                       if e.status == 400 else e.message)
+                    await self._linger()
                     return
-                except _BodyTooLarge:
-                    await self._error(413, f"request body over {self.max_body} bytes")
+                if not await self._run_app(req, body):
                     return
-                if not await self._run_app(event, body):
-                    return
-                if self.h11.our_state is h11.MUST_CLOSE or self.h11.their_state is not h11.DONE:
-                    return
-                self.h11.start_next_cycle()
         except _Closed:
             return
 
-    async def _body(self) -> bytes:
-        if self.h11.they_are_waiting_for_100_continue:
-            await self._write(h11.InformationalResponse(status_code=100, headers=[]))
-        chunks, size = [], 0
-        while True:
-            event = await self._event()
-            if isinstance(event, h11.Data):
-                size += len(event.data)
-                if size > self.max_body:
-                    raise _BodyTooLarge
-                chunks.append(event.data)
-            elif isinstance(event, h11.EndOfMessage):
-                return b"".join(chunks)
-            else:   # the client went away mid-body
-                raise _Closed
-
-    async def _run_app(self, req: h11.Request, body: bytes) -> bool:
+    async def _run_app(self, req: _Request, body: bytes) -> bool:
         """Run the app for one request; False when the connection must close."""
         path, _, query = req.target.partition(b"?")
+        method = req.method.decode()
         scope = {
             "type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"},
-            "http_version": req.http_version.decode(), "method": req.method.decode(), "scheme": "http",
+            "http_version": req.version.decode(), "method": method, "scheme": "http",
             "path": unquote(path.decode("latin-1")), "raw_path": path, "query_string": query,
-            "root_path": "", "headers": list(req.headers), "client": self.client, "server": self.server,
+            "root_path": "", "headers": req.headers, "client": self.client, "server": self.server,
         }
         done = trio.Event()
-        delivered = False
-        head: h11.Response | None = None
-        hold = False
+        delivered = started = wrote = chunked = finished = False
+        keep_alive = req.keep_alive
+        bodyless = method == "HEAD"
+        held = b""                 # a head waiting for its body (responses with content-length)
+        left: int | None = None    # bytes of the declared content-length not sent yet
 
         async def receive() -> dict[str, Any]:
             nonlocal delivered
@@ -168,34 +299,81 @@ class _Connection:
             await done.wait()
             return {"type": "http.disconnect"}
 
-        async def send(message: dict[str, Any]) -> None:
-            nonlocal head, hold
-            kind = message["type"]
+        async def write(data: bytes) -> None:
+            nonlocal wrote
+            wrote = True
             try:
-                if kind == "http.response.start":
-                    if head is not None or self.h11.our_state is not h11.SEND_RESPONSE:
-                        raise RuntimeError("ASGI app started its response twice")
-                    head = h11.Response(status_code=message["status"], headers=message.get("headers", []))
-                    hold = any(k.lower() == b"content-length" for k, _ in head.headers)
-                    if not hold:
-                        await self._write(head)
-                elif kind == "http.response.body":
-                    if head is None or done.is_set():
-                        raise RuntimeError("ASGI app sent a body outside a response")
-                    events: list[Any] = [head] if hold else []
-                    hold = False
-                    if message.get("body"):
-                        events.append(h11.Data(data=message["body"]))
-                    if not message.get("more_body", False):
-                        events.append(h11.EndOfMessage())
-                        done.set()
-                    if events:
-                        await self._write(*events)
-                else:
-                    raise RuntimeError(f"ASGI message {kind!r} is not part of an HTTP response")
+                await self._write(data)
             except _Closed:
                 done.set()
                 raise OSError("the client closed the connection") from None
+
+        async def send(message: dict[str, Any]) -> None:
+            nonlocal started, chunked, keep_alive, bodyless, held, left, finished
+            kind = message["type"]
+            if kind == "http.response.start":
+                if started:
+                    raise RuntimeError("ASGI app started its response twice")
+                status = message["status"]
+                if not 100 <= status <= 999:
+                    raise RuntimeError(f"ASGI app answered status {status!r}")
+                lines = [_status_line(status)]
+                length = None
+                for name, value in message.get("headers", ()):
+                    if _NAME.fullmatch(name) is None or _BAD_VALUE.search(value) is not None:
+                        raise RuntimeError(f"ASGI app sent an invalid response header {name[:60]!r}")
+                    low = name.lower()
+                    if low == b"content-length":
+                        if not value.isdigit():
+                            raise RuntimeError(f"ASGI app sent content-length {value[:60]!r}")
+                        length = int(value)
+                    elif low == b"connection":
+                        keep_alive = keep_alive and b"close" not in value.lower()
+                    elif low != b"transfer-encoding":   # the server frames the body itself
+                        lines.append(name + b": " + value)
+                started = True
+                bodyless = bodyless or status < 200 or status in (204, 304)
+                if length is not None:
+                    lines.append(b"content-length: %d" % length)
+                    left = 0 if bodyless else length
+                elif not bodyless:
+                    if req.version == b"1.1":
+                        chunked = True
+                        lines.append(b"transfer-encoding: chunked")
+                    else:
+                        keep_alive = False   # the body ends with the connection
+                if not keep_alive:
+                    lines.append(b"connection: close")
+                head = b"\r\n".join(lines) + b"\r\n\r\n"
+                if left is None or bodyless:
+                    await write(head)
+                else:
+                    held = head
+            elif kind == "http.response.body":
+                if not started or done.is_set():
+                    raise RuntimeError("ASGI app sent a body outside a response")
+                data = b"" if bodyless else message.get("body", b"")
+                more = message.get("more_body", False)
+                out, held = held, b""
+                if left is not None:
+                    if len(data) > left or (not more and len(data) < left):
+                        raise RuntimeError("ASGI app's body does not match its content-length")
+                    left -= len(data)
+                    out += data
+                elif chunked:
+                    if data:
+                        out += b"%x\r\n%s\r\n" % (len(data), data)
+                    if not more:
+                        out += b"0\r\n\r\n"
+                else:
+                    out += data
+                if not more:
+                    finished = True
+                    done.set()
+                if out:
+                    await write(out)
+            else:
+                raise RuntimeError(f"ASGI message {kind!r} is not part of an HTTP response")
 
         try:
             await self.app(scope, receive, send)
@@ -203,19 +381,15 @@ class _Connection:
             return False   # the client left mid-response
         except Exception as e:
             log.exception("gateway: the app failed on %s %s", scope["method"], scope["path"])
-            if head is None:
-                await self._error(500, f"internal error: {type(e).__name__}: {e}", type="server_error")
+            if not wrote:
+                await self._refuse(500, f"internal error: {type(e).__name__}: {e}", type="server_error")
             return False
         finally:
             done.set()
-        if self.h11.our_state is h11.SEND_RESPONSE:   # the app returned without answering
-            await self._error(500, "internal error: the app sent no response", type="server_error")
+        if not started:
+            await self._refuse(500, "internal error: the app sent no response", type="server_error")
             return False
-        return self.h11.our_state is h11.DONE
-
-
-class _BodyTooLarge(Exception):
-    pass
+        return keep_alive and finished   # not finished: it returned before the end of its body
 
 
 async def serve_asgi(app: ASGIApp, host: str = "127.0.0.1", port: int = 0, *, max_body: int = 64 * 1024 * 1024,
