@@ -1,7 +1,7 @@
 """The gateway's cost per turn, and what the sampler's prefix cache buys a multi-turn agent.
 
 What: sessions driven by a separate client process (as a harness would be) against a
-running gateway (Starlette on the lean trio + h11 server -- and on hypercorn, for
+running gateway (Starlette on the lean trio HTTP/1.1 server -- and on hypercorn, for
 comparison -- in this process) backed by torch
 ``SamplerActor``s (their own processes, the tiny built-in model, the word tokenizer):
 

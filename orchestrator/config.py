@@ -120,7 +120,7 @@ class TaskSection(_Section):
     harness reports it: a `{"reward": x}` stdout line, POST /reward, or the return value)."""
     gateway_server: Literal["flotilla", "hypercorn"] | None = None
     """Harness: the gateway's HTTP server, `flotilla` (the default: a lean HTTP/1.1 server on
-    trio and h11, the least overhead per turn) or `hypercorn` (its trio worker)."""
+    trio, the least overhead per turn) or `hypercorn` (its trio worker)."""
 
     @model_validator(mode="after")
     def _harness_fields(self) -> TaskSection:

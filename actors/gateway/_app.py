@@ -1,5 +1,5 @@
 """The gateway's HTTP side: a Starlette app, served by this package's lean HTTP/1.1
-server on trio and h11 (``actors.gateway._server``) or by hypercorn's trio worker.
+server on trio (``actors.gateway._server``) or by hypercorn's trio worker.
 
 Routes (each also under ``/s/{session}/...``, the per-episode base URL)::
 
@@ -198,7 +198,7 @@ def build_app(lookup: Callable[[str], Session | None], model_name: str) -> Starl
                      status_code=500)
 
     routes = []
-    for prefix in ("", "/s/{session}"):
+    for prefix in ("/s/{session}", ""):   # episodes use their session's base URL: matched first
         routes += [
             Route(prefix + "/v1/chat/completions", _Endpoint(chat), methods=["POST"]),
             Route(prefix + "/v1/completions", _Endpoint(completions), methods=["POST"]),
