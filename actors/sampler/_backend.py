@@ -76,6 +76,7 @@ class GenerationBackend(Protocol):
 
 @dataclass
 class _Waiter:
+    session_id: str | None = None
     done: trio.Event = field(default_factory=trio.Event)
     result: GenerateResult | None = None
     error: BaseException | None = None
@@ -96,7 +97,12 @@ class TorchBackend:
     slots are spoken for), so that requests arriving one by one (from many
     environment episodes) share one prefill instead of paying for one forward
     each. While sequences are decoding there is no wait: new requests join at
-    the next tick.
+    the next tick. The window also closes as soon as every session (``session_id``)
+    answered since the last admission batch has its next request waiting: those are
+    the arrivals the wait was for (a multi-turn agent's next turns), so waiting
+    longer would only delay them. A session that does not come back costs at most
+    this one window (it is not expected again), and traffic without sessions keeps
+    the quiet-gap rule alone.
 
     Args:
         model_config: model config dict or checkpoint directory (``actors.models``).
@@ -133,6 +139,10 @@ class TorchBackend:
         self._wake = trio.Event()
         self._window = batch_window_s
         self._last_submit = 0.0
+        self._returning: set[str] = set()
+        """Sessions answered since the last admission window whose next request has not come."""
+        self._answered = False
+        """Whether any session was answered since the last admission window."""
 
     @property
     def version(self) -> int:
@@ -175,11 +185,19 @@ class TorchBackend:
         """Let requests that are still arriving join the next prefill (see the class docstring)."""
         b = self._batcher
         latest = trio.current_time() + 4 * self._window
-        while b.admissible() < b.free_slots:
-            deadline = min(self._last_submit + self._window, latest)
-            if trio.current_time() >= deadline:
-                return
-            await trio.sleep_until(deadline)
+        try:
+            while b.admissible() < b.free_slots:
+                if self._answered and not self._returning:
+                    return   # every session answered since the last window is back
+                deadline = min(self._last_submit + self._window, latest)
+                if trio.current_time() >= deadline:
+                    return
+                self._wake = trio.Event()   # set by the next generate(): re-check at once
+                with trio.move_on_at(deadline):
+                    await self._wake.wait()
+        finally:
+            self._returning.clear()
+            self._answered = False
 
     async def generate(self, req: GenerateRequest) -> GenerateResult:
         """Queue ``req`` and wait for its result.
@@ -191,7 +209,9 @@ class TorchBackend:
         """
         self._batcher.submit(req)
         self._last_submit = trio.current_time()
-        waiter = self._waiters[req.request_id] = _Waiter()
+        if req.session_id is not None:
+            self._returning.discard(req.session_id)
+        waiter = self._waiters[req.request_id] = _Waiter(req.session_id)
         self._wake.set()
         try:
             await waiter.done.wait()
@@ -209,6 +229,9 @@ class TorchBackend:
         if waiter is not None:
             waiter.result, waiter.error = result, error
             waiter.done.set()
+            if waiter.session_id is not None and result is not None and self._window:
+                self._returning.add(waiter.session_id)
+                self._answered = True
 
     async def update_weights(
         self, snapshot: Mapping[str, torch.Tensor], version: int, changed: Collection[str] | None = None

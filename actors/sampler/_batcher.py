@@ -213,6 +213,8 @@ class ContinuousBatcher:
                 "so at most max_len - 1 leave room for one generated token"
             )
         for name, ids in (("prompt_ids", req.prompt_ids), ("stop_token_ids", req.stop_token_ids)):
+            if not ids or (min(ids) >= 0 and max(ids) < vocab):
+                continue   # the usual case, checked at C speed
             for i, tok in enumerate(ids):
                 if not 0 <= tok < vocab:
                     raise ValueError(f"{name}[{i}] = {tok} is outside the vocabulary [0, {vocab})")
@@ -272,28 +274,35 @@ class ContinuousBatcher:
                 else:
                     keep.append(seq)
             self._waiting = keep
+        # Every forward of the tick first, then one sampling pass over all their rows
+        # (sampling costs per call, not per row).
+        sampled: list[_Sequence] = []
+        parts: list[torch.Tensor] = []
         if admitted:
             for seq in admitted:
                 self._running[seq.slot] = seq
             fresh = [s for s in admitted if not s.reuse]
             cached = [s for s in admitted if s.reuse]
             if fresh:
-                logits = self.engine.prefill([s.slot for s in fresh], [s.req.prompt_ids for s in fresh])
+                parts.append(self.engine.prefill([s.slot for s in fresh], [s.req.prompt_ids for s in fresh]))
+                sampled += fresh
                 self.prefill_batches += 1
                 self.prompt_tokens += sum(len(s.req.prompt_ids) for s in fresh)
-                self._sample(fresh, logits)
             if cached:
-                logits = self.engine.extend([s.slot for s in cached], [s.req.prompt_ids[s.reuse:] for s in cached])
+                parts.append(self.engine.extend([s.slot for s in cached],
+                                                [s.req.prompt_ids[s.reuse:] for s in cached]))
+                sampled += cached
                 self.prefill_batches += 1
                 self.prompt_tokens += sum(len(s.req.prompt_ids) - s.reuse for s in cached)
                 self.prefix_hits += len(cached)
                 self.prefix_tokens_reused += sum(s.reuse for s in cached)
-                self._sample(cached, logits)
         if decoding:
             seqs = [self._running[s] for s in decoding]
-            logits = self.engine.decode(decoding, [s.tokens[-1] for s in seqs])
+            parts.append(self.engine.decode(decoding, [s.tokens[-1] for s in seqs]))
+            sampled += seqs
             self.decode_steps += 1
-            self._sample(seqs, logits)
+        if parts:
+            self._sample(sampled, parts[0] if len(parts) == 1 else torch.cat(parts))
         finished: list[GenerateResult] = []
         for slot in decoding + [s.slot for s in admitted]:
             seq = self._running[slot]

@@ -267,3 +267,68 @@ async def test_requests_arriving_one_by_one_share_a_prefill(weights, window) -> 
         assert batches == 1
     else:
         assert batches > 1
+
+
+@pytest.mark.parametrize("returning", [3, 2])
+async def test_admission_window_closes_when_the_answered_sessions_are_back(weights, returning) -> None:
+    """Sessions answered together whose next turns all arrive are admitted at once, without
+    the quiet gap (nothing else was expected); when one of them does not come back, the
+    window applies as before (at least ``batch_window_s`` of quiet)."""
+    from actors.sampler import TorchBackend
+    from orchestrator.weightsync import wire_snapshot
+
+    window = 1.0   # long: on a loaded machine a turn's own compute must stay far below it
+    backend = TorchBackend(CFG, pool="p", max_batch=8, batch_window_s=window)
+    waited: list[float] = []
+
+    async def session(i: int) -> None:
+        prompt = [1, 2, 3 + i]
+        for turn in range(2 if i < returning else 1):
+            req = GenerateRequest(request_id=f"s{i}t{turn}", prompt_ids=prompt, max_new_tokens=2,
+                                  session_id=f"s{i}")
+            t0 = trio.current_time()
+            res = await backend.generate(req)
+            if turn:
+                waited.append(trio.current_time() - t0)
+            prompt = prompt + res.token_ids + [5, 6]
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(backend.run)
+            await backend.update_weights(wire_snapshot(weights, "bf16"), 0)
+            async with trio.open_nursery() as clients:
+                for i in range(3):
+                    clients.start_soon(session, i)
+            nursery.cancel_scope.cancel()
+    assert len(waited) == returning
+    if returning == 3:
+        assert max(waited) < window / 2, waited
+    else:
+        assert min(waited) >= window, waited
+    assert backend.counters()["prefix_hits"] == returning
+
+
+@pytest.mark.parametrize("slots", [[1, 2, 3], [3, 0, 2]])
+def test_extend_and_in_step_decode_match_hf(model, weights, slots) -> None:
+    """extend over a run of slots (cache read as a view) or scattered ones (rows gathered),
+    with different cached lengths and chunk sizes; then decode of rows at one position (no
+    mask) and at different ones: all equal to transformers' logits."""
+    engine = Qwen3Engine(CFG, max_slots=4)
+    engine.load(weights)
+    prompts = _prompts(3, [7, 3, 5])
+    chunks = _prompts(3, [2, 6, 4], seed=2)   # every row ends at position 9
+    cont = _prompts(3, [3, 3, 3], seed=3)
+    with torch.no_grad():
+        ref = [model(torch.tensor([p + c + d])).logits[0] for p, c, d in zip(prompts, chunks, cont, strict=True)]
+    engine.prefill(slots, prompts)
+    logits = engine.extend(slots, chunks)
+    for row in range(3):
+        torch.testing.assert_close(logits[row], ref[row][8], atol=1e-4, rtol=0)
+    for step in range(3):
+        step_logits = engine.decode(slots, [d[step] for d in cont])
+        for row in range(3):
+            torch.testing.assert_close(step_logits[row], ref[row][9 + step], atol=1e-4, rtol=0)
+    engine.truncate(slots[0], 5)   # rows at different positions again: the masked decode
+    with torch.no_grad():
+        ref0 = model(torch.tensor([(prompts[0] + chunks[0])[:5] + [9]])).logits[0, -1]
+    torch.testing.assert_close(engine.decode(slots, [9, 1, 2])[0], ref0, atol=1e-4, rtol=0)
