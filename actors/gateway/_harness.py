@@ -27,6 +27,7 @@ import importlib
 import importlib.util
 import inspect
 import json
+import logging
 import os
 import shlex
 import signal
@@ -46,6 +47,8 @@ from actors.sampler import GenerateRequest, GenerateResult
 from actors.types import TaskSpec, Trajectory
 
 __all__ = ["HarnessConfig", "play_harness_episode", "resolve"]
+
+log = logging.getLogger(__name__)
 
 _TAIL = 2000
 
@@ -109,7 +112,7 @@ def resolve(spec: str) -> Callable[..., Any]:
         mod = importlib.import_module(module)
     fn = getattr(mod, name, None)
     if not callable(fn):
-        raise ValueError(f"{spec!r}: module {module!r} has no function {name!r}")
+        raise ValueError(f"{spec!r}: module {module!r} has no function {name!r}")  # noqa: TRY004 - a bad config value
     return fn
 
 
@@ -189,7 +192,7 @@ async def _run_entrypoint(cfg: HarnessConfig, task: TaskSpec, base_url: str) -> 
             out = fn(base_url, task_dict(task))
             if inspect.isawaitable(out):
                 out = await out
-        except Exception:   # the harness's crash is the episode's failure
+        except Exception:  # noqa: BLE001 - the harness's crash is the episode's failure
             raise HarnessFailed(f"harness raised; traceback tail: {_tail(traceback.format_exc())}") from None
     if cs.cancelled_caught:
         raise HarnessFailed(f"harness timed out after {cfg.timeout_s:g} s")
@@ -232,7 +235,7 @@ async def play_harness_episode(
             if cfg.grader is not None:
                 try:
                     reward = await _grade(cfg.grader, session.transcript, task)
-                except Exception:   # the grader's crash is the episode's failure
+                except Exception:  # noqa: BLE001 - the grader's crash is the episode's failure
                     raise HarnessFailed(f"grader {cfg.grader} raised; traceback tail: "
                                         f"{_tail(traceback.format_exc())}") from None
             elif session.reward is not None:
@@ -252,4 +255,4 @@ async def play_harness_episode(
             try:
                 await end_session(session.id)
             except Exception:   # freeing a cache is best effort; eviction frees it anyway
-                pass
+                log.debug("gateway: freeing session %s's sampler cache failed", session.id, exc_info=True)
