@@ -130,6 +130,25 @@ def _json(v: Any) -> Any:
     return json.dumps(v, sort_keys=True)
 
 
+class _TurnLock:
+    """A session's lock: one request at a time. Uncontended (the usual case: a harness
+    waits for each answer), taking it does not yield to trio's scheduler as
+    ``trio.Lock.acquire`` does -- a turn's first await is then its sampler call, which
+    checkpoints anyway. A second request in flight waits for the first as with a Lock."""
+
+    def __init__(self) -> None:
+        self._lock = trio.Lock()
+
+    async def __aenter__(self) -> None:
+        try:
+            self._lock.acquire_nowait()
+        except trio.WouldBlock:
+            await self._lock.acquire()
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._lock.release()
+
+
 @dataclass
 class Session:
     """See the module docstring.  ``generate`` is the sampler call (one sampler rank)."""
@@ -154,7 +173,7 @@ class Session:
     last_sampler_s: float = 0.0
     """The last request's wait on the sampler (sent as the ``x-flotilla-sampler-ms`` header)."""
     started: float = field(default_factory=time.perf_counter)
-    _lock: trio.Lock = field(default_factory=trio.Lock)
+    _lock: _TurnLock = field(default_factory=lambda: _TurnLock())
 
     # ------------------------------------------------------------------ chat
     async def chat(self, req: ChatRequest) -> tuple[dict[str, Any], list[str]]:

@@ -184,3 +184,35 @@ async def test_a_json_answer_is_one_write_and_a_stream_starts_at_once(served, mo
     r = await c.post(f"/s/{s.id}/v1/chat/completions", json={**ok, "stream": True})
     assert r.status_code == 200 and b"[DONE]" in r.content
     assert writes[0].startswith(b"HTTP/1.1 200") and b"data:" not in writes[0] and len(writes) > 2
+
+
+async def test_requests_of_one_session_are_served_one_at_a_time(served) -> None:
+    """Two requests in flight on one session: the second reaches the sampler only after
+    the first is answered (the session's lock), and both are answered."""
+    _, s, gen, c = served
+    inner, in_flight, most = gen.__call__, [0], [0]
+    release = trio.Event()
+
+    async def slow(req):
+        in_flight[0] += 1
+        most[0] = max(most[0], in_flight[0])
+        if len(gen.requests) == 0:
+            await release.wait()   # the first request holds the sampler until released
+        try:
+            return await inner(req)
+        finally:
+            in_flight[0] -= 1
+    s.generate = slow
+    url = f"/s/{s.id}/v1/chat/completions"
+    answers = []
+
+    async def ask() -> None:
+        r = await c.post(url, json={"messages": [{"role": "user", "content": "guess"}], "max_tokens": 2})
+        answers.append(r.status_code)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ask)
+        nursery.start_soon(ask)
+        await trio.sleep(0.2)   # both requests are in the gateway by now
+        assert most[0] == 1 and not answers
+        release.set()
+    assert answers == [200, 200] and most[0] == 1 and len(gen.requests) == 2
