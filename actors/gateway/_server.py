@@ -8,8 +8,8 @@ around h11) measured 0.45 ms per turn on this project's 2-core machine with a sa
 that answers at once, and about twice that after the sampler's usual wait. This server
 does a turn's HTTP/1.1 work in one task per connection with a few regular expressions
 and byte joins: no protocol objects per event. ``benchmarks/gateway.py`` runs both side
-by side: 0.70-0.96 ms per turn p50 here against hypercorn's 1.33-1.67 ms in the same
-runs, and 0.81/0.89 ms against 1.29/1.13 ms for this server's earlier h11-based
+by side: 0.58-1.01 ms per turn p50 here (median 0.87) against hypercorn's 1.11-1.71 ms
+in the same six runs, and 0.81/0.89 ms against 1.29/1.13 ms for this server's earlier h11-based
 version (alternating full runs). hypercorn stays available (``server="hypercorn"``: a
 server with a longer record).
 
