@@ -238,12 +238,25 @@ def test_missing_weight_is_named(weights) -> None:
         engine.prefill([0], [[1]])
 
 
+async def _serve(backend, weights, client, n: int) -> None:
+    """Run ``backend`` with ``weights`` until ``client(0..n-1)``, started together, are done."""
+    from orchestrator.weightsync import wire_snapshot
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(backend.run)
+            await backend.update_weights(wire_snapshot(weights, "bf16"), 0)
+            async with trio.open_nursery() as clients:
+                for i in range(n):
+                    clients.start_soon(client, i)
+            nursery.cancel_scope.cancel()
+
+
 @pytest.mark.parametrize("window", [0.05, 0.0])
 async def test_requests_arriving_one_by_one_share_a_prefill(weights, window) -> None:
     """With an admission window, requests that trickle in (2 ms apart) are prefilled together;
     without one, the idle loop prefills the first one alone."""
     from actors.sampler import TorchBackend
-    from orchestrator.weightsync import wire_snapshot
 
     backend = TorchBackend(CFG, pool="p", max_batch=16, batch_window_s=window)
     results = []
@@ -253,14 +266,7 @@ async def test_requests_arriving_one_by_one_share_a_prefill(weights, window) -> 
         req = GenerateRequest(request_id=f"r{i}", prompt_ids=[1, 2, 3 + i], max_new_tokens=1)
         results.append(await backend.generate(req))
 
-    with trio.fail_after(30):
-        async with trio.open_nursery() as nursery:
-            await nursery.start(backend.run)
-            await backend.update_weights(wire_snapshot(weights, "bf16"), 0)
-            async with trio.open_nursery() as clients:
-                for i in range(8):
-                    clients.start_soon(one, i)
-            nursery.cancel_scope.cancel()
+    await _serve(backend, weights, one, 8)
     assert sorted(r.request_id for r in results) == [f"r{i}" for i in range(8)]
     batches = backend.counters()["prefill_batches"]
     if window:
@@ -275,7 +281,6 @@ async def test_admission_window_closes_when_the_answered_sessions_are_back(weigh
     the quiet gap (nothing else was expected); when one of them does not come back, the
     window applies as before (at least ``batch_window_s`` of quiet)."""
     from actors.sampler import TorchBackend
-    from orchestrator.weightsync import wire_snapshot
 
     window = 1.0   # long: on a loaded machine a turn's own compute must stay far below it
     backend = TorchBackend(CFG, pool="p", max_batch=8, batch_window_s=window)
@@ -292,14 +297,7 @@ async def test_admission_window_closes_when_the_answered_sessions_are_back(weigh
                 waited.append(trio.current_time() - t0)
             prompt = prompt + res.token_ids + [5, 6]
 
-    with trio.fail_after(30):
-        async with trio.open_nursery() as nursery:
-            await nursery.start(backend.run)
-            await backend.update_weights(wire_snapshot(weights, "bf16"), 0)
-            async with trio.open_nursery() as clients:
-                for i in range(3):
-                    clients.start_soon(session, i)
-            nursery.cancel_scope.cancel()
+    await _serve(backend, weights, session, 3)
     assert len(waited) == returning
     if returning == 3:
         assert max(waited) < window / 2, waited
