@@ -187,16 +187,17 @@ async def test_a_json_answer_is_one_write_and_a_stream_starts_at_once(served, mo
 
 
 async def test_requests_of_one_session_are_served_one_at_a_time(served) -> None:
-    """Two requests in flight on one session: the second reaches the sampler only after
-    the first is answered (the session's lock), and both are answered."""
+    """Two requests in flight on one session: the second waits on the session's lock and
+    reaches the sampler only after the first is answered; both are answered."""
     _, s, gen, c = served
     inner, in_flight, most = gen.__call__, [0], [0]
-    release = trio.Event()
+    entered, release = trio.Event(), trio.Event()
 
     async def slow(req):
         in_flight[0] += 1
         most[0] = max(most[0], in_flight[0])
-        if len(gen.requests) == 0:
+        if not entered.is_set():
+            entered.set()
             await release.wait()   # the first request holds the sampler until released
         try:
             return await inner(req)
@@ -209,10 +210,13 @@ async def test_requests_of_one_session_are_served_one_at_a_time(served) -> None:
     async def ask() -> None:
         r = await c.post(url, json={"messages": [{"role": "user", "content": "guess"}], "max_tokens": 2})
         answers.append(r.status_code)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(ask)
-        nursery.start_soon(ask)
-        await trio.sleep(0.2)   # both requests are in the gateway by now
-        assert most[0] == 1 and not answers
-        release.set()
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ask)
+            nursery.start_soon(ask)
+            await entered.wait()
+            while s._lock._lock.statistics().tasks_waiting < 1:   # the second is queued
+                await trio.sleep(0.01)
+            assert most[0] == 1 and not answers
+            release.set()
     assert answers == [200, 200] and most[0] == 1 and len(gen.requests) == 2
