@@ -124,6 +124,20 @@ def wire_to_compute(
     return t.to(device=device, dtype=dtype, copy=True)
 
 
+def _cache_rows(slots: list[int], slot_idx: torch.Tensor) -> slice | torch.Tensor:
+    """How to read ``slots``' rows of a KV cache: a slice (a view, no copy) when they are a
+    contiguous run in order, else their index tensor (rows gathered)."""
+    first = slots[0]
+    return slice(first, first + len(slots)) if slots == list(range(first, first + len(slots))) else slot_idx
+
+
+def _read_cache(cache: torch.Tensor, rows: slice | torch.Tensor, span: int) -> torch.Tensor:
+    """``cache[rows, :, :span]`` for ``rows`` from ``_cache_rows``."""
+    if isinstance(rows, slice):
+        return cache[rows, :, :span]
+    return cache[:, :, :span].index_select(0, rows)
+
+
 class DecoderEngine:
     """Batched decoder forward over a slot KV cache.  See the module docstring.
 
@@ -395,9 +409,7 @@ class DecoderEngine:
         dev = self.device
         pos = torch.tensor(pos_host, dtype=torch.long, device=dev)
         slot_idx = torch.tensor(slots, dtype=torch.long, device=dev)
-        # A contiguous run of slots reads the cache as a view; otherwise gather rows.
-        first = slots[0]
-        contiguous = slots == list(range(first, first + b))
+        rows = _cache_rows(slots, slot_idx)
         # Rows at one position (sequences in step) all attend to the whole span: no mask.
         # Otherwise an additive float mask (cheaper than a boolean one in CPU SDPA), shared
         # by all layers.
@@ -414,10 +426,7 @@ class DecoderEngine:
             kc, vc = self._k[li], self._v[li]
             kc[slot_idx, :, pos] = k[:, :, 0]
             vc[slot_idx, :, pos] = v[:, :, 0]
-            if contiguous:
-                keys, values = kc[first : first + b, :, :span], vc[first : first + b, :, :span]
-            else:
-                keys, values = kc[:, :, :span].index_select(0, slot_idx), vc[:, :, :span].index_select(0, slot_idx)
+            keys, values = _read_cache(kc, rows, span), _read_cache(vc, rows, span)
             # One query position: the g query heads sharing a kv head are g query rows of
             # that head (the same attention as enable_gqa, ~25% cheaper in CPU SDPA).
             a = F.scaled_dot_product_attention(q.reshape(b, self.n_kv, g, self.head_dim), keys, values,
@@ -475,22 +484,16 @@ class DecoderEngine:
         mask[..., lo:].masked_fill_((torch.arange(lo, span)[None, None, :] > pos[:, :, None])[:, None], float("-inf"))
         mask = mask.to(dev)
         w_rows = torch.arange(b)[:, None].expand(b, t)[real]
-        w_slots, w_pos, w_cols = slot_host[w_rows].to(dev), pos[real].to(dev), col[None, :].expand(b, t)[real]
+        w_slots, w_pos, w_cols = slot_host[w_rows].to(dev), pos[real].to(dev), col[None, :].expand(b, t)[real].to(dev)
         w_rows = w_rows.to(dev)
-        slot_idx = slot_host.to(dev)
-        first = int(slot_host[0])
-        contiguous = list(slots) == list(range(first, first + b))
+        rows = _cache_rows(list(slots), slot_host.to(dev))
         x = F.embedding(ids.to(dev), self._top["embed"])
         for li, layer in enumerate(self._layers):
             q, k, v = self._qkv(layer, self._rms(x, layer["ln1"]), cos, sin)
             kc, vc = self._k[li], self._v[li]
-            kc[w_slots, :, w_pos] = k[w_rows, :, w_cols.to(dev)]
-            vc[w_slots, :, w_pos] = v[w_rows, :, w_cols.to(dev)]
-            if contiguous:   # a run of slots reads the cache as a view, as in decode
-                keys, values = kc[first : first + b, :, :span], vc[first : first + b, :, :span]
-            else:
-                keys = kc[:, :, :span].index_select(0, slot_idx)
-                values = vc[:, :, :span].index_select(0, slot_idx)
+            kc[w_slots, :, w_pos] = k[w_rows, :, w_cols]
+            vc[w_slots, :, w_pos] = v[w_rows, :, w_cols]
+            keys, values = _read_cache(kc, rows, span), _read_cache(vc, rows, span)
             a = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
             x = x + _linear(a.transpose(1, 2).reshape(b, t, self._q_dim), layer["o"], layer.get("o_b"))
             x = self._mlp_block(layer, x)
