@@ -47,7 +47,7 @@ import torch
 
 from policies.sampling import sample_with_support
 
-from ._engine import DecoderEngine
+from ._engine import DecoderEngine, first_outside_vocab
 from ._types import FinishReason, GenerateRequest, GenerateResult
 
 __all__ = ["ContinuousBatcher"]
@@ -213,11 +213,8 @@ class ContinuousBatcher:
                 "so at most max_len - 1 leave room for one generated token"
             )
         for name, ids in (("prompt_ids", req.prompt_ids), ("stop_token_ids", req.stop_token_ids)):
-            if not ids or (min(ids) >= 0 and max(ids) < vocab):
-                continue   # the usual case, checked at C speed
-            for i, tok in enumerate(ids):
-                if not 0 <= tok < vocab:
-                    raise ValueError(f"{name}[{i}] = {tok} is outside the vocabulary [0, {vocab})")
+            if (i := first_outside_vocab(ids, vocab)) is not None:
+                raise ValueError(f"{name}[{i}] = {ids[i]} is outside the vocabulary [0, {vocab})")
         gen = None
         if req.seed is not None:
             gen = torch.Generator(device=self.engine.device).manual_seed(req.seed)

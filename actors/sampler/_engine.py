@@ -46,7 +46,7 @@ from orchestrator.weightsync import dequantize_fp8
 
 from ._fp8mm import Fp8Weight, fp8_matmul_available, linear
 
-__all__ = ["DecoderEngine", "Qwen3Engine", "wire_to_compute"]
+__all__ = ["DecoderEngine", "Qwen3Engine", "first_outside_vocab", "wire_to_compute"]
 
 _LINEAR = ("qkv", "o", "gate_up", "down")  # the blocks that can multiply in FP8
 
@@ -122,6 +122,14 @@ def wire_to_compute(
     # Always a copy: the weight receiver updates snapshot tensors in place (in a worker
     # thread, while decoding goes on), so compute weights must never alias them.
     return t.to(device=device, dtype=dtype, copy=True)
+
+
+def first_outside_vocab(ids: Sequence[int], vocab: int) -> int | None:
+    """The position of the first id outside ``[0, vocab)``, or None (the usual case,
+    settled by ``min``/``max`` at C speed before any per-id loop)."""
+    if not ids or (min(ids) >= 0 and max(ids) < vocab):
+        return None
+    return next(i for i, tok in enumerate(ids) if not 0 <= tok < vocab)
 
 
 def _cache_rows(slots: list[int], slot_idx: torch.Tensor) -> slice | torch.Tensor:
@@ -355,11 +363,8 @@ class DecoderEngine:
         for row, p in enumerate(prompts):
             if not 0 < len(p) <= self.max_len:
                 raise ValueError(f"prompt {row} has {len(p)} tokens; must be 1..{self.max_len}")
-            if min(p) >= 0 and max(p) < self.vocab_size:
-                continue   # the usual case, checked at C speed
-            bad = [i for i, tok in enumerate(p) if not 0 <= tok < self.vocab_size]
-            if bad:
-                raise ValueError(f"prompt {row} position {bad[0]}: token id {p[bad[0]]} outside vocab [0, {self.vocab_size})")
+            if (i := first_outside_vocab(p, self.vocab_size)) is not None:
+                raise ValueError(f"prompt {row} position {i}: token id {p[i]} outside vocab [0, {self.vocab_size})")
         t = max(lens)
         ids = torch.zeros(len(prompts), t, dtype=torch.long)
         for row, p in enumerate(prompts):
@@ -459,11 +464,8 @@ class DecoderEngine:
             if not c or int(start[row]) + len(c) > self.max_len:
                 raise ValueError(f"chunk {row} has {len(c)} tokens after {int(start[row])} cached; "
                                  f"must be 1..{self.max_len - int(start[row])}")
-            if min(c) >= 0 and max(c) < self.vocab_size:
-                continue
-            bad = [i for i, tok in enumerate(c) if not 0 <= tok < self.vocab_size]
-            if bad:
-                raise ValueError(f"chunk {row} position {bad[0]}: token id {c[bad[0]]} outside vocab [0, {self.vocab_size})")
+            if (i := first_outside_vocab(c, self.vocab_size)) is not None:
+                raise ValueError(f"chunk {row} position {i}: token id {c[i]} outside vocab [0, {self.vocab_size})")
         t = int(lens.max())
         ids = torch.zeros(b, t, dtype=torch.long)
         for row, c in enumerate(chunks):
