@@ -13,9 +13,10 @@ a CUDA-only server, untested here -- see its module docstring).
 from ._actor import SamplerActor, as_weight_messages
 from ._backend import GenerationBackend, TorchBackend
 from ._batcher import ContinuousBatcher
-from ._engine import DecoderEngine, Qwen3Engine, wire_to_compute
+from ._engine import DecoderEngine, Qwen3Engine
 from ._sglang import SGLangBackend, parse_sglang_response
 from ._types import FinishReason, GenerateRequest, GenerateResult, SamplerStats
+from ._weights import wire_to_compute
 
 __all__ = [
     "ContinuousBatcher",

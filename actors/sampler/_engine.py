@@ -18,15 +18,15 @@ one token to each of a set of slots in one batched step, each row attending to
 its own prefix through a per-slot mask.  Which slots run together can change
 between any two calls -- that is what continuous batching needs.
 
-Weights: the engine reads a *wire snapshot* (``name -> tensor`` as the weight
-sync delivers it: bf16 tensors, or float8_e4m3fn tensors with a float32
-``<name>_scale_inv`` of 128x128 block scales) and keeps a compute copy in
-``compute_dtype``.  On CPU that is float32: the values are exactly the pool's
-bf16/fp8 values, upcast once per weight update instead of per matmul, because
-CPU bf16 matmuls are slower than float32 ones at these sizes.  On CUDA the
-default is bf16. FP8 weights of the linear layers stay FP8 and multiply through
-``torch._scaled_mm`` (``_fp8mm``) on GPUs with FP8 tensor cores (capability >= 8.9),
-and are dequantised elsewhere; the CUDA paths have never run here (no GPU).
+Weights (the checkpoint-to-compute mapping lives in ``_weights``): the engine reads
+a *wire snapshot* (``name -> tensor`` as the weight sync delivers it: bf16 tensors,
+or float8_e4m3fn tensors with a float32 ``<name>_scale_inv`` of 128x128 block
+scales) and keeps a compute copy in ``compute_dtype``. On CPU that is float32: the
+values are exactly the pool's bf16/fp8 values, upcast once per weight update instead
+of per matmul, because CPU bf16 matmuls are slower than float32 ones at these sizes.
+On CUDA the default is bf16. FP8 weights of the linear layers stay FP8 and multiply
+through ``torch._scaled_mm`` (``_fp8mm``) on GPUs with FP8 tensor cores (capability
+>= 8.9), and are dequantised elsewhere; the CUDA paths have never run here (no GPU).
 
 Nothing here is thread-safe or async: the caller (the batcher, driven by one
 trio task) calls ``load``/``prefill``/``decode`` strictly one after another, so
@@ -42,59 +42,11 @@ import torch
 import torch.nn.functional as F
 
 from actors.models import load_model_config
-from orchestrator.weightsync import dequantize_fp8
 
 from ._fp8mm import Fp8Weight, fp8_matmul_available, linear
+from ._weights import LINEAR_BLOCKS, layer_parts, rope_frequencies, wire_to_compute
 
-__all__ = ["DecoderEngine", "Qwen3Engine", "first_outside_vocab", "wire_to_compute"]
-
-_LINEAR = ("qkv", "o", "gate_up", "down")  # the blocks that can multiply in FP8
-
-_ROPE_TYPES = ("default", "linear", "llama3")
-
-
-def _layer_parts(*, qk_norm: bool, qkv_bias: bool, o_bias: bool,
-                 mlp_bias: bool) -> dict[str, tuple[str, ...]]:
-    """Fused compute blocks of one layer -> the HF tensors they concatenate."""
-    parts = {
-        "qkv": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
-        "o": ("self_attn.o_proj.weight",),
-        "gate_up": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-        "down": ("mlp.down_proj.weight",),
-        "ln1": ("input_layernorm.weight",),
-        "ln2": ("post_attention_layernorm.weight",),
-    }
-    if qk_norm:
-        parts["q_norm"] = ("self_attn.q_norm.weight",)
-        parts["k_norm"] = ("self_attn.k_norm.weight",)
-    if qkv_bias:
-        parts["qkv_b"] = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
-    if o_bias:
-        parts["o_b"] = ("self_attn.o_proj.bias",)
-    if mlp_bias:
-        parts["gate_up_b"] = ("mlp.gate_proj.bias", "mlp.up_proj.bias")
-        parts["down_b"] = ("mlp.down_proj.bias",)
-    return parts
-
-
-def _rope_frequencies(cfg: Any) -> tuple[torch.Tensor, float]:
-    """(inv_freq, attention scaling) as the HF model computes them; refuses dynamic kinds."""
-    rope = dict(cfg.rope_parameters or {})
-    kind = rope.get("rope_type", "default")
-    if kind not in _ROPE_TYPES:
-        raise ValueError(f"model config: rope_type {kind!r} is not supported by the torch engine "
-                         f"(supported: {', '.join(_ROPE_TYPES)})")
-    if rope.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError("model config: partial_rotary_factor != 1 is not supported")
-    if kind == "default":
-        d = cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
-        inv = 1.0 / (rope["rope_theta"] ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-        return inv, 1.0
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    inv, scaling = ROPE_INIT_FUNCTIONS[kind](cfg, torch.device("cpu"))
-    return inv.float(), float(scaling)
-
+__all__ = ["DecoderEngine", "Qwen3Engine", "first_outside_vocab"]
 
 def _linear(x: torch.Tensor, w: torch.Tensor | Fp8Weight, b: torch.Tensor | None) -> torch.Tensor:
     """``linear`` (dense or FP8 weight) with an optional bias; dense with a bias is one
@@ -104,24 +56,6 @@ def _linear(x: torch.Tensor, w: torch.Tensor | Fp8Weight, b: torch.Tensor | None
     if isinstance(w, Fp8Weight):
         return linear(x, w) + b
     return F.linear(x, w, b)
-
-
-def wire_to_compute(
-    snapshot: Mapping[str, torch.Tensor], name: str, dtype: torch.dtype, device: torch.device
-) -> torch.Tensor:
-    """One tensor of a wire snapshot as a dense compute tensor (dequantising FP8 blocks)."""
-    try:
-        t = snapshot[name]
-    except KeyError:
-        raise KeyError(f"weight snapshot has no tensor {name!r}") from None
-    scale = snapshot.get(name + "_scale_inv")
-    if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        if scale is None:
-            raise ValueError(f"FP8 tensor {name!r} arrived without {name}_scale_inv")
-        return dequantize_fp8(t.to(device), scale.to(device), dtype)
-    # Always a copy: the weight receiver updates snapshot tensors in place (in a worker
-    # thread, while decoding goes on), so compute weights must never alias them.
-    return t.to(device=device, dtype=dtype, copy=True)
 
 
 def first_outside_vocab(ids: Sequence[int], vocab: int) -> int | None:
@@ -173,7 +107,7 @@ class DecoderEngine:
         fp8_matmul: bool | None = None,
     ) -> None:
         cfg = load_model_config(config)
-        inv_freq, rope_scale = _rope_frequencies(cfg)
+        inv_freq, rope_scale = rope_frequencies(cfg)
         if cfg.hidden_act != "silu":
             raise ValueError(f"model config: hidden_act {cfg.hidden_act!r} is not supported (only 'silu')")
         if max_slots < 1:
@@ -197,7 +131,7 @@ class DecoderEngine:
                              f"({self.max_len} tokens); sliding-window attention is not supported")
         attention_bias = bool(getattr(cfg, "attention_bias", False))
         self.qk_norm = cfg.model_type == "qwen3"
-        self._parts = _layer_parts(
+        self._parts = layer_parts(
             qk_norm=self.qk_norm, qkv_bias=cfg.model_type == "qwen2" or attention_bias,
             o_bias=attention_bias and cfg.model_type != "qwen2",
             mlp_bias=bool(getattr(cfg, "mlp_bias", False)))
@@ -269,7 +203,7 @@ class DecoderEngine:
             for key, parts in self._parts.items():
                 full = [prefix + p for p in parts]
                 if any(n in touched for n in full):
-                    if self.fp8_matmul and key in _LINEAR and snapshot[full[0]].dtype == torch.float8_e4m3fn:
+                    if self.fp8_matmul and key in LINEAR_BLOCKS and snapshot[full[0]].dtype == torch.float8_e4m3fn:
                         layer[key] = Fp8Weight.cat([Fp8Weight.from_wire(
                             snapshot[n], snapshot[n + "_scale_inv"], self.device) for n in full])
                         continue
