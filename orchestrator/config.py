@@ -95,6 +95,11 @@ class TaskSection(_Section):
     """An episode that takes longer ends as a failed trajectory."""
     max_new_tokens: int = Field(default=1, ge=1)
     """Tokens the policy may generate per turn."""
+    max_failed_in_a_row: int | None = Field(default=None, ge=1)
+    """Stop the run when this many episodes in a row failed (a crashing, hanging or
+    reward-less environment or harness), naming the last error; None: 4 x
+    `[rollout] group_size`. An environment that fails only sometimes still trains: any
+    episode that succeeds resets the count."""
     modules: list[str] = Field(default_factory=list)
     """Modules that register tasks (`@register_task`): dotted names (`my_pkg.tasks`) or `.py`
     paths (`path/to/tasks.py`), imported in every environment process before its first
@@ -118,13 +123,10 @@ class TaskSection(_Section):
     grader: str | None = None
     """Harness: `module:function` given (transcript, params) returning the reward (else the
     harness reports it: a `{"reward": x}` stdout line, POST /reward, or the return value)."""
-    gateway_server: Literal["flotilla", "hypercorn"] | None = None
-    """Harness: the gateway's HTTP server, `flotilla` (the default: a lean HTTP/1.1 server on
-    trio, the least overhead per turn) or `hypercorn` (its trio worker)."""
 
     @model_validator(mode="after")
     def _harness_fields(self) -> TaskSection:
-        given = [f for f in ("command", "entrypoint", "grader", "gateway_server") if getattr(self, f) is not None]
+        given = [f for f in ("command", "entrypoint", "grader") if getattr(self, f) is not None]
         if self.kind == "harness" and (self.command is None) == (self.entrypoint is None):
             raise ValueError("kind = 'harness' needs exactly one of command or entrypoint")
         if self.kind == "env" and given:

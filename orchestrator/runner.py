@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -47,6 +48,8 @@ class RunResult:
     interrupted: bool
     counts: dict[str, int]
     wall_s: float
+    failure: str | None = None
+    """Why the run stopped before its last step (episodes kept failing), or None."""
 
 
 def _actor_env(cfg: RunConfig, cpus: list[int] | None) -> dict[str, str]:
@@ -225,9 +228,9 @@ async def run_async(cfg: RunConfig, *, resume: bool = False, progress: Progress 
     cost_report.write(run_dir)
     finish_outputs(run_dir, sinks, cost_report, state.step, progress)
     result = RunResult(run_dir, state.step, state.version, controller.interrupted,
-                       controller.counts(), time.monotonic() - t0)
-    progress.message(f"flotilla: {'interrupted' if result.interrupted else 'done'} at step "
-                     f"{result.steps_done}, {result.wall_s:.0f}s; reports in {run_dir}")
+                       controller.counts(), time.monotonic() - t0, controller.failure)
+    how = "stopped" if result.failure else "interrupted" if result.interrupted else "done"
+    progress.message(f"flotilla: {how} at step {result.steps_done}, {result.wall_s:.0f}s; reports in {run_dir}")
     return result
 
 
@@ -238,8 +241,7 @@ def _env_config(cfg: RunConfig, env_config: Any) -> Any:
     from actors.gateway import HarnessConfig
 
     harness = HarnessConfig(command=cfg.task.command, entrypoint=cfg.task.entrypoint, grader=cfg.task.grader,
-                            timeout_s=cfg.task.episode_timeout_s, max_new_tokens=cfg.task.max_new_tokens,
-                            server=cfg.task.gateway_server or "flotilla")
+                            timeout_s=cfg.task.episode_timeout_s, max_new_tokens=cfg.task.max_new_tokens)
     return env_config.model_copy(update={"harness": harness})
 
 
@@ -289,5 +291,8 @@ def run_from_cli(config: str | None, *, overrides: list[str], steps: int | None,
         if config is None:
             raise ConfigError("flotilla run needs a CONFIG (or --resume RUN_DIR)")
         cfg = load_config(config, extra)
-    run(cfg, resume=bool(resume), quiet=quiet)
+    result = run(cfg, resume=bool(resume), quiet=quiet)
+    if result.failure:
+        print(f"flotilla: stopped: {result.failure}", file=sys.stderr)
+        return 1
     return 0

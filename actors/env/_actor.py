@@ -101,7 +101,7 @@ class EnvActor(Actor):
         if self.config.harness is not None:
             from actors.gateway import Gateway
 
-            self.gateway = Gateway(self.chat, server=self.config.harness.server)
+            self.gateway = Gateway(self.chat)
             await nursery.start(self.gateway.serve)
 
     @endpoint

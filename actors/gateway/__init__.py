@@ -1,7 +1,7 @@
 """The OpenAI-compatible gateway: an unmodified agent harness as the RL environment.
 
 ``Gateway`` serves ``/v1/chat/completions``, ``/v1/completions`` and ``/v1/models``
-(a Starlette app on a lean HTTP/1.1 server, in the environment actor's trio loop); each
+(a Starlette app served by hypercorn's trio worker, in the environment actor's trio loop); each
 episode gets a ``Session`` (its own base URL ``/s/<key>/v1``, or its key as the API
 key) that records every token exactly as the sampler saw and generated it.
 ``HarnessConfig`` + ``play_harness_episode`` run a harness (a subprocess or an

@@ -1,5 +1,4 @@
-"""The gateway's HTTP side: a Starlette app, served by this package's lean HTTP/1.1
-server on trio (``actors.gateway._server``) or by hypercorn's trio worker.
+"""The gateway's HTTP side: a Starlette app served by hypercorn's trio worker.
 
 Routes (each also under ``/s/{session}/...``, the per-episode base URL)::
 
@@ -53,7 +52,7 @@ from actors.gateway._schemas import (
 )
 from actors.gateway._session import Session
 
-__all__ = ["SERVERS", "build_app", "check_server", "serve_gateway"]
+__all__ = ["build_app", "serve_gateway"]
 
 
 _encoder = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"))
@@ -80,12 +79,7 @@ async def _send_json(send: Send, payload: Any, status: int = 200,
 class _Endpoint:
     """A route's ASGI app: ``handler(scope, body, send)`` answers a request whose body is
     read whole; a ``GatewayError`` it raises (before answering) becomes OpenAI error JSON.
-
-    The routes are raw ASGI rather than Starlette's ``Request -> Response`` functions: a
-    turn then builds no Request or Response object and passes two layers fewer (the app's
-    warm turn measured 81-88 µs before, 69-81 µs after on a 2-core machine; end to end,
-    where a turn is ~0.6-1.3 ms, the difference is inside the machine's noise).
-    Starlette still routes, answers 404/405 and catches what a handler fails with.
+    Starlette routes, answers 404/405 and catches what a handler fails with.
     """
 
     def __init__(self, handler: Callable[[dict[str, Any], bytes, Send], Awaitable[None]]) -> None:
@@ -159,8 +153,8 @@ def build_app(lookup: Callable[[str], Session | None], model_name: str) -> Starl
             return await _send_json(send, response, headers=(timing,))
         await send({"type": "http.response.start", "status": 200, "headers": [
             (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"), timing]})
-        for c in stream_chunks(response, pieces):
-            await send({"type": "http.response.body", "body": f"data: {json.dumps(c)}\n\n".encode(),
+        for c in stream_chunks(response, pieces, include_usage=req.include_usage):
+            await send({"type": "http.response.body", "body": b"data: " + _encoder.encode(c).encode() + b"\n\n",
                         "more_body": True})
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
 
@@ -208,74 +202,16 @@ def build_app(lookup: Callable[[str], Session | None], model_name: str) -> Starl
     return Starlette(routes=routes, exception_handlers={HTTPException: not_found, Exception: crashed})
 
 
-def _one_write_per_response() -> None:
-    """Make hypercorn's HTTP/1.1 protocol write a response's head together with its body.
-
-    Hypercorn writes the status line and headers as soon as the app starts its response,
-    and the body in a second write: two sends on the socket and, for the client, two
-    wake-ups per turn. A response that declares its ``content-length`` (every JSON
-    answer; not a stream) has its body right behind its head, so the head is held and
-    goes out with the body, in one write. Streams (SSE) are not held: their head goes
-    out at once. Hypercorn's protocol class is changed once per process, and only when
-    it has the shape this relies on (hypercorn 0.17-0.18); otherwise nothing changes.
-    """
-    import h11
-    from hypercorn.events import RawData
-    from hypercorn.protocol.h11 import H11Protocol
-
-    original = getattr(H11Protocol, "_send_h11_event", None)
-    if original is None or getattr(original, "flotilla_one_write", False):
-        return
-
-    async def send_h11_event(self: Any, event: Any) -> None:
-        head = self.__dict__.pop("_flotilla_head", None)
-        if head is None and not (isinstance(event, h11.Response) and any(
-                k.lower() == b"content-length" for k, _ in event.headers)):
-            return await original(self, event)
-        try:
-            data = self.connection.send(event)
-        except h11.LocalProtocolError:
-            if self.connection.their_state != h11.ERROR:
-                raise
-            data = b""
-        if head is None:
-            self._flotilla_head = data   # sent with the body, next
-            return
-        await self.send(RawData(data=head + (data or b"")))
-
-    send_h11_event.flotilla_one_write = True  # type: ignore[attr-defined]
-    H11Protocol._send_h11_event = send_h11_event  # type: ignore[method-assign]
-
-
-SERVERS = ("flotilla", "hypercorn")
-"""The HTTP servers ``serve_gateway`` can run: this package's lean HTTP/1.1 server
-(``actors.gateway._server``, the default) or hypercorn's trio worker."""
-
-
-def check_server(server: str) -> None:
-    """Raise ValueError unless ``server`` is one of ``SERVERS``."""
-    if server not in SERVERS:
-        raise ValueError(f"gateway server {server!r}: expected one of {', '.join(SERVERS)}")
-
-
-async def serve_gateway(app: Starlette, host: str = "127.0.0.1", port: int = 0, *, server: str = "flotilla",
+async def serve_gateway(app: Starlette, host: str = "127.0.0.1", port: int = 0, *,
                         task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
-    """Serve ``app`` until cancelled with ``server`` (one of ``SERVERS``); reports the base
-    address (``http://host:port``) once it listens.
+    """Serve ``app`` with hypercorn's trio worker until cancelled; reports the base address
+    (``http://host:port``) once it listens.
 
     Cancellation closes the listener and the open connections.
     """
-    check_server(server)
-    if server == "flotilla":
-        from actors.gateway._server import serve_asgi
-
-        async with trio.open_nursery() as nursery:
-            task_status.started(await nursery.start(serve_asgi, app, host, port))
-        return
     from hypercorn.config import Config
     from hypercorn.trio import serve
 
-    _one_write_per_response()
     config = Config()
     config.bind = [f"{host}:{port}"]
     config.include_server_header = False

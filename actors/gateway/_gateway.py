@@ -3,12 +3,11 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Awaitable, Callable
-from functools import partial
 
 import trio
 
 from actors.chat import ChatFormat
-from actors.gateway._app import build_app, check_server, serve_gateway
+from actors.gateway._app import build_app, serve_gateway
 from actors.gateway._session import Session, SessionLimits
 from actors.sampler import GenerateRequest, GenerateResult
 from actors.types import TaskSpec
@@ -23,15 +22,13 @@ class Gateway:
         fmt: the model's chat format (renders requests into ids, parses replies).
         model_name: the name ``GET /v1/models`` lists.
         host / port: where to listen (port 0: any free port).
-        server: the HTTP server, ``"flotilla"`` (the lean default) or ``"hypercorn"``.
     """
 
     def __init__(self, fmt: ChatFormat, *, model_name: str = "flotilla", host: str = "127.0.0.1",
-                 port: int = 0, server: str = "flotilla") -> None:
+                 port: int = 0) -> None:
         self.fmt = fmt
         self.model_name = model_name
-        check_server(server)
-        self.host, self.port, self.server = host, port, server
+        self.host, self.port = host, port
         self.sessions: dict[str, Session] = {}
         self.address: str | None = None
         """``http://host:port`` once serving."""
@@ -43,8 +40,7 @@ class Gateway:
     async def serve(self, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
         """Listen until cancelled; reports the address once listening."""
         async with trio.open_nursery() as nursery:
-            self.address = await nursery.start(partial(serve_gateway, server=self.server), self.app,
-                                               self.host, self.port)
+            self.address = await nursery.start(serve_gateway, self.app, self.host, self.port)
             task_status.started(self.address)
 
     def open_session(self, task: TaskSpec, generate: Callable[[GenerateRequest], Awaitable[GenerateResult]],

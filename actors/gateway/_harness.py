@@ -36,7 +36,7 @@ import sys
 import traceback
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import trio
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -75,9 +75,6 @@ class HarnessConfig(BaseModel):
     """Working directory of the command (default: the actor's)."""
     env: dict[str, str] = Field(default_factory=dict)
     """Extra environment variables of the command."""
-    server: Literal["flotilla", "hypercorn"] = "flotilla"
-    """The gateway's HTTP server: the lean HTTP/1.1 one (``actors/gateway/_server.py``) or
-    hypercorn's trio worker (slower per turn)."""
 
     @model_validator(mode="after")
     def _one_kind(self) -> HarnessConfig:
@@ -125,9 +122,11 @@ def task_dict(task: TaskSpec) -> dict[str, Any]:
     return {"seed": task.seed, "prompt_id": task.prompt_id, **task.params}
 
 
-def _tail(data: bytes | str) -> str:
-    text = data.decode(errors="replace") if isinstance(data, bytes) else data
-    return text[-_TAIL:]
+def _tail(data: bytes | bytearray | str, lines: int = 6) -> str:
+    """The last few non-empty lines of a harness's output, as text (at most `_TAIL` characters)."""
+    text = bytes(data).decode(errors="replace") if isinstance(data, (bytes, bytearray)) else data
+    kept = [line.rstrip() for line in text[-16 * _TAIL:].splitlines() if line.strip()][-lines:]
+    return "\n".join(kept)[-_TAIL:]
 
 
 def _reward_line(stdout: str) -> float | None:

@@ -31,7 +31,9 @@ __all__ = [
     "chat_response",
     "completion_response",
     "error_body",
+    "content_pieces",
     "format_validation_error",
+    "logprob_entry",
     "stream_chunks",
     "template_message",
 ]
@@ -173,6 +175,11 @@ class _Sampling(_Open):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
 
+class StreamOptions(_Open):
+    include_usage: bool = False
+    """Send a last chunk with ``choices: []`` and the usage (and ``usage: null`` on the others)."""
+
+
 class ChatRequest(_Sampling):
     """``POST /v1/chat/completions``."""
 
@@ -181,9 +188,17 @@ class ChatRequest(_Sampling):
     tools: list[dict[str, Any]] | None = None
     """OpenAI function tools, handed to the chat template."""
     tool_choice: str | dict[str, Any] | None = None
-    """"auto"/"none"/"required" or a named function; "none" drops the tools from the prompt."""
+    """"auto"/"none"/"required" or a named function; "none" drops the tools from the prompt
+    (the others cannot constrain a sampled reply: the model's reply is what it is)."""
     max_completion_tokens: int | None = Field(None, ge=1)
     """The newer name of max_tokens (wins when both are given)."""
+    stream_options: StreamOptions | None = None
+    """With ``stream``: ``include_usage`` asks for the usage chunk, as OpenAI's API does."""
+    logprobs: bool = False
+    """Return each generated token's log-probability (the sampler's distribution: after
+    temperature, top-k and top-p, which is what the recipe records)."""
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    """With ``logprobs``: that many most likely tokens of each position's sampling support."""
 
     @model_validator(mode="after")
     def _tools(self) -> ChatRequest:
@@ -191,6 +206,8 @@ class ChatRequest(_Sampling):
             fn = t.get("function")
             if t.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
                 raise ValueError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
         return self
 
     def limit(self) -> int | None:
@@ -201,12 +218,25 @@ class ChatRequest(_Sampling):
             return None
         return self.tools
 
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
 
 class CompletionRequest(_Sampling):
     """``POST /v1/completions`` (plain prompts, no chat template)."""
 
     prompt: str | list[int]
     """Text, or token ids used as they are."""
+    logprobs: int | None = None
+    """Not supported for plain completions (a 400 says so); chat completions have them."""
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, v: int | None) -> int | None:
+        if v:
+            raise ValueError("logprobs are supported for chat completions only")
+        return v
 
 
 def _id(prefix: str) -> str:
@@ -219,7 +249,8 @@ def _usage(prompt: int, completion: int) -> dict[str, int]:
 
 def openai_message(msg: dict[str, Any]) -> dict[str, Any]:
     """A parsed assistant message in OpenAI's shape (string arguments, call ids)."""
-    out: dict[str, Any] = {"role": "assistant", "content": msg.get("content") or None}
+    out: dict[str, Any] = {"role": "assistant", "content": msg.get("content") or None, "refusal": None,
+                           "annotations": []}
     calls = msg.get("tool_calls")
     if calls:
         out["tool_calls"] = [{
@@ -233,12 +264,20 @@ def openai_message(msg: dict[str, Any]) -> dict[str, Any]:
 
 
 def chat_response(model: str, message: dict[str, Any], finish_reason: str, prompt_tokens: int,
-                  completion_tokens: int) -> dict[str, Any]:
-    """A ``chat.completion`` object with one choice."""
+                  completion_tokens: int, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """A ``chat.completion`` object with one choice; ``logprobs``: one entry per token."""
     return {"id": _id("chatcmpl"), "object": "chat.completion", "created": int(time.time()),
-            "model": model, "choices": [{"index": 0, "message": message, "logprobs": None,
-                                         "finish_reason": finish_reason}],
-            "usage": _usage(prompt_tokens, completion_tokens)}
+            "model": model, "choices": [{"index": 0, "message": message, "finish_reason": finish_reason,
+                                         "logprobs": None if logprobs is None
+                                         else {"content": logprobs, "refusal": None}}],
+            "usage": _usage(prompt_tokens, completion_tokens), "system_fingerprint": None}
+
+
+def logprob_entry(token: str, logprob: float, top: list[tuple[str, float]]) -> dict[str, Any]:
+    """One position of ``choices[].logprobs.content``."""
+    def one(t: str, lp: float) -> dict[str, Any]:
+        return {"token": t, "logprob": lp, "bytes": list(t.encode())}
+    return {**one(token, logprob), "top_logprobs": [one(t, lp) for t, lp in top]}
 
 
 def completion_response(model: str, text: str, finish_reason: str, prompt_tokens: int,
@@ -250,23 +289,69 @@ def completion_response(model: str, text: str, finish_reason: str, prompt_tokens
             "usage": _usage(prompt_tokens, completion_tokens)}
 
 
-def stream_chunks(response: dict[str, Any], pieces: list[str]) -> list[dict[str, Any]]:
-    """A finished chat response as ``chat.completion.chunk`` objects (role, text pieces,
-    tool calls, finish, usage), in the order OpenAI streams them."""
-    base = {"id": response["id"], "object": "chat.completion.chunk", "created": response["created"],
-            "model": response["model"]}
+def stream_chunks(response: dict[str, Any], pieces: list[str], *,
+                  include_usage: bool = False) -> list[dict[str, Any]]:
+    """A finished chat response as the ``chat.completion.chunk`` objects OpenAI streams.
+
+    The first delta carries the role; content deltas (``pieces``, one per generated token
+    where the decoded text allows) concatenate to the message's content exactly; each tool
+    call opens with its ``index``, ``id``, ``type`` and name, then streams its arguments in
+    pieces; a last delta carries ``finish_reason``. With ``include_usage`` every chunk has
+    ``usage: null`` and one more chunk, with ``choices: []``, the usage. Logprobs, when the
+    response has them, ride on the content chunks of their tokens.
+    """
+    base: dict[str, Any] = {"id": response["id"], "object": "chat.completion.chunk",
+                            "created": response["created"], "model": response["model"],
+                            "system_fingerprint": None}
+    if include_usage:
+        base["usage"] = None
     choice = response["choices"][0]
     msg = choice["message"]
+    content = msg.get("content") or ""
+    calls = msg.get("tool_calls") or []
+    logprobs = (choice.get("logprobs") or {}).get("content")
 
-    def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
-        return {**base, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+    def chunk(delta: dict[str, Any], finish: str | None = None, lps: list | None = None) -> dict[str, Any]:
+        return {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish,
+                                     "logprobs": None if lps is None else {"content": lps, "refusal": None}}]}
 
-    out = [chunk({"role": "assistant", "content": ""})]
-    if msg.get("content"):
-        out += [chunk({"content": p}) for p in pieces if p]
-    for i, call in enumerate(msg.get("tool_calls") or []):
+    out = [chunk({"role": "assistant", "content": "" if content or not calls else None, "refusal": None})]
+    parts = content_pieces(content, pieces)
+    for i, p in enumerate(parts):
+        lps = None
+        if logprobs is not None:   # token i's entry; what no piece stands for goes with the last
+            lps = logprobs[i:i + 1] if i < len(parts) - 1 else logprobs[i:]
+        out.append(chunk({"content": p}, lps=lps))
+    for i, call in enumerate(calls):
+        fn = call["function"]
         out.append(chunk({"tool_calls": [{"index": i, "id": call["id"], "type": "function",
-                                          "function": call["function"]}]}))
-    out.append(chunk({}, choice["finish_reason"]))
-    out.append({**base, "choices": [], "usage": response["usage"]})
+                                          "function": {"name": fn["name"], "arguments": ""}}]}))
+        args = fn["arguments"]
+        for k in range(0, len(args), _ARG_PIECE):
+            out.append(chunk({"tool_calls": [{"index": i, "function": {"arguments": args[k:k + _ARG_PIECE]}}]}))
+    # A reply without content (a tool call only): its tokens' logprobs ride on the last delta.
+    out.append(chunk({}, choice["finish_reason"], lps=logprobs if logprobs and not parts else None))
+    if include_usage:
+        out.append({**base, "choices": [], "usage": response["usage"]})
+    return out
+
+
+_ARG_PIECE = 16
+"""Characters of a tool call's arguments per streamed delta."""
+
+
+def content_pieces(content: str, pieces: list[str]) -> list[str]:
+    """``pieces`` (the reply's text token by token) as far as they spell ``content``, then the
+    rest of ``content`` in one piece: the deltas always concatenate to ``content`` (a stop
+    string, tool-call markup or a split multi-byte character end the token-wise part)."""
+    out, pos = [], 0
+    for p in pieces:
+        if not p:
+            continue
+        if not content.startswith(p, pos):
+            break
+        out.append(p)
+        pos += len(p)
+    if pos < len(content):
+        out.append(content[pos:])
     return out

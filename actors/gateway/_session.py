@@ -44,6 +44,7 @@ from actors.gateway._schemas import (
     GatewayError,
     chat_response,
     completion_response,
+    logprob_entry,
     openai_message,
     template_message,
 )
@@ -199,8 +200,9 @@ class Session:
             finish = ("tool_calls" if message.get("tool_calls")
                       else "stop" if cut_text is not None else result.finish_reason)
             self.transcript = [*messages, reply]
-            pieces = [self.fmt.decode([t]) for t in ids] if req.stream else []
-            return (chat_response(self.model, message, finish, len(seg.builder) - kept, kept), pieces)
+            pieces = token_pieces(self.fmt, ids) if req.stream else []
+            logprobs = _logprobs(self.fmt, result, kept, req.top_logprobs or 0) if req.logprobs else None
+            return (chat_response(self.model, message, finish, len(seg.builder) - kept, kept, logprobs), pieces)
 
     def _plan_chat(self, sent: list[ChatMessage], tools: list[dict[str, Any]] | None
                    ) -> tuple[_Plan, list[dict[str, Any]]]:
@@ -353,6 +355,37 @@ class Session:
         """segments, and generated tokens of earlier segments (not trained on)."""
         dropped = sum(int(sum(s.builder.mask)) for s in self.segments[:-1])
         return {"segments": len(self.segments), "dropped_generated": dropped}
+
+
+def token_pieces(fmt: ChatFormat, ids: list[int]) -> list[str]:
+    """The text each generated token adds, for streaming: ``""`` for a token that ends inside
+    a multi-byte character (its text comes with the token that completes it). Decodes a few
+    tokens of context each time, so a tokenizer that spaces words by context (SentencePiece,
+    the word format) gives the same text as decoding the whole reply."""
+    pieces, done = [], 0   # ids[:done] are accounted for
+    for k in range(1, len(ids) + 1):
+        start = max(0, done - 4)
+        before, text = fmt.decode(ids[start:done]), fmt.decode(ids[start:k])
+        if text.endswith("\ufffd") or not text.startswith(before):
+            pieces.append("")
+            continue
+        pieces.append(text[len(before):])
+        done = k
+    return pieces
+
+
+def _logprobs(fmt: ChatFormat, r: GenerateResult, kept: int, top: int) -> list[dict[str, Any]]:
+    """OpenAI's ``logprobs.content`` for the kept tokens: each token's log q (the sampler's
+    distribution, as recorded for training) and the ``top`` most likely ids of its support."""
+    offsets, ids, logq = r.support_offsets.tolist(), r.support_ids.tolist(), r.support_logq.tolist()
+    out = []
+    for t in range(kept):
+        row = list(zip(ids[offsets[t]:offsets[t + 1]], logq[offsets[t]:offsets[t + 1]], strict=True))
+        chosen = next((lq for i, lq in row if i == r.token_ids[t]), 0.0)
+        best = sorted(row, key=lambda il: -il[1])[:top]
+        out.append(logprob_entry(fmt.decode([r.token_ids[t]], skip_special=False), chosen,
+                                 [(fmt.decode([i], skip_special=False), lq) for i, lq in best]))
+    return out
 
 
 def _cut_at_stop(fmt: ChatFormat, ids: list[int], stops: list[str]) -> tuple[int, str | None]:

@@ -90,6 +90,8 @@ class RunContext:
         self.stopping = False
         self.interrupted = False
         self.abandoned = False
+        self.failure: str | None = None  # why the run stopped itself (episodes kept failing)
+        self.failed_in_a_row = 0
         self.train_pending = False  # sync mode: a batch was issued and not trained yet
         self.train_started: float | None = None
         self.train_s_ewma = 0.0
@@ -151,6 +153,23 @@ class RunContext:
                       error=d.error or ""):
                 pass
 
+    def episode_ended(self, error: str | None) -> None:
+        """Count an episode's outcome (``error`` None: it succeeded). `max_failed_in_a_row`
+        failures with no success between them stop the run: the step in progress finishes,
+        the run checkpoints, writes its reports and ends with `failure` set, naming the
+        last error, instead of retrying a broken environment forever."""
+        if error is None:
+            self.failed_in_a_row = 0
+            return
+        self.failed_in_a_row += 1
+        limit = self.cfg.task.max_failed_in_a_row or 4 * self.cfg.rollout.group_size
+        if self.failed_in_a_row >= limit and self.failure is None:
+            last = _one_line(error)
+            self.failure = (f"{self.failed_in_a_row} episodes failed in a row with none succeeding "
+                            f"([task] max_failed_in_a_row = {limit}); the last: {last}")
+            self.stopping = True
+            self.notify()
+
     def respawn_dead(self) -> None:
         """Bring back every dead sampler and env rank. A respawned sampler holds no weights:
         its sync worker sends it a keyframe before any rollout that needs them starts."""
@@ -178,3 +197,12 @@ class RunContext:
     def consume_rate(self) -> float:
         batch = self.cfg.rollout.prompts_per_step * self.cfg.rollout.group_size
         return batch / self.train_s_ewma if self.train_s_ewma > 0 and math.isfinite(self.train_s_ewma) else 0.0
+
+
+def _one_line(text: str, limit: int = 800) -> str:
+    """A multi-line error (a traceback's tail) as one line: its first line and its last ones."""
+    lines = [" ".join(line.split()) for line in text.splitlines() if line.strip()]
+    if len(lines) > 5:
+        lines = [lines[0], "…", *lines[-4:]]
+    out = " | ".join(lines)
+    return out if len(out) <= limit else out[: limit // 3] + " … " + out[-(2 * limit // 3):]

@@ -82,6 +82,11 @@ class Controller:
         return self.ctx.abandoned
 
     @property
+    def failure(self) -> str | None:
+        """Why the run stopped itself before `cfg.steps` (episodes kept failing), or None."""
+        return self.ctx.failure
+
+    @property
     def restoring_trainer(self) -> bool:
         """A dead trainer is being restored from the last checkpoint now."""
         return not self.ctx.trainer_alive.is_set()
@@ -125,7 +130,8 @@ class Controller:
             else:
                 evals_done.set()
             await train_loop(ctx)
-            await evals_done.wait()  # an evaluation due at the last step finishes first
+            if ctx.failure is None:
+                await evals_done.wait()  # an evaluation due at the last step finishes first
             nursery.cancel_scope.cancel()
 
     async def _supervise(self) -> None:

@@ -142,6 +142,7 @@ async def _rollout(ctx: RunContext, slot: Slot, task: TaskSpec, pool: PoolView, 
             s.set_attribute("failed", bool(traj.failed))
     except ActorDied as e:
         ctx.progress.failure(f"rollout on {pool.receiver(rank)} lost: {e}")
+        ctx.episode_ended(f"rollout on {pool.receiver(rank)} lost: {e}")
         ctx.respawn_dead()
     finally:
         ctx.rollout_scopes.discard(scope)
@@ -151,6 +152,8 @@ async def _rollout(ctx: RunContext, slot: Slot, task: TaskSpec, pool: PoolView, 
             ctx.buffer.requeue(slot)
         else:
             ctx.scheduler.complete(pool.name, traj.num_generated)
+            ctx.episode_ended(f"episode {slot.prompt_id}#{slot.index}: {traj.error or 'failed'}"
+                              if traj.failed else None)
             drop = ctx.buffer.complete(slot, traj)
             if drop is not None:
                 ctx.trace_drops([drop])

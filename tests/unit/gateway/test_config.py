@@ -31,12 +31,10 @@ def test_harness_task_section_is_checked(tmp_path) -> None:
         _cfg(tmp_path, {"command": "python a.py"})
     cfg = _cfg(tmp_path, {"kind": "harness", "name": "agent", "entrypoint": f"{AGENT}:play"})
     assert preflight(cfg).task_modules == []   # no registered task needed: the harness is the task
-    with pytest.raises(ConfigError, match="gateway_server"):
-        _cfg(tmp_path, {"kind": "harness", "entrypoint": f"{AGENT}:play", "gateway_server": "nginx"})
-    with pytest.raises(ConfigError, match="gateway_server only apply to kind = 'harness'"):
-        _cfg(tmp_path, {"gateway_server": "hypercorn"})
-    assert _cfg(tmp_path, {"kind": "harness", "entrypoint": f"{AGENT}:play",
-                           "gateway_server": "hypercorn"}).task.gateway_server == "hypercorn"
+    with pytest.raises(ConfigError, match="gateway_server"):   # one server now: hypercorn
+        _cfg(tmp_path, {"kind": "harness", "entrypoint": f"{AGENT}:play", "gateway_server": "hypercorn"})
+    with pytest.raises(ConfigError, match="max_failed_in_a_row"):
+        _cfg(tmp_path, {"kind": "harness", "entrypoint": f"{AGENT}:play", "max_failed_in_a_row": 0})
 
 
 def test_preflight_names_a_missing_entrypoint_or_program(tmp_path) -> None:

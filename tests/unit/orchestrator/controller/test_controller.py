@@ -114,6 +114,26 @@ async def test_a_failing_environment_never_crashes_the_run(autojump_clock):
     _balanced(h)
 
 
+async def test_an_environment_that_always_fails_stops_the_run_naming_its_error(autojump_clock):
+    """Every episode fails: the run stops itself after `max_failed_in_a_row` failures (default
+    4 x group_size) instead of retrying forever, checkpoints and reports why."""
+    h = Harness(run_config(steps=6), envs=FakeEnvs(fail_rate=1.0))
+    with trio.fail_after(60):   # trio's mock clock: a bound on simulated time, not wall time
+        await h.controller.run()
+    assert h.state.step == 0 and not h.trainer.batches
+    limit = 4 * h.cfg.rollout.group_size
+    assert h.controller.failure is not None and f"{limit} episodes failed in a row" in h.controller.failure
+    assert "ValueError: env exploded" in h.controller.failure and "\n" not in h.controller.failure
+    assert h.metrics.rows == [] and h.controller.ctx.failed_in_a_row >= limit
+
+
+async def test_failures_broken_by_successes_never_stop_the_run(autojump_clock):
+    h = Harness(run_config(steps=6, task={"max_failed_in_a_row": 8}), envs=FakeEnvs(fail_rate=0.3, seed=1))
+    await h.controller.run()
+    assert h.state.step == 6 and h.controller.failure is None
+    assert h.metrics.rows[-1]["dropped_failed"] > 0
+
+
 async def test_ctrl_c_mid_step_finishes_the_step_and_keeps_the_buffered_prompts(autojump_clock):
     h = Harness(run_config(steps=20), handle_sigint=True)
     h.trainer.gate = trio.Event()
