@@ -24,14 +24,25 @@ from typing import Any
 
 import trio
 
-from orchestrator.checkpoints import latest_checkpoint, repair_jsonl, save_checkpoint_dir, write_file_atomic
+from orchestrator.checkpoints import (
+    latest_checkpoint,
+    repair_jsonl,
+    save_checkpoint_dir,
+    write_file_atomic,
+)
 from orchestrator.config import ConfigError, RunConfig, check_runnable, load_config
-from orchestrator.controller import STATE_FILE, Controller, ControllerState, Links, TrainerLink
+from orchestrator.controller import (
+    STATE_FILE,
+    Controller,
+    ControllerState,
+    Links,
+    TrainerLink,
+)
 from orchestrator.controller.meshes import MeshEnvs, MeshPool, MeshTrainer
-from orchestrator.preflight import preflight
 from orchestrator.live import make_progress
 from orchestrator.outputs import finish_outputs
 from orchestrator.pool_mesh import check_hosts, gpu_warnings, identity_env, pool_mesh
+from orchestrator.preflight import preflight
 from orchestrator.progress import Progress
 from orchestrator.runtime import open_mesh, span
 from orchestrator.sinks import open_sinks

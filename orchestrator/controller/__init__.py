@@ -9,7 +9,13 @@ over actor meshes, tests over in-memory fakes.
 
 from orchestrator.controller._controller import Controller, MetricsSink
 from orchestrator.controller._training import TrainerLost
-from orchestrator.controller.links import Checkpointer, EnvLink, Links, PoolLink, TrainerLink
+from orchestrator.controller.links import (
+    Checkpointer,
+    EnvLink,
+    Links,
+    PoolLink,
+    TrainerLink,
+)
 from orchestrator.controller.state import STATE_FILE, ControllerState
 
 __all__ = [
