@@ -1,14 +1,13 @@
 """The gateway's cost per turn, and what the sampler's prefix cache buys a multi-turn agent.
 
 What: sessions driven by a separate client process (as a harness would be) against a
-running gateway (Starlette on the lean trio HTTP/1.1 server -- and on hypercorn, for
-comparison -- in this process) backed by torch
+running gateway (Starlette on hypercorn's trio worker, in this process) backed by torch
 ``SamplerActor``s (their own processes, the tiny built-in model, the word tokenizer):
 
 * overhead: per turn, one request at a time, the latency minus the time the request
   waited on the sampler (the ``x-flotilla-sampler-ms`` header the gateway sets), p50/p99,
   measured side by side in one run -- the turns of an ``openai``-client session and of
-  three raw-HTTP sessions (one per server, one timing the app) interleave, so all see the
+  two raw-HTTP sessions (one of them timing the app) interleave, so all see the
   same machine:
 
   - ``overhead_p50_ms`` (the target): a minimal HTTP/1.1 client (a blocking keep-alive
@@ -16,17 +15,14 @@ comparison -- in this process) backed by torch
     parse the JSON). It counts everything the gateway does for a turn -- loopback TCP
     both ways, the server's HTTP parsing and writing, routing, validation, template and
     token bookkeeping, response JSON -- and next to nothing of the client's own;
-  - ``hypercorn_overhead_p50_ms``: the same client against the same app served by
-    hypercorn's trio worker (``gateway_server = "hypercorn"``);
   - ``openai_overhead_p50_ms``: the official ``openai`` client (``with_raw_response``,
     then ``parse()``). It adds that library's request building and response parsing
     (httpx, pydantic models), which a harness pays whatever server it talks to: not
     the gateway's cost, reported so nobody has to guess it;
   - ``app_overhead_p50_ms``: inside the ASGI app only (no HTTP parsing, no sockets),
-    timed on a fourth interleaved raw-HTTP session served by a second lean server whose
-    app is wrapped in a timer. The three figures above run the app unwrapped: the timer
-    cost ~0.05 ms a turn (0.90/1.07/1.01 ms with it in the path against 0.86/1.00/0.94
-    without, alternating ``--quick`` runs);
+    timed on a third interleaved raw-HTTP session served by a second server whose app is
+    wrapped in a timer (the figures above run the app unwrapped); the rest of a turn is
+    hypercorn's HTTP handling and the loopback sockets;
 
   and ``gateway_cpu_per_turn_ms``, the gateway process's CPU time over those turns per
   turn (app, servers, the sampler call's client side): on a shared machine wall times
@@ -41,11 +37,19 @@ comparison -- in this process) backed by torch
   together and the runs alternate (``--multi-reps`` each, medians), so machine load
   hits both alike. The cache-on sampler runs the conversations once more after it has
   served the concurrent sessions (``multiturn_reuse_after_many_s``): a sampler that has
-  served many sessions must not be slower.
+  served many sessions must not be slower;
+* conformance_clients_ok: ``flotilla run`` on a tiny byte-level BPE checkpoint (random
+  init, a ChatML template with tools) whose harness is the five clients of
+  ``tests/unit/gateway/clients.py`` in turn (raw httpx as OpenAI's reference writes it,
+  ``openai`` sync and async, the Agents SDK, LangChain): the clients whose every episode
+  succeeded (episodes are matched to clients by their prompt's seed, from the traces);
+* failing_harness_stop_s: ``flotilla run`` whose harness always exits with an error, from
+  the command's start to its exit (it must stop by itself, non-zero, naming the error).
 
 Why: the gateway must cost the sampler next to nothing per turn, and an agent's
 growing context must not be recomputed at every turn (issue 13's targets:
-overhead_p50_ms <= 1.0, 64 sessions none failing, multiturn_speedup >= 2).
+overhead_p50_ms <= 2.0 on hypercorn, 64 sessions none failing, multiturn_speedup >= 2,
+every client trains, a failing harness stops within 30 s).
 
 How:  python benchmarks/gateway.py            (64 sessions x 4 turns; 8 x 8 turns multi-turn, 3 reps)
       python benchmarks/gateway.py --quick    (64 x 2; 4 x 8 multi-turn, 1 rep; < 60 s unloaded)
@@ -62,10 +66,9 @@ import statistics
 import subprocess
 import sys
 import time
-from functools import partial
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests.unit.gateway: the clients
 
 
 # ------------------------------------------------------------------------ client process
@@ -274,13 +277,12 @@ async def _gateway_main(args) -> dict:
 
     async with trio.open_nursery() as nursery, sampler_mesh(True) as on, sampler_mesh(False) as off:
         samplers.update({"sampler-on": on[0], "sampler-off": off[0]})
-        # The measured servers run the gateway's app as it is; the app's own time is taken on
-        # a fourth server whose app is wrapped in a timer, so the timer's cost (~0.05 ms a
-        # turn, measured) is in none of the other figures.
+        # The measured server runs the gateway's app as it is; the app's own time is taken on
+        # a second server whose app is wrapped in a timer, so the timer's cost is in none of
+        # the other figures.
         gw.address = await nursery.start(serve_gateway, gw.app)
-        hyper = await nursery.start(partial(serve_gateway, server="hypercorn"), gw.app)
         timed = await nursery.start(serve_gateway, _timed_app(gw.app, app_times))
-        urls.update({"raw": gw.address, "openai": gw.address, "raw_hypercorn": hyper, "raw_timed": timed})
+        urls.update({"raw": gw.address, "openai": gw.address, "raw_timed": timed})
         for name in samplers:
             await phase(name, 2, 2, first_short, 4)   # warm-up (imports, first forwards)
         # Alternating, so that the machine's load drifts over both alike.
@@ -291,7 +293,7 @@ async def _gateway_main(args) -> dict:
         results["stats_off"] = await off[0].stats.call_one()
         app_times.clear()
         computes.clear()
-        kinds = ("raw", "raw_hypercorn", "openai", "raw_timed")
+        kinds = ("raw", "openai", "raw_timed")
         results["probe"] = await phase("sampler-on", len(kinds), args.probe_turns, first_short, 1,
                                        user_turn="higher", probe=kinds)
         results["app_times"] = list(app_times)
@@ -300,6 +302,71 @@ async def _gateway_main(args) -> dict:
         results["multi_on_after"] = await phase("sampler-on", args.multi_sessions, 8, first_long, args.turn_tokens)
         nursery.cancel_scope.cancel()
     return results
+
+
+# ------------------------------------------------------------------------ whole runs
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _flotilla_run(config: Path, timeout: float) -> tuple[int, str, float]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "orchestrator", "run", str(config), "--quiet"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout, check=False)
+    return done.returncode, done.stderr, time.monotonic() - t0
+
+
+def _client_runs(steps: int) -> dict:
+    """One run whose harness is the five conformance clients in turn; per client, its
+    episodes and how many failed (a prompt's client follows from its seed, as in clients.py)."""
+    import tempfile
+
+    from actors.tiny import make_checkpoint, train_tokenizer
+    from tests.unit.gateway._actors import CORPUS
+    from tests.unit.gateway.clients import CLIENTS
+
+    names = sorted(CLIENTS)
+    with tempfile.TemporaryDirectory() as tmp:
+        model = make_checkpoint(Path(tmp) / "model", "qwen2", tokenizer=train_tokenizer(CORPUS, vocab_size=400),
+                                seed=0, max_position_embeddings=1024)
+        config = Path(tmp) / "clients.toml"
+        config.write_text(f"""name = "clients"\nrun_root = "{tmp}"\nsteps = {steps}
+[model]\npath = "{model}"\nmax_seq_len = 1024
+[task]\nkind = "harness"\nname = "clients"\nentrypoint = "{ROOT / 'tests/unit/gateway/clients.py'}:play"
+max_new_tokens = 16\nepisode_timeout_s = 120
+[rollout]\nprompts_per_step = 5\ngroup_size = 2\nmax_buffered_groups = 1
+[[pools]]\nname = "p"\ngpu = "cpu"\ndevice = "cpu"\nmax_concurrent_rollouts = 10
+""")
+        rc, err, _ = _flotilla_run(config, 900)
+        if rc != 0:
+            raise RuntimeError(f"the clients' run failed (exit {rc}): {err[-2000:]}")
+        episodes = dict.fromkeys(names, 0)
+        failed = dict.fromkeys(names, 0)
+        for line in (Path(tmp) / "clients" / "traces.jsonl").read_text().splitlines():
+            span = json.loads(line)
+            a = span.get("attributes", {})
+            if span.get("name") != "rollout" or "failed" not in a:
+                continue   # cancelled at the run's end: no outcome
+            name = names[(int(a["prompt_id"][1:])) % len(names)]   # seed = 1_000_003 * 0 + i
+            episodes[name] += 1
+            failed[name] += bool(a["failed"])
+    return {"episodes": episodes, "failed": failed, "ok": [k for k in names if episodes[k] and not failed[k]]}
+
+
+def _failing_run() -> dict:
+    """A run whose harness always exits with an error: seconds until it stopped by itself."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        config = Path(tmp) / "failing.toml"
+        command = "python3 -c 'import sys; print(\"no API key configured\", file=sys.stderr); sys.exit(3)'"
+        config.write_text(f"""name = "failing"\nrun_root = "{tmp}"\nsteps = 100
+[task]\nkind = "harness"\nname = "failing"\ncommand = {json.dumps(command)}
+[[pools]]\nname = "p"\ngpu = "cpu"\ndevice = "cpu"
+""")
+        rc, err, seconds = _flotilla_run(config, 300)
+    line = next((x for x in err.splitlines() if x.startswith("flotilla: stopped:")), "")
+    return {"rc": rc, "seconds": seconds, "line": line}
 
 
 def main() -> None:
@@ -312,6 +379,7 @@ def main() -> None:
     ap.add_argument("--multi-reps", type=int, default=3, help="multi-turn runs per sampler (alternating)")
     ap.add_argument("--system", type=int, default=1024, help="multi-turn: tokens of the first prompt")
     ap.add_argument("--turn-tokens", type=int, default=8, help="multi-turn: tokens generated per turn")
+    ap.add_argument("--client-steps", type=int, default=4, help="steps of the run through the five clients")
     ap.add_argument("--quick", action="store_true", help="fewer turns and multi-turn sessions (< 60 s unloaded)")
     ap.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -320,6 +388,7 @@ def main() -> None:
         return
     if args.quick:
         args.turns, args.multi_sessions, args.probe_turns, args.multi_reps = 2, 4, 30, 1
+        args.client_steps = 2
 
     import torch
     import trio
@@ -327,14 +396,16 @@ def main() -> None:
     torch.set_num_threads(1)
     r = trio.run(_gateway_main, args)
     ov, probe = r["overhead"], r["probe"]
+    clients = _client_runs(args.client_steps)
+    stop = _failing_run()
 
     def minus_wait(pair) -> list[float]:
         return [lat - w for lat, w in zip(*pair, strict=True)]
-    raw, oai, hyper = minus_wait(probe["raw"]), minus_wait(probe["openai"]), minus_wait(probe["raw_hypercorn"])
+    raw, oai = minus_wait(probe["raw"]), minus_wait(probe["openai"])
     conc = [lat - w for lat, w in zip(ov["latency"], ov["sampler"], strict=True)]
     app = r["app_times"]
-    waits = probe["raw"][1] + probe["openai"][1] + probe["raw_hypercorn"][1] + probe["raw_timed"][1]
-    probe_turns = len(raw) + len(oai) + len(hyper) + len(probe["raw_timed"][0])
+    waits = probe["raw"][1] + probe["openai"][1] + probe["raw_timed"][1]
+    probe_turns = len(raw) + len(oai) + len(probe["raw_timed"][0])
     cpu_turn = probe["gateway_cpu"] / probe_turns
     ok = args.sessions - len(ov["failures"])
     on_wall = statistics.median(x["wall"] for x in r["multi_on"])
@@ -358,9 +429,8 @@ def main() -> None:
         ("sampler wait p50", f"{statistics.median(waits) * 1e3:.2f} ms",
          f"of which computing {statistics.median(r['computes']) * 1e3:.2f} ms"),
         ("overhead p50 / p99 (raw HTTP)", ms(raw), f"{len(raw)} turns: latency - sampler wait"),
-        ("  served by hypercorn", ms(hyper), f"{len(hyper)} turns, interleaved"),
         ("  through the openai client", ms(oai), f"{len(oai)} turns, interleaved"),
-        ("  inside the ASGI app", ms(app), f"{len(app)} turns of a 4th session: no HTTP, no sockets"),
+        ("  inside the ASGI app", ms(app), f"{len(app)} turns of a 3rd session: no HTTP, no sockets"),
         ("gateway CPU per turn", f"{cpu_turn * 1e3:.2f} ms", "process time / probe turns"),
         ("concurrent sessions ok", f"{ok}/{args.sessions}", f"{args.turns} turns each, openai client"),
         ("  their overhead p50 / p99", ms(conc), f"{args.sessions} requests in flight"),
@@ -372,6 +442,10 @@ def main() -> None:
         ("  in sampler CPU time", f"{cpu_speedup:.2f}x", "the samplers' processes"),
         ("8 turns, cache on, later", f"{after:.2f} s", f"after {args.sessions} sessions on that sampler"),
         ("  sampler CPU: first / later", f"{on_cpu:.2f} / {after_cpu:.2f} s", "the cache-on sampler's process"),
+        ("clients trained, 0 failed", f"{len(clients['ok'])}/{len(clients['episodes'])}",
+         ", ".join(f"{k} {clients['failed'][k]}/{n}" for k, n in sorted(clients["episodes"].items()))
+         + " failed/episodes"),
+        ("failing harness: run stops", f"{stop['seconds']:.1f} s", f"exit {stop['rc']}: {stop['line'][:60]}"),
         ("load average (1 min)", f"{load:.1f}", f"{os.cpu_count()} cores"),
     ]
     for name, value, note in rows:
@@ -386,8 +460,7 @@ def main() -> None:
         "overhead_p50_ms": round(_pct(raw, 0.5) * 1e3, 3),
         "overhead_p99_ms": round(_pct(raw, 0.99) * 1e3, 3),
         "overhead_measured_by": "raw HTTP/1.1 keep-alive client: latency - x-flotilla-sampler-ms",
-        "hypercorn_overhead_p50_ms": round(_pct(hyper, 0.5) * 1e3, 3),
-        "hypercorn_overhead_p99_ms": round(_pct(hyper, 0.99) * 1e3, 3),
+        "server": "hypercorn",
         "openai_overhead_p50_ms": round(_pct(oai, 0.5) * 1e3, 3),
         "openai_overhead_p99_ms": round(_pct(oai, 0.99) * 1e3, 3),
         "app_overhead_p50_ms": round(_pct(app, 0.5) * 1e3, 3),
@@ -418,6 +491,12 @@ def main() -> None:
         "multiturn_sampler_cpu_speedup": round(cpu_speedup, 2),
         "prefix_hits": r["stats_on"]["prefix_hits"],
         "segments_per_session": round(r["multi_on"][0]["segments"] / args.multi_sessions, 2),
+        "conformance_clients": sorted(clients["episodes"]),
+        "conformance_clients_ok": len(clients["ok"]),
+        "conformance_episodes": sum(clients["episodes"].values()),
+        "conformance_episodes_failed": sum(clients["failed"].values()),
+        "failing_harness_stop_s": round(stop["seconds"], 1),
+        "failing_harness_exit": stop["rc"],
         "load_avg_1m": round(load, 2),
     }))
 
