@@ -18,6 +18,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -206,9 +207,14 @@ class ChatRequest(_Sampling):
             fn = t.get("function")
             if t.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
                 raise ValueError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}")
-        if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs: true")
         return self
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return v
 
     def limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

@@ -175,7 +175,14 @@ def openai_async(base_url: str, task: dict[str, Any]) -> float:
 
 def openai_agents(base_url: str, task: dict[str, Any]) -> float:
     """The OpenAI Agents SDK on its chat-completions model: the SDK runs the tool loop."""
-    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
     from openai import AsyncOpenAI
 
     set_tracing_disabled(True)   # offline: no trace export to OpenAI

@@ -2,6 +2,7 @@
 streaming through the official client, plain completions, and the reward channel."""
 from __future__ import annotations
 
+import json
 import math
 
 import httpx
@@ -194,3 +195,39 @@ async def test_requests_of_one_session_are_served_one_at_a_time(served) -> None:
             assert most[0] == 1 and not answers
             release.set()
     assert answers == [200, 200] and most[0] == 1 and len(gen.requests) == 2
+
+
+async def test_logprobs_come_from_the_sampler_and_unsupported_asks_are_clear_400s(served) -> None:
+    _, s, gen, c = served
+    url = f"/s/{s.id}/v1/chat/completions"
+    ok = {"messages": [{"role": "user", "content": "guess"}]}
+    await _err(await c.post(url, json={**ok, "top_logprobs": 2}), 400, "top_logprobs")
+    await _err(await c.post(f"/s/{s.id}/v1/completions", json={"prompt": "guess", "logprobs": 2}), 400,
+               "logprobs")
+    body = (await c.post(url, json={**ok, "logprobs": True, "top_logprobs": 1})).json()
+    entries = body["choices"][0]["logprobs"]["content"]
+    assert len(entries) == body["usage"]["completion_tokens"] == 2   # "3" and the end marker
+    # The scripted sampler's support is the sampled token alone: log q = 0, and it is the top one.
+    assert [e["logprob"] for e in entries] == [0.0, 0.0] and entries[0]["token"] == "3"
+    assert entries[0]["top_logprobs"] == [{"token": "3", "logprob": 0.0, "bytes": [51]}]
+    assert (await c.post(url, json=ok)).json()["choices"][0]["logprobs"] is None
+
+
+async def test_a_stream_has_a_usage_chunk_only_when_asked(served) -> None:
+    _, s, gen, c = served
+    url = f"/s/{s.id}/v1/chat/completions"
+    ok = {"messages": [{"role": "user", "content": "guess"}], "stream": True}
+
+    async def chunks(body: dict) -> list[dict]:
+        r = await c.post(url, json=body)
+        lines = [x.removeprefix("data: ") for x in r.text.split("\n\n") if x.startswith("data: ")]
+        assert lines[-1] == "[DONE]"
+        return [json.loads(x) for x in lines[:-1]]
+    plain = await chunks(ok)
+    assert all(ch["choices"] for ch in plain) and all("usage" not in ch for ch in plain)
+    assert plain[0]["choices"][0]["delta"]["role"] == "assistant" and plain[-1]["choices"][0]["finish_reason"] == "stop"
+    gen.requests.clear()
+    s.segments.clear()
+    with_usage = await chunks({**ok, "stream_options": {"include_usage": True}})
+    assert with_usage[-1]["choices"] == [] and with_usage[-1]["usage"]["completion_tokens"] == 2
+    assert all(ch["usage"] is None for ch in with_usage[:-1])
