@@ -198,7 +198,7 @@ async def test_requests_of_one_session_are_served_one_at_a_time(served) -> None:
 
 
 async def test_logprobs_come_from_the_sampler_and_unsupported_asks_are_clear_400s(served) -> None:
-    _, s, gen, c = served
+    _, s, _, c = served
     url = f"/s/{s.id}/v1/chat/completions"
     ok = {"messages": [{"role": "user", "content": "guess"}]}
     await _err(await c.post(url, json={**ok, "top_logprobs": 2}), 400, "top_logprobs")
