@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -32,7 +33,7 @@ from actors.types import SamplingParams, TaskSpec, Trajectory
 from orchestrator.runtime import span
 
 EPISODES = 1000
-MAX_NEW = 12
+MAX_NEW = 48
 TURNS = 4
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CORPUS = ["hello world, what is two plus two? the answer is four.",
@@ -43,7 +44,7 @@ CORPUS = ["hello world, what is two plus two? the answer is four.",
 TOOLS = [{"type": "function", "function": {
     "name": "lookup", "description": "look a word up",
     "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}]
-CALL = '<tool_call>\n{"name": "lookup", "arguments": {"q": "日本"}}\n</tool_call>'
+CALL = '<tool_call>\n{"name": "lookup", "arguments": {"q": "paris"}}\n</tool_call>'
 PLACEHOLDER = "PLACEHOLDER{}END"
 
 
@@ -55,7 +56,7 @@ def fmt() -> HFChatFormat:
     core = Tokenizer(models.BPE())
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     core.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=340, special_tokens=SPECIALS, show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     core.train_from_iterator(CORPUS, trainer)
     tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>",
@@ -81,16 +82,16 @@ class RandomSampler:
             ids = [rng.choice(self.plain) for _ in range(rng.choice([0, 0, 1, 2]))] + enc(CALL)
         elif kind < 0.25:   # the template's end-of-turn text spelled with plain tokens mid-reply
             ids = enc("ok <|") + enc("im_end|>") + enc("\n<|") + enc("im_start|>user")
-        elif kind < 0.35:   # multi-byte characters (cut at the limit mid-character, often)
-            ids = enc("日本語🙂 ça")
+        elif kind < 0.35:   # multi-byte characters, cut at the limit mid-character
+            return enc("日本語🙂 ça va " * 8)[:limit]
         else:               # random ids: plain bytes and merges, specials mid-reply
             ids = []
             for _ in range(limit):
                 r = rng.random()
-                if r < 0.12:
+                if r < 0.06:
                     ids.append(self.stop)
                     break
-                ids.append(rng.choice(self.specials) if r < 0.2 else rng.choice(self.plain))
+                ids.append(rng.choice(self.specials) if r < 0.12 else rng.choice(self.plain))
             return ids
         if rng.random() < 0.8:
             ids = ids + [self.stop]
@@ -158,6 +159,19 @@ def _expected(fmt: HFChatFormat, opening: list[dict[str, Any]],
     return ids
 
 
+def _count_kinds(fmt: HFChatFormat, calls: list[tuple[list[int], list[int]]], kinds: Counter[str]) -> None:
+    """Tally what the replies hold, so the test shows it covered each case."""
+    stop, specials = fmt.stop_ids[0], set(RandomSampler(fmt, 0).specials)
+    for _, gen in calls:
+        body = gen[:-1] if gen[-1] == stop else gen
+        text = fmt.decode(body, skip_special=False)
+        kinds["cut at max_tokens"] += gen[-1] != stop
+        kinds["invalid UTF-8"] += "\ufffd" in text
+        kinds["special ids mid-reply"] += any(i in specials for i in body)
+        kinds["'<|im_end|>' as plain tokens"] += "<|im_end|>" in text
+        kinds["tool calls"] += bool(fmt.parse_reply(gen).get("tool_calls"))
+
+
 def _check(fmt: HFChatFormat, traj: Trajectory, calls: list[tuple[list[int], list[int]]],
            opening: list[dict[str, Any]]) -> str | None:
     """None when ``traj`` holds exactly the sampler's ids plus the template's; else what differs."""
@@ -179,6 +193,7 @@ def _check(fmt: HFChatFormat, traj: Trajectory, calls: list[tuple[list[int], lis
 
 async def test_built_in_episodes_hold_random_reply_ids_exactly(fmt: HFChatFormat) -> None:
     failures: list[str] = []
+    kinds: Counter[str] = Counter()
     threads = EnvThreads(2)
     for seed in range(EPISODES):
         sampler = RandomSampler(fmt, seed)
@@ -190,11 +205,14 @@ async def test_built_in_episodes_hold_random_reply_ids_exactly(fmt: HFChatFormat
         problem = _check(fmt, traj, sampler.calls, _opening(seed))
         if problem is not None:
             failures.append(f"episode {seed}: {problem}")
+        _count_kinds(fmt, sampler.calls, kinds)
     assert not failures, f"{len(failures)} of {EPISODES} episodes failed; first: {failures[:3]}"
+    assert min(kinds.values()) >= 50 and len(kinds) == 5, kinds
 
 
 async def test_gateway_sessions_hold_random_reply_ids_exactly(fmt: HFChatFormat) -> None:
     failures: list[str] = []
+    kinds: Counter[str] = Counter()
     limits = SessionLimits(SamplingParams(), max_seq_len=4096, max_new_tokens=MAX_NEW)
     task = TaskSpec(task="t", prompt_id="p", group_id="g")
     for seed in range(EPISODES):
@@ -219,4 +237,6 @@ async def test_gateway_sessions_hold_random_reply_ids_exactly(fmt: HFChatFormat)
                    else _check(fmt, session.trajectory(1.0), sampler.calls, _opening(seed)))
         if problem is not None:
             failures.append(f"session {seed}: {problem}")
+        _count_kinds(fmt, sampler.calls, kinds)
     assert not failures, f"{len(failures)} of {EPISODES} sessions failed; first: {failures[:3]}"
+    assert min(kinds.values()) >= 50 and len(kinds) == 5, kinds
