@@ -198,7 +198,7 @@ class Session:
             finish = ("tool_calls" if message.get("tool_calls")
                       else "stop" if cut_text is not None else result.finish_reason)
             self.transcript = [*messages, reply]
-            pieces = [self.fmt.decode([t]) for t in ids] if req.stream else []
+            pieces = _stream_pieces(self.fmt, ids, reply.get("content") or "") if req.stream else []
             return (chat_response(self.model, message, finish, len(seg.builder) - kept, kept), pieces)
 
     def _plan_chat(self, sent: list[ChatMessage], tools: list[dict[str, Any]] | None
@@ -352,6 +352,27 @@ class Session:
         """segments, and generated tokens of earlier segments (not trained on)."""
         dropped = sum(int(sum(s.builder.mask)) for s in self.segments[:-1])
         return {"segments": len(self.segments), "dropped_generated": dropped}
+
+
+def _stream_pieces(fmt: ChatFormat, ids: list[int], content: str) -> list[str]:
+    """The reply's ``content`` as streamed text pieces, one per token where the tokens'
+    text allows: a piece is sent once its characters are complete (a multi-byte character
+    split across tokens goes out whole), so the pieces join to exactly ``content`` and a
+    client that sends back what it streamed extends the session's history.  Where they
+    would not (tool calls, stop strings, specials or a decoder that rewrites spaces between
+    tokens), the content is one piece."""
+    pieces = [fmt.decode([t]) for t in ids]
+    if "".join(pieces) == content and not any("\ufffd" in p for p in pieces):
+        return pieces   # the usual reply: every token's text stands alone
+    pieces = []
+    start = done = 0   # window start; tokens whose text is out
+    for k in range(1, len(ids) + 1):
+        head = fmt.decode(ids[start:done])
+        text = fmt.decode(ids[start:k])
+        if len(text) > len(head) and text.startswith(head) and (not text.endswith("\ufffd") or k == len(ids)):
+            pieces.append(text[len(head):])
+            start, done = done, k
+    return pieces if "".join(pieces) == content else [content]
 
 
 def _cut_at_stop(fmt: ChatFormat, ids: list[int], stops: list[str]) -> tuple[int, str | None]:

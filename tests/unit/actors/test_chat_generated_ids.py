@@ -6,7 +6,8 @@ UTF-8, multi-byte characters split across tokens or cut at ``max_tokens``, the
 template's special ids (``<|im_start|>``, ``<|endoftext|>``) mid-reply, the text
 ``<|im_end|>`` spelled with plain tokens, and tool calls.  1,000 multi-turn episodes
 go through the built-in episode loop (``play_episode`` / ``Conversation``) and 1,000
-through a gateway ``Session``; none may fail, and every trajectory must be exactly
+through a gateway ``Session`` (every other turn streamed, the client sending back the
+text it put together from the chunks); none may fail, and every trajectory must be exactly
 the generated ids at their positions plus the template's ids around them (checked
 against the template's rendering of the whole conversation at once).
 """
@@ -25,7 +26,7 @@ from actors.env import Environment, StepOutcome, register_task
 from actors.env._episode import EnvCalls, EpisodeLimits, play_episode
 from actors.env._threads import EnvThreads
 from actors.gateway import SessionLimits
-from actors.gateway._schemas import ChatRequest
+from actors.gateway._schemas import ChatRequest, stream_chunks
 from actors.gateway._session import Session
 from actors.sampler import GenerateRequest, GenerateResult
 from actors.tiny import CHATML_TEMPLATE
@@ -191,6 +192,16 @@ def _check(fmt: HFChatFormat, traj: Trajectory, calls: list[tuple[list[int], lis
     return None
 
 
+def _streamed(response: dict[str, Any], pieces: list[str]) -> dict[str, Any]:
+    """The assistant message a streaming client puts together from the chunks."""
+    content, calls = "", []
+    for chunk in stream_chunks(response, pieces):
+        for choice in chunk["choices"]:
+            content += choice["delta"].get("content") or ""
+            calls += choice["delta"].get("tool_calls") or []
+    return {"role": "assistant", "content": content or None, **({"tool_calls": calls} if calls else {})}
+
+
 async def test_built_in_episodes_hold_random_reply_ids_exactly(fmt: HFChatFormat) -> None:
     failures: list[str] = []
     kinds: Counter[str] = Counter()
@@ -221,10 +232,12 @@ async def test_gateway_sessions_hold_random_reply_ids_exactly(fmt: HFChatFormat)
         messages: list[dict[str, Any]] = _opening(seed)
         try:
             for turn in range(1, TURNS + 1):
-                response, _ = await session.chat(ChatRequest.model_validate(
-                    {"model": "m", "messages": messages, "tools": TOOLS}))
+                stream = turn % 2 == 0
+                response, pieces = await session.chat(ChatRequest.model_validate(
+                    {"model": "m", "messages": messages, "tools": TOOLS, "stream": stream}))
                 # The reply goes over the wire as JSON and comes back with the next request.
-                reply = json.loads(json.dumps(response["choices"][0]["message"]))
+                reply = json.loads(json.dumps(_streamed(response, pieces) if stream
+                                              else response["choices"][0]["message"]))
                 messages.append(reply)
                 obs = _observation(reply, turn)
                 if reply.get("tool_calls"):
