@@ -13,11 +13,15 @@ messages into the ids to append:
   ids come from the template rendered *with* the new messages minus the template
   rendered *without* them; the prefix property (the longer rendering starts with
   the shorter one) is checked every time, and a template that breaks it raises
-  ``ChatTemplateError`` naming the turn.  The end of a generated assistant turn
-  is spliced at the stop token: the generated ids stay as they are, and only the
-  template's text after the stop token (e.g. Qwen's ``"\\n"`` after
-  ``<|im_end|>``) is appended, so a tool-call JSON that the template would
-  re-format differently never changes the ids already held.
+  ``ChatTemplateError`` naming the turn.  A generated assistant turn is held as
+  the ids the sampler generated, whatever they decode to (invalid UTF-8, a
+  character split at the length limit, the template's own special tokens): the
+  template is only asked for the text *around* a reply, by rendering the turn with
+  a marker as its content, and what follows the marker closes the turn (e.g. Qwen's
+  ``"\\n"`` after a generated ``<|im_end|>``, or all of ``"<|im_end|>\\n"`` after a
+  reply cut at ``max_tokens``).  The reply's text is never searched for in a
+  rendering, so a tool-call JSON that the template would re-format never changes
+  the ids already held.
 * ``WordChatFormat`` -- the built-in word tokenizer (``actors.tokenizer``) of the
   CPU demo: ``<bos> <|user|> text <|end|> <|assistant|> reply <|end|> ...``.
 
@@ -145,6 +149,46 @@ class Conversation:
         self.ids += gen
         self._generated = gen
         return msg
+
+    @classmethod
+    def from_messages(cls, fmt: ChatFormat, messages: Sequence[Message],
+                      tools: Sequence[dict] | None = None) -> Conversation:
+        """A conversation holding ``messages`` as context, ending with the generation prompt.
+
+        For a history the running conversation cannot be extended to (a template that
+        rewrites earlier turns, or a history a harness sent): its ids are the format's
+        rendering of all of it, not ids a sampler generated.  Histories without
+        assistant turns go through ``add`` (the append-only path); otherwise the HF
+        template renders the whole history at once, the word format turn by turn (an
+        assistant turn's text encoded and closed as a reply).  Raises ValueError naming
+        the turn for a history the format cannot render.
+        """
+        conv = cls(fmt, tools)
+        if not any(m.get("role") == "assistant" for m in messages):
+            conv.add(list(messages))
+            return conv
+        if messages[-1].get("role") == "assistant":
+            raise ValueError(f"messages[{len(messages) - 1}]: the last message is an assistant turn; "
+                             "there is nothing to answer")
+        if isinstance(fmt, HFChatFormat):
+            conv.ids = fmt.encode(fmt.render(messages, generation_prompt=True, tools=tools))
+            conv.messages = [dict(m) for m in messages]
+            return conv
+        if isinstance(fmt, WordChatFormat):
+            pending: list[Message] = []
+            for i, m in enumerate(messages):
+                if m.get("role") != "assistant":
+                    pending.append(m)
+                    continue
+                if not pending:
+                    raise ValueError(f"messages[{i}]: two assistant turns in a row")
+                conv.add(pending)
+                pending = []
+                conv.add_reply(fmt.encode(str(m.get("content") or "")))
+            conv.add(pending)
+            return conv
+        raise ValueError(f"{type(fmt).__name__} cannot render a history with assistant turns it did not "
+                         "generate")
 
 
 def _as_messages(messages: Message | Sequence[Message] | str) -> list[Message]:
@@ -299,48 +343,49 @@ class HFChatFormat:
         if not history:
             # The first turns: the whole rendering (the template writes BOS itself).
             return self.encode(after)
-        closing = ""
-        if generated is not None:
-            before_reply = self.render(history[:-1], generation_prompt=True, tools=tools)
-            closing, before = self._close_reply(history, before_reply, generated, tools, turn - 1)
-        else:
-            before = self.render(history, generation_prompt=False, tools=tools)
+        before = self.render(history, generation_prompt=False, tools=tools)
+        closing = self._closing(history, before, generated, tools, turn - 1) if generated is not None else ""
         if not after.startswith(before):
+            at = _diverge(before, after)
             raise ChatTemplateError(
                 f"turn {turn} ({new[0].get('role')}): the chat template is not prefix-preserving "
-                f"(rendering with the new turn rewrites earlier text at character "
-                f"{_diverge(before, after)}: {before[_diverge(before, after):][:40]!r} became "
-                f"{after[_diverge(before, after):][:40]!r})")
+                f"(rendering with the new turn rewrites earlier text at character {at}: "
+                f"{before[at:][:40]!r} became {after[at:][:40]!r})")
         return self.encode(closing + after[len(before):])
 
-    def _close_reply(self, history: Sequence[Message], before_reply: str,
-                     generated: Sequence[int], tools: Sequence[dict] | None,
-                     turn: int) -> tuple[str, str]:
-        """(text that closes the held reply, template text through the reply)."""
-        with_reply = self.render(history, generation_prompt=False, tools=tools)
-        if not with_reply.startswith(before_reply):
+    def _closing(self, history: Sequence[Message], with_reply: str, generated: Sequence[int],
+                 tools: Sequence[dict] | None, turn: int) -> str:
+        """The template's text that closes the reply held as ``generated`` (the last message
+        of ``history``, whose rendering is ``with_reply``).
+
+        The reply's ids are never looked for in text: the template renders the turn with
+        a marker as its only content (no tool calls: their text is in the generated ids),
+        and what follows the marker is the turn's closing.  When the ids end with a stop
+        id whose text the closing holds, the closing starts after it; otherwise (cut at
+        the length limit, or a stop the template does not close turns with) all of it
+        follows the held ids.
+        """
+        prompt = self.render(history[:-1], generation_prompt=True, tools=tools)
+        marked = self.render([*history[:-1], {"role": "assistant", "content": _MARK}],
+                             generation_prompt=False, tools=tools)
+        for rendering in (marked, with_reply):
+            if not rendering.startswith(prompt):
+                at = _diverge(prompt, rendering)
+                raise ChatTemplateError(
+                    f"turn {turn} (assistant): the chat template is not prefix-preserving (the "
+                    f"text before the reply changes once the reply is rendered, at character {at}: "
+                    f"{prompt[at:][:40]!r} became {rendering[at:][:40]!r})")
+        if marked.count(_MARK) != 1:
             raise ChatTemplateError(
-                f"turn {turn} (assistant): the chat template is not prefix-preserving (the text "
-                f"before the reply changes once the reply is rendered, at character "
-                f"{_diverge(before_reply, with_reply)})")
-        reply_text = with_reply[len(before_reply):]
-        gen = [int(i) for i in generated]
-        stop = gen[-1] if gen and gen[-1] in self._stop_ids else None
-        body = self.decode(gen[:-1] if stop is not None else gen, skip_special=False)
-        stop_text = self.decode([stop], skip_special=False) if stop is not None else ""
-        if stop is not None and reply_text.startswith(body + stop_text):
-            return reply_text[len(body + stop_text):], with_reply
-        if reply_text.startswith(body):
-            # Cut short (length) or stopped by a token the template does not end turns
-            # with: the template's own end of turn follows the held ids.
-            return reply_text[len(body):], with_reply
-        if stop_text and stop_text in reply_text:
-            # The template re-formats the reply (e.g. tool-call JSON spacing): splice at the
-            # stop token, the ids held for the reply stay as generated.
-            return reply_text[reply_text.rindex(stop_text) + len(stop_text):], with_reply
-        raise ChatTemplateError(
-            f"turn {turn} (assistant): cannot find where the generated reply ends in the "
-            f"template's rendering of it ({reply_text[:60]!r})")
+                f"turn {turn} (assistant): the chat template does not render an assistant "
+                "message's content once, as it is (the end of the reply cannot be placed)")
+        closing = marked[marked.index(_MARK) + len(_MARK):]
+        if generated and int(generated[-1]) in self._stop_ids:
+            stop_text = self.decode([int(generated[-1])], skip_special=False)
+            at = closing.find(stop_text) if stop_text else -1
+            if at >= 0:
+                return closing[at + len(stop_text):]
+        return closing
 
     def parse_reply(self, generated: Sequence[int]) -> Message:
         gen = [int(i) for i in generated]
@@ -357,6 +402,11 @@ class HFChatFormat:
         if calls:
             msg["tool_calls"] = calls
         return msg
+
+
+_MARK = "FLOTILLAREPLYMARK7f3c9e1b5a"
+"""Content of the assistant turn rendered to find the text that closes a turn: plain
+ASCII letters, which no template trims, escapes or splits."""
 
 
 def _text_content(m: Message, fmt: HFChatFormat) -> Message:

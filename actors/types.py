@@ -105,9 +105,9 @@ class Trajectory(BaseModel):
     turns: int
     """Assistant turns played."""
     segments: int = 1
-    """Gateway episodes: segments the conversation was split into (a harness that rewrote its
-    history starts a new one); the tokens here are the last segment's, earlier ones are not
-    trained on. 1 for built-in environments."""
+    """Segments the conversation was split into: a new one starts where a gateway harness
+    rewrote its history, or where the chat template rewrites earlier turns (e.g. drops their
+    reasoning); the tokens here are the last segment's, earlier ones are not trained on."""
     seconds: float
     """Wall time of the episode."""
 

@@ -6,7 +6,9 @@ else (prompt, what closes a reply, observations) goes in with loss mask False.
 Turns are rendered by the run's ``ChatFormat`` (``actors.chat``): the chat template
 rendered with and without each new turn, so earlier ids are never re-tokenised.
 The trajectory's ids are exactly what the sampler was conditioned on, and the
-support record has one row per True in the mask.
+support record has one row per True in the mask. A template that rewrites earlier
+turns starts a new segment (see ``play_episode``): the trajectory never holds a
+context the sampler did not see.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from typing import Any
 import torch
 import trio
 
-from actors.chat import ChatFormat, Conversation, Message
+from actors.chat import ChatFormat, ChatTemplateError, Conversation, Message
 from actors.env._interface import Environment, StepOutcome, make_env
 from actors.env._threads import EnvThreads
 from actors.env._watchdog import LoopWatchdog
@@ -177,6 +179,13 @@ async def play_episode(
     or when the next turn would not fit in ``limits.max_seq_len`` tokens (a prompt
     that leaves no room for one turn is a failure).
 
+    A chat template that cannot extend the conversation append-only (``ChatTemplateError``:
+    e.g. Qwen3's drops earlier turns' reasoning once a new user turn comes) starts a new
+    *segment*: the next turn is prompted with the template's rendering of the whole
+    history, and the trajectory is the last segment (``Trajectory.segments`` counts them;
+    the rollout span also carries the generated tokens of earlier segments, not trained
+    on, as ``dropped_generated``).
+
     Errors: an exception from the environment or the sampler, or a timeout, ends
     the episode as ``failed=True`` with the error text, the tail of its traceback
     and reward 0 (the tokens so far are kept for inspection). Cancellation of the
@@ -185,6 +194,7 @@ async def play_episode(
     t0 = time.perf_counter()
     builder = EpisodeBuilder([])
     reward, turns, pool = 0.0, 0, ""
+    segments, dropped = 1, 0   # segments played; generated tokens of the earlier ones
     with span("rollout", task=task.task, prompt_id=task.prompt_id, group_id=task.group_id) as sp:
         try:
             env = await _call_env(calls, None, task.task, make_env, task, timeout=limits.step_timeout_s,
@@ -199,10 +209,14 @@ async def play_episode(
                 raise ValueError(f"prompt of {len(builder)} tokens + max_new_tokens={max_new} "
                                  f"exceeds max_seq_len={limits.max_seq_len}")
             pending: list[int] = []   # the next turn's context, appended only if it is played
+            restart = False           # pending is a new segment's whole context
             with_message = _takes_message(env)
             while turns < env.max_turns:
-                if len(builder) + len(pending) + max_new > limits.max_seq_len:
+                if (0 if restart else len(builder)) + len(pending) + max_new > limits.max_seq_len:
                     break   # out of context: the episode ends unfinished (not a failure)
+                if restart:
+                    dropped += sum(builder.mask)
+                    builder, restart, segments = EpisodeBuilder([]), False, segments + 1
                 builder.add_context(pending)
                 request = make_request(
                     request_id=f"{request_prefix}/{turns}", prompt_ids=list(builder.ids),
@@ -235,7 +249,16 @@ async def play_episode(
                 reward += float(outcome.reward)
                 if outcome.done:
                     break
-                pending = convo.add(_messages(outcome.observation))
+                new = _messages(outcome.observation)
+                try:
+                    pending = convo.add(new)
+                except ChatTemplateError:
+                    # The template rewrites the history (e.g. drops earlier reasoning): the
+                    # next turn is prompted with its rendering of the whole history, as a new
+                    # segment; the trajectory is the last segment (nothing trains on a context
+                    # the sampler did not see).
+                    convo = Conversation.from_messages(chat, [*convo.messages, *new], env.tools)
+                    pending, restart = list(convo.ids), True
             traj = builder.build(task=task, pool=pool, reward=reward, turns=turns,
                                  seconds=time.perf_counter() - t0)
         except Exception as exc:  # environment/sampler errors end the episode, not the actor
@@ -244,8 +267,10 @@ async def play_episode(
             traj = builder.build(task=task, pool=pool, reward=0.0, turns=turns,
                                  seconds=time.perf_counter() - t0, failed=True, error=error,
                                  error_traceback=tail)
+        traj.segments = segments
         _set(sp, pool=traj.pool, turn=traj.turns, reward=traj.reward, failed=traj.failed,
-             tokens=int(traj.tokens.numel()), generated=traj.num_generated)
+             tokens=int(traj.tokens.numel()), generated=traj.num_generated, segments=segments,
+             dropped_generated=dropped)
         return traj
 
 

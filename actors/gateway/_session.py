@@ -34,9 +34,8 @@ from typing import Any
 
 import trio
 
-from actors.chat import ChatFormat, ChatTemplateError
+from actors.chat import ChatFormat, ChatTemplateError, Conversation
 from actors.env._episode import EpisodeBuilder
-from actors.gateway._render import conversation_from
 from actors.gateway._schemas import (
     ChatMessage,
     ChatRequest,
@@ -227,7 +226,7 @@ class Session:
         else:
             messages = [template_message(m) for m in sent]
         try:
-            conv = conversation_from(self.fmt, messages, tools)
+            conv = Conversation.from_messages(self.fmt, messages, tools)
         except (ChatTemplateError, ValueError) as e:
             raise GatewayError(400, f"messages: {e}", param="messages") from None
         fresh = _Segment("chat", EpisodeBuilder(conv.ids), messages=list(conv.messages), tools=tools)

@@ -1,5 +1,5 @@
 """Episodes rendered by a real chat template: multi-turn with tool calls, append-only ids,
-loss mask on generated ids only, and a template that rewrites history failing by turn."""
+loss mask on generated ids only, and a template that rewrites history starting a new segment."""
 from __future__ import annotations
 
 import math
@@ -94,14 +94,23 @@ async def test_tool_call_episode_is_append_only_and_masks_only_generated_ids() -
     assert math.isclose(float(traj.support_logq.sum()), 0.0)
 
 
-async def test_a_template_that_rewrites_history_fails_the_episode_naming_the_turn() -> None:
-    # Tool calls rendered from parsed JSON would be fine; this template drops earlier
-    # assistant turns entirely, so the next turn cannot be appended.
+async def test_a_template_that_rewrites_history_starts_a_new_segment() -> None:
+    # This template drops earlier assistant turns entirely, so the turn after the tool
+    # result cannot be appended: it is prompted with the template's rendering of the
+    # whole history, and the trajectory is that segment (the first reply is not trained on).
     drops = ("{#- tool calls: <tool_call>{json}</tool_call> #}{%- for m in messages %}{%- if not (m.role == 'assistant' and not loop.last) %}"
              "{{- '<|im_start|>' + m.role + '\\n' + (m.content or '') + '<|im_end|>\\n' }}"
              "{%- endif %}{%- endfor %}"
              "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
     fmt = HFChatFormat(train_tokenizer(CORPUS, vocab_size=320, chat_template=drops))
-    traj, _ = await _play(fmt, ["<tool_call>\n{\"name\":\"get_weather\",\"arguments\":"
-                                "{\"city\":\"Paris\"}}\n</tool_call>", "sunny"])
-    assert traj.failed and "ChatTemplateError: turn 3 (tool)" in (traj.error or "")
+    call = '<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris"}}\n</tool_call>'
+    traj, requests = await _play(fmt, [call, "sunny"])
+    assert not traj.failed, traj.error
+    assert traj.segments == 2 and traj.reward == 1.0
+    second = requests[1].prompt_ids
+    assert fmt.decode(second, skip_special=False) == (
+        "<|im_start|>system\nuse tools<|im_end|>\n<|im_start|>user\nwhat is the weather in Paris?<|im_end|>\n"
+        "<|im_start|>tool\nsunny in Paris<|im_end|>\n<|im_start|>assistant\n")
+    gen2 = fmt.encode("sunny") + [fmt.stop_ids[0]]
+    assert traj.tokens.tolist() == second + gen2
+    assert traj.loss_mask.tolist() == [False] * len(second) + [True] * len(gen2)
