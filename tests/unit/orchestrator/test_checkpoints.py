@@ -19,6 +19,7 @@ import trio
 
 from orchestrator.checkpoints import (
     MARKER,
+    CheckpointError,
     checkpoint_meta,
     latest_checkpoint,
     repair_jsonl,
@@ -171,7 +172,10 @@ def test_a_manifest_catches_a_file_lost_after_the_marker(tmp_path: Path) -> None
     os.rename(tmp_path / "checkpoint", tmp_path / "checkpoint.new")
     (tmp_path / "checkpoint.new" / "optimizer.bin").unlink()
     assert checkpoint_meta(tmp_path / "checkpoint.new") is None
-    assert latest_checkpoint(tmp_path) is None
+    # A marked checkpoint missing a file is damaged, not interrupted: one line, nothing changed.
+    with pytest.raises(CheckpointError, match=r"checkpoint\.new/optimizer\.bin: missing .*no other checkpoint"):
+        latest_checkpoint(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.new"]
 
 
 def _metrics(path: Path, n: int) -> None:
