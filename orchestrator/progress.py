@@ -24,7 +24,7 @@ class Progress:
         self.stream = stream or sys.stderr
         self.quiet = quiet
         self.t0 = time.monotonic()
-        self._limits = RateLimiter(1.0)
+        self._limits = RateLimiter(5.0)
 
     @property
     def failure_every_s(self) -> float:
