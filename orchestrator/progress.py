@@ -65,5 +65,13 @@ class Progress:
         if not self.quiet:
             print(text, file=self.stream, flush=True)
 
+    def warning(self, text: str) -> None:
+        """`flotilla: warning: <text>`, shown even when quiet (a damaged checkpoint skipped
+        at resume, a repaired log: what a user must learn of whatever the display)."""
+        if self.quiet:
+            print(f"flotilla: warning: {text}", file=self.stream, flush=True)
+        else:
+            self.message(f"flotilla: warning: {text}")
+
     def close(self) -> None:
         """Nothing to stop for plain lines (the live display overrides this)."""

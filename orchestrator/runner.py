@@ -176,7 +176,7 @@ async def _run_async(cfg: RunConfig, *, resume: bool, progress: Progress | None,
     ckpt_dir = run_dir / "checkpoint"
     progress = progress or Progress(cfg.steps)
     state = ControllerState()
-    warn = lambda m: progress.message(f"flotilla: warning: {m}")
+    warn = progress.warning
     if resume:
         # Also resolves an interrupted replacement and falls back past a damaged checkpoint.
         if latest_checkpoint(run_dir, warn=warn) is None:
