@@ -3,7 +3,7 @@
 A subprocess replaces generation 1 of a checkpoint by generation 2 and SIGKILLs itself
 right after step k of the sequence, for every k (including in the middle of writing a
 file and between the deletions of the old checkpoint); resume must then find a complete
-checkpoint whose every byte belongs to one generation.
+checkpoint that verifies (its digests) and whose every byte belongs to one generation.
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from orchestrator.checkpoints import (
     latest_checkpoint,
     repair_jsonl,
     save_checkpoint_dir,
+    verify_checkpoint,
 )
 from orchestrator.telemetry import MetricsLog
 
@@ -95,6 +96,7 @@ def _generation(ckpt: Path) -> int:
     """The one generation every file of `ckpt` belongs to (fails on a mix or a torn file)."""
     meta = checkpoint_meta(ckpt)
     assert meta is not None, f"{ckpt} is not complete"
+    assert verify_checkpoint(ckpt) is None and set(meta["digests"]) == set(meta["files"])
     gen = meta["meta"]["gen"]
     on_disk = {str(p.relative_to(ckpt)): p.read_bytes() for p in ckpt.rglob("*") if p.is_file() and p.name != MARKER}
     assert on_disk == _gen_files(gen)
@@ -108,8 +110,9 @@ def _kill_and_resume(tmp_path: Path, only: set[str] | None) -> list[str]:
     log = tmp_path / "probe-steps.log"
     assert _save(probe / "run", 2, log=log).returncode == 0
     steps = log.read_text().split()
-    assert {"stage", "write:half-file", "fsync", "marker", "retire", "promote", "delete:marker",
+    assert {"stage", "write:half-file", "fsync", "marker", "verify", "retire", "promote", "delete:marker",
             "delete:file", "delete:dir"} <= set(steps)
+    assert steps.index("marker") < steps.index("verify") < steps.index("retire")  # verified before any deletion
     marker_at = steps.index("marker") + 1
 
     for k in range(1, len(steps) + 1):
@@ -139,7 +142,7 @@ def test_a_kill_at_every_step_of_a_replacement_leaves_a_complete_checkpoint(tmp_
 
 
 def test_a_kill_around_the_swap_leaves_a_complete_checkpoint(tmp_path: Path) -> None:
-    _kill_and_resume(tmp_path, {"fsync", "marker", "retire", "promote", "delete:marker"})
+    _kill_and_resume(tmp_path, {"fsync", "marker", "verify", "retire", "promote", "delete:marker"})
 
 
 def test_a_kill_during_the_first_save_leaves_no_checkpoint_and_no_crash(tmp_path: Path) -> None:
