@@ -23,7 +23,7 @@ BIG = "v" * 100_000
 
 
 def _bad(i: int) -> list[bytes]:
-    kind = i % 4  # the first one logged carries a 100 kB value in the message it causes
+    kind = i % 4
     if kind == 0:
         return [json.dumps({"id": i, "kind": "call", "endpoint": "no_such_" + BIG, "args": []}).encode()]
     if kind == 1:
@@ -46,7 +46,11 @@ async def test_ten_thousand_rejected_messages_give_a_few_bounded_lines(capfd) ->
             socks.append(s)
         t0 = time.monotonic()
         try:
-            for i in range(N):
+            socks[0].send_multipart(_bad(0))  # first alone: the line it gets holds a 100 kB value
+            with trio.fail_after(30):
+                while (await mesh[0].runtime_stats.call_one())["rejected_messages"] < 1:
+                    await trio.sleep(0.02)
+            for i in range(1, N):
                 socks[i % PEERS].send_multipart(_bad(i))
                 if i % 500 == 499:
                     await trio.sleep(0)
@@ -70,3 +74,13 @@ async def test_ten_thousand_rejected_messages_give_a_few_bounded_lines(capfd) ->
     assert "more)" in err  # the long values were cut, with a count of what was left out
     counted = sum(int(m) for m in re.findall(r"and (\d+) more like it", err))
     assert counted <= N - len(rejected)
+
+
+def test_clip_bounds_an_outside_value_to_one_line_with_a_count() -> None:
+    from orchestrator.runtime import clip
+
+    assert clip("short") == "short"
+    assert clip("a\nb\r\nc") == "a\\nb\\r\\nc"  # one line whatever the value holds
+    long = clip("x" * 100_149)
+    assert long == "x" * 300 + "... (99849 more)"
+    assert clip(ValueError("y" * 50), 10) == "y" * 10 + "... (40 more)"
