@@ -81,24 +81,32 @@ _DAMAGE = {"xor_model": (_MODEL, _xor_middle), "nan_model": (_MODEL, _nan_middle
 
 def _try_resume(run_dir: Path) -> tuple[Path | None, str]:
     """What resume would load from `run_dir`: (the checkpoint the trainer accepted, or
-    None; the lines said). Runs the real selection and the trainer's real loader."""
+    None; the last line said, with `run_dir` left out). Runs the real selection and the
+    trainer's real loader."""
     from actors.trainer import TrainerConfig
     from actors.trainer._core import Trainer
     from orchestrator.checkpoints import CheckpointError, latest_checkpoint
 
     said: list[str] = []
+
+    def last() -> str:
+        return said[-1].replace(f"{run_dir}/", "") if said else ""
+
     try:
         chosen = latest_checkpoint(run_dir, warn=said.append)
     except CheckpointError as e:
-        return None, "; ".join([*said, str(e)])
+        said.append(str(e))
+        return None, last()
     if chosen is None:
-        return None, "; ".join([*said, "no complete checkpoint"])
+        said.append("no complete checkpoint")
+        return None, last()
     config = TrainerConfig.model_validate(json.loads((chosen / "trainer.json").read_text())["config"])
     try:
         Trainer(config, resume_from=str(chosen))
     except CheckpointError as e:
-        return None, "; ".join([*said, str(e)])
-    return chosen, "; ".join(said)
+        said.append(str(e))
+        return None, last()
+    return chosen, last()
 
 
 def corrupt_checkpoint_cases(checkpoint: Path, work: Path) -> dict[str, Any]:
@@ -147,7 +155,7 @@ def corrupt_checkpoint_cases(checkpoint: Path, work: Path) -> dict[str, Any]:
     loaded += chosen is not None
     cases["all_corrupted"] = "loaded" if chosen is not None else f"refused: {said}"
     return {"corrupt_checkpoints_loaded": loaded, "corrupt_checkpoint_cases": len(cases),
-            "corrupt_checkpoint_outcomes": {k: v[:160] for k, v in cases.items()}}
+            "corrupt_checkpoint_outcomes": {k: v[:200] for k, v in cases.items()}}
 
 
 # -- the console of a live run --------------------------------------------------------------

@@ -159,9 +159,19 @@ class Flood:
 
         while run.controller.state.step < self.at_step:
             await trio.sleep(0.05)
+        from orchestrator.runtime import ActorDied
+
         t0 = time.monotonic()
-        self.info = await flood(run.meshes["env"].addresses[0], 10_000, self.seconds)
-        self.window = (t0, time.monotonic())
+        env = run.meshes["env"]
+        try:
+            before = (await env[0].runtime_stats.call_one())["rejected_messages"]
+            self.info = await flood(env.addresses[0], 10_000, self.seconds)
+            self.window = (t0, time.monotonic())
+            # What the env actor refused (the fault schedule may kill it meanwhile).
+            self.info["flood_rejected"] = (await env[0].runtime_stats.call_one())["rejected_messages"] - before
+        except ActorDied:
+            self.window = self.window or (t0, time.monotonic())
+            self.info["flood_rejected"] = None
 
 
 def both(*observers: Any) -> Any:
