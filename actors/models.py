@@ -30,6 +30,7 @@ __all__ = [
     "default_model_config",
     "load_model_config",
     "model_weights",
+    "read_tensors",
     "round_vocab",
 ]
 
@@ -133,16 +134,49 @@ def build_model(config: dict[str, Any] | str | Path, seed: int = 0) -> PreTraine
     return model
 
 
-def _load_checkpoint(model: PreTrainedModel, directory: Path) -> None:
+def _problem(exc: BaseException) -> str:
+    """One bounded line for a loader's exception (safetensors, json, torch: many types)."""
+    from orchestrator.runtime import clip
+
+    text = str(exc).strip()
+    return clip(f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__)
+
+
+def read_tensors(path: str | Path, *, finite: bool = True) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file; with `finite`, floating-point tensors must hold
+    no NaN or inf. Raises CheckpointError (one line naming the file and the problem) for a
+    file that cannot be read (bad header, truncated data) or a non-finite value."""
     import torch
     from safetensors.torch import load_file
+
+    from orchestrator.checkpoints import CheckpointError
+
+    try:
+        state = load_file(str(path))
+    except Exception as e:  # safetensors' and the OS's many error types: one line
+        raise CheckpointError(f"{path}: cannot be read: {_problem(e)}") from e
+    if finite:
+        for name, t in state.items():
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                bad = int((~torch.isfinite(t)).sum())
+                raise CheckpointError(f"{path}: tensor {name} holds {bad} non-finite value(s) (NaN or inf)")
+    return state
+
+
+def _load_checkpoint(model: PreTrainedModel, directory: Path) -> None:
+    import torch
+
+    from orchestrator.checkpoints import CheckpointError
 
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"model directory {directory} has no *.safetensors file")
     state: dict[str, torch.Tensor] = {}
+    where: dict[str, Path] = {}
     for file in files:
-        state.update(load_file(str(file)))
+        part = read_tensors(file)
+        state.update(part)
+        where.update(dict.fromkeys(part, file))
     expected = model.state_dict()
     if model.config.tie_word_embeddings:
         # A tied head is saved once, as the embedding.
@@ -151,11 +185,13 @@ def _load_checkpoint(model: PreTrainedModel, directory: Path) -> None:
     missing = sorted(set(expected) - set(state))
     unknown = sorted(set(state) - set(expected))
     if missing or unknown:
-        raise ValueError(f"checkpoint {directory}: missing tensors {missing}, unknown tensors {unknown}")
+        raise CheckpointError(f"checkpoint {directory}: missing tensors {missing[:5]}, "
+                              f"unknown tensors {unknown[:5]}"
+                              + (f" ({len(missing) + len(unknown)} in all)" if len(missing) + len(unknown) > 10 else ""))
     for name, tensor in state.items():
         if tuple(tensor.shape) != tuple(expected[name].shape):
-            raise ValueError(
-                f"checkpoint {directory}: tensor {name} has shape {tuple(tensor.shape)}, "
+            raise CheckpointError(
+                f"{where[name]}: tensor {name} has shape {tuple(tensor.shape)}, "
                 f"model expects {tuple(expected[name].shape)}"
             )
     model.load_state_dict({k: v.to(torch.float32) for k, v in state.items()},
@@ -164,8 +200,11 @@ def _load_checkpoint(model: PreTrainedModel, directory: Path) -> None:
 
 def checkpoint_params(directory: str | Path) -> tuple[int, int]:
     """(parameter count, bytes on disk) of a checkpoint's ``*.safetensors``, read from the
-    files' headers only (nothing is loaded, so this is cheap for any size)."""
+    files' headers only (nothing is loaded, so this is cheap for any size). Raises
+    CheckpointError naming the file whose header cannot be read."""
     import struct
+
+    from orchestrator.checkpoints import CheckpointError
 
     files = sorted(Path(directory).glob("*.safetensors"))
     if not files:
@@ -173,15 +212,20 @@ def checkpoint_params(directory: str | Path) -> tuple[int, int]:
     count = size = 0
     for f in files:
         size += f.stat().st_size
-        with open(f, "rb") as fh:
-            (n,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(n))
-        for name, entry in header.items():
-            if name != "__metadata__":
-                numel = 1
-                for d in entry["shape"]:
-                    numel *= d
-                count += numel
+        try:
+            with open(f, "rb") as fh:
+                (n,) = struct.unpack("<Q", fh.read(8))
+                if n > f.stat().st_size - 8:
+                    raise ValueError(f"header length {n} exceeds the file")
+                header = json.loads(fh.read(n))
+            for name, entry in header.items():
+                if name != "__metadata__":
+                    numel = 1
+                    for d in entry["shape"]:
+                        numel *= int(d)
+                    count += numel
+        except (struct.error, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{f}: unreadable safetensors header: {_problem(e)}") from None
     return count, size
 
 

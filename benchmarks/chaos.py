@@ -11,12 +11,20 @@ processes, and, while it trains:
 - stops the run once as the first Ctrl-C does (`Controller.stop`: finish the step,
   checkpoint) and resumes it (`run_async(resume=True)`), as `flotilla run --resume` does.
   The real SIGINT path is covered by tests/integration.
+- floods the env actor with 10,000 malformed wire messages (`benchmarks/_integrity.py`)
+  while the run's console is captured, and afterwards damages copies of the run's real
+  checkpoint in every way resume must refuse (bytes XORed, NaN bytes, a bad header, a
+  corrupted newest beside a good older one, all corrupted).
 
 It ends with one JSON line: `run_completed`, `prompts_lost` (prompts that entered and were
 neither trained, still buffered, nor counted as skipped), `prompts_skipped`,
 `steps_repeated_after_trainer_kill`, `recover_s_max` (fault -> next trained step),
 `bad_weight_messages_accepted` (a corrupted or forged message applied, or a replayed
-old keyframe that rolled the sampler back), `controller_cpu_while_trainer_dead` (cores).
+old keyframe that rolled the sampler back), `controller_cpu_while_trainer_dead` (cores),
+`corrupt_checkpoints_loaded` (of the corruption cases, target 0) and
+`log_lines_per_minute_max` (console lines per minute, the per-step progress line
+excluded: the higher of the rate during the flood and the busiest 60 s of the faulted
+run; target <= 60), with `log_line_chars_max`.
 
     python benchmarks/chaos.py            # 120 steps
     python benchmarks/chaos.py --quick    # 40 steps
@@ -132,6 +140,79 @@ class Schedule:
             await trio.sleep(0.05)
 
 
+# -- corrupted checkpoints and log floods ------------------------------------------------------
+# Self-contained (benchmarks/_integrity.py): an observer that floods the env actor, run
+# beside the fault schedule; the corruption cases on a copy of the first run's checkpoint.
+
+class Flood:
+    """Observer: once the run has trained `at_step` steps, floods the env actor's address
+    with malformed messages; `window` is when (monotonic seconds), for the console count."""
+
+    def __init__(self, at_step: int, seconds: float) -> None:
+        self.at_step, self.seconds = at_step, seconds
+        self.window: tuple[float, float] | None = None
+        self.info: dict[str, Any] = {}
+
+    async def __call__(self, run: Any) -> None:
+        import trio
+        from _integrity import flood
+
+        while run.controller.state.step < self.at_step:
+            await trio.sleep(0.05)
+        from orchestrator.runtime import ActorDied
+
+        t0 = time.monotonic()
+        env = run.meshes["env"]
+        try:
+            pid = env.pids[0]
+            before = (await env[0].runtime_stats.call_one())["rejected_messages"]
+            self.info = await flood(env.addresses[0], 10_000, self.seconds)
+            self.window = (t0, time.monotonic())
+            after = (await env[0].runtime_stats.call_one())["rejected_messages"]
+            # What the env actor refused, unless the fault schedule replaced it meanwhile.
+            self.info["flood_rejected"] = after - before if env.pids[0] == pid else None
+        except ActorDied:
+            self.window = self.window or (t0, time.monotonic())
+            self.info["flood_rejected"] = None
+
+
+def both(*observers: Any) -> Any:
+    """One `run_async` observer running several side by side (each may return early)."""
+    async def observe(run: Any) -> None:
+        import trio
+
+        async with trio.open_nursery() as n:
+            for o in observers:
+                n.start_soon(o, run)
+    return observe
+
+
+def integrity_results(console: Any, run_span: tuple[float, float], flood_obs: Flood, checkpoint: Path,
+                      work: Path) -> dict[str, Any]:
+    """`log_lines_per_minute_max`: the higher of the flood's rate and the busiest minute of
+    the whole faulted run (console lines but the per-step progress line); then the
+    corruption cases on `checkpoint`."""
+    from _integrity import corrupt_checkpoint_cases
+
+    out: dict[str, Any] = dict(flood_obs.info)
+    run_rate = console.lines_per_minute_max(*run_span)
+    out["run_log_lines_per_minute_max"] = run_rate
+    if flood_obs.window is not None:
+        start, end = flood_obs.window[0], flood_obs.window[1] + 2.0
+        out["flood_log_lines"] = len(console.log_lines(start, end))
+        out["flood_log_lines_per_minute"] = console.lines_per_minute_max(start, end)
+        out["log_lines_per_minute_max"] = max(run_rate, out["flood_log_lines_per_minute"])
+    else:
+        out["log_lines_per_minute_max"] = None  # the run ended before the flood
+    out["log_line_chars_max"] = console.longest_line(*run_span)
+    t0 = time.monotonic()
+    out.update(corrupt_checkpoint_cases(checkpoint, work))
+    out["corrupt_checkpoint_cases_s"] = round(time.monotonic() - t0, 1)
+    return out
+
+# -- end of corrupted checkpoints and log floods ------------------------------------------------
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="40 steps instead of 120")
@@ -156,11 +237,19 @@ def main() -> None:
     raw["task"]["params"] = {**raw["task"]["params"], "fail_rate": 0.1}
     cfg = load_config(raw=raw)
     schedule = Schedule(steps, random.Random(args.seed), every)
+    from _integrity import ConsoleCapture
+
+    flood_obs = Flood(at_step=2, seconds=5.0 if args.quick else 30.0)
     t0 = time.monotonic()
     try:
-        first = trio.run(lambda: run_async(cfg, progress=Progress(steps), observer=schedule))
+        with ConsoleCapture() as console:
+            first_start = time.monotonic()
+            first = trio.run(lambda: run_async(cfg, progress=Progress(steps), observer=both(schedule, flood_obs)))
+            run_span = (first_start, time.monotonic())
+        shutil.copytree(cfg.run_dir / "checkpoint", tmp / "first-checkpoint")
         second = trio.run(lambda: run_async(cfg, resume=True, progress=Progress(steps)))
         rows = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
+        integrity = integrity_results(console, run_span, flood_obs, tmp / "first-checkpoint", tmp / "corrupt")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     c = second.counts
@@ -180,6 +269,7 @@ def main() -> None:
         "bad_weight_messages_accepted": schedule.bad_accepted,
         "controller_cpu_while_trainer_dead": round(schedule.cpu_while_dead, 3)
         if schedule.cpu_while_dead is not None else None,
+        **integrity,
         "final_reward_10": round(sum(r["reward_mean"] for r in rows[-10:]) / min(10, len(rows)), 3),
         "wall_s": round(time.monotonic() - t0, 1),
         "load_average": load_average(),

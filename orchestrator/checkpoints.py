@@ -1,28 +1,39 @@
-"""Crash-safe run files: checkpoint replacement, resume, torn JSONL lines.
+"""Crash-safe, checksummed run files: checkpoint replacement, resume, torn JSONL lines.
 
-A run directory holds at most three checkpoint directories at any moment::
+A run directory holds at most these checkpoint directories at any moment::
 
-    checkpoint/        the current checkpoint (always complete: it only ever appears by rename)
-    checkpoint.new/    a checkpoint being written (complete only once its marker exists)
-    checkpoint.old/    the previous checkpoint while it is being replaced or deleted
+    checkpoint/          the current checkpoint (it only ever appears by rename)
+    checkpoint.new/      a checkpoint being written (complete only once its marker exists)
+    checkpoint.old/      the previous checkpoint while it is being replaced or deleted
+    checkpoint.corrupt/  a checkpoint that failed verification at resume, kept for inspection
 
 Replacing the checkpoint (`save_checkpoint_dir`) runs, in this order:
 
 1. `stage`      remove leftovers of an interrupted save, create an empty `checkpoint.new/`;
 2. `write`      the caller writes its files into it (trainer weights, controller state);
-3. `fsync`      fsync every file and directory under it;
+3. `fsync`      read every file back, hashing it (xxh3-128, in chunks), and fsync it and
+                every directory under it;
 4. `marker`     write `COMPLETE` (sequence number, caller metadata, a manifest of every
-                file and its size), fsync it and the directory: from here the new
-                checkpoint counts;
-5. `retire`     rename `checkpoint/` to `checkpoint.old/`, fsync the run directory;
-6. `promote`    rename `checkpoint.new/` to `checkpoint/`, fsync the run directory;
-7. `delete`     delete `checkpoint.old/`: its marker first (fsynced), so a half-deleted
+                file with its size and digest), fsync it and the directory: from here the
+                new checkpoint counts;
+5. `verify`     drop the files from the page cache and hash them again from the disk
+                against the marker; a mismatch raises `CheckpointError` and nothing older is
+                touched (the next resume skips the new one);
+6. `retire`     rename `checkpoint/` to `checkpoint.old/`, fsync the run directory;
+7. `promote`    rename `checkpoint.new/` to `checkpoint/`, fsync the run directory;
+8. `delete`     delete `checkpoint.old/`: its marker first (fsynced), so a half-deleted
                 directory never looks complete, then its files, then the directory.
 
-A crash (SIGKILL, power loss) at any point leaves at least one complete checkpoint,
-and `latest_checkpoint` finds the newest one: the complete candidate with the highest
-sequence number, moved back to `checkpoint/`, with the others deleted. A complete
-checkpoint is one whose marker parses and whose manifest matches the files on disk.
+So no checkpoint is deleted before a newer one has verified on disk, and a crash
+(SIGKILL, power loss) at any point leaves at least one complete checkpoint.
+
+A checkpoint is *complete* when its marker parses and every file it lists has the listed
+size, and it *verifies* when, in addition, every file has the listed digest.
+`latest_checkpoint` (resume) picks the newest candidate that verifies: a newer one that
+does not is never loaded; it is moved to `checkpoint.corrupt/` and the fallback is
+reported in one line; with no candidate that verifies but some that fail, it raises
+`CheckpointError` naming the file and the mismatch. Markers written before digests
+existed carry sizes only: such a checkpoint is accepted on its sizes, with a warning.
 
 `repair_jsonl` truncates a torn last line of an append-only JSONL file (a process killed
 mid-write), with a warning, so that readers of metrics.jsonl and traces.jsonl never see
@@ -31,7 +42,7 @@ half a record.
 Everything here is blocking file I/O; `save_checkpoint_dir` runs it in a worker thread.
 Cancellation of `save_checkpoint_dir` while the caller's `write` runs leaves an
 incomplete `checkpoint.new/` that the next save or resume removes; once the synchronous
-commit runs (steps 3-7) it completes in its thread and the cancellation is delivered after.
+commit runs (steps 3-8) it completes in its thread and the cancellation is delivered after.
 """
 
 from __future__ import annotations
@@ -47,20 +58,34 @@ import trio
 
 __all__ = [
     "MARKER",
+    "CheckpointError",
     "checkpoint_meta",
     "commit_checkpoint_dir",
+    "file_digest",
     "latest_checkpoint",
     "repair_jsonl",
     "save_checkpoint_dir",
     "stage_checkpoint_dir",
+    "verify_checkpoint",
     "write_file_atomic",
 ]
 
 MARKER = "COMPLETE"
-_NEW, _OLD = ".new", ".old"
+DIGEST = "xxh3-128"
+_NEW, _OLD, _CORRUPT = ".new", ".old", ".corrupt"
+_CHUNK = 8 << 20  # bytes hashed at a time: a multi-GB file is never in memory at once
 
 StepHook = Callable[[str], None]
 """Called with a step's name right after the step (tests kill the process there)."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint or model file that cannot be used: the message is one line naming the
+    file and the problem (a digest mismatch, an unreadable header, non-finite values...).
+
+    Raised in an actor process it reaches the controller as an ``ActorError`` whose
+    ``remote_type`` is this class's qualified name; `orchestrator.runner` turns it back
+    into this exception, and the CLI prints it as one line."""
 
 
 def _noop(_: str) -> None:
@@ -73,6 +98,26 @@ def _fsync_path(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def file_digest(path: Path, *, sync: bool = False, uncached: bool = False) -> str:
+    """The xxh3-128 hex digest of a file, read in chunks of `_CHUNK` bytes.
+
+    `sync` fsyncs the file after reading it; `uncached` first asks the kernel to drop the
+    file's pages, so the bytes hashed are the ones on the disk, not the ones written."""
+    import xxhash
+
+    h = xxhash.xxh3_128()
+    buf = bytearray(_CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        if uncached and hasattr(os, "posix_fadvise"):  # Linux; elsewhere the cache is read
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        while n := f.readinto(buf):
+            h.update(view[:n])
+        if sync:
+            os.fsync(f.fileno())
+    return h.hexdigest()
 
 
 def write_file_atomic(path: Path, data: bytes) -> None:
@@ -110,20 +155,60 @@ def _delete(path: Path, on_step: StepHook = _noop) -> None:
     on_step("delete:dir")
 
 
-def checkpoint_meta(path: Path) -> dict[str, Any] | None:
-    """The marker of a complete checkpoint directory (`seq`, `meta`, `files`), or None when
-    `path` is missing, has no readable marker, or misses a file its manifest lists."""
+def _read_marker(path: Path) -> dict[str, Any] | None:
+    """The parsed marker of `path`, or None when it is missing or malformed (an
+    interrupted save or deletion: the marker is written last and deleted first)."""
     try:
         marker = json.loads((path / MARKER).read_text())
-        files = marker["files"]
         int(marker["seq"])
+        if not isinstance(marker["files"], dict) or not isinstance(marker.get("digests", {}), dict):
+            return None
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    for rel, size in files.items():
-        f = path / rel
-        if not f.is_file() or f.stat().st_size != size:
-            return None
     return marker
+
+
+def _size_problem(path: Path, marker: dict[str, Any]) -> str | None:
+    for rel, size in marker["files"].items():
+        f = path / rel
+        if not f.is_file():
+            return f"{f}: missing (the checkpoint's marker lists it)"
+        if f.stat().st_size != size:
+            return f"{f}: {f.stat().st_size} bytes, the checkpoint's marker records {size}"
+    return None
+
+
+def _digest_problem(path: Path, marker: dict[str, Any], *, uncached: bool = False) -> str | None:
+    for rel, want in marker.get("digests", {}).items():
+        f = path / rel
+        try:
+            got = file_digest(f, uncached=uncached)
+        except OSError as e:
+            return f"{f}: cannot be read ({e.strerror or e})"
+        if got != want:
+            return f"{f}: {DIGEST} digest {got} does not match {want} recorded when it was written"
+    return None
+
+
+def checkpoint_meta(path: Path) -> dict[str, Any] | None:
+    """The marker of a complete checkpoint directory (`seq`, `meta`, `files`, and
+    `digests` when written by this version), or None when `path` is missing, has no
+    readable marker, or misses a file its manifest lists (sizes only; digests are
+    `verify_checkpoint`'s)."""
+    marker = _read_marker(path)
+    if marker is None or _size_problem(path, marker) is not None:
+        return None
+    return marker
+
+
+def verify_checkpoint(path: Path) -> str | None:
+    """None when the checkpoint at `path` verifies (marker, sizes and every file's digest),
+    else one line naming the file and the problem. A marker without digests (an earlier
+    version's) verifies on its sizes."""
+    marker = _read_marker(path)
+    if marker is None:
+        return f"{path / MARKER}: missing or unreadable (not a complete checkpoint)"
+    return _size_problem(path, marker) or _digest_problem(path, marker)
 
 
 def stage_checkpoint_dir(ckpt_dir: Path, on_step: StepHook = _noop) -> Path:
@@ -138,28 +223,34 @@ def stage_checkpoint_dir(ckpt_dir: Path, on_step: StepHook = _noop) -> Path:
 
 def commit_checkpoint_dir(ckpt_dir: Path, staging: Path, meta: dict[str, Any] | None = None,
                           on_step: StepHook = _noop) -> Path:
-    """Steps 3-7: make the files the caller wrote into `staging` the current checkpoint at
-    `ckpt_dir`; returns `ckpt_dir`. `meta` (JSON) is kept in the marker."""
+    """Steps 3-8: make the files the caller wrote into `staging` the current checkpoint at
+    `ckpt_dir`; returns `ckpt_dir`. `meta` (JSON) is kept in the marker.
+
+    Raises CheckpointError, leaving every older checkpoint in place, when the files read
+    back from the disk differ from what was hashed before the marker was written."""
     files = _files(staging)
-    for f in files:
-        _fsync_path(f)
+    digests = {str(f.relative_to(staging)): file_digest(f, sync=True) for f in files}
     for d in sorted({f.parent for f in files} | {staging}, key=lambda p: len(p.parts), reverse=True):
         _fsync_path(d)
     on_step("fsync")
     previous = [m for m in (checkpoint_meta(ckpt_dir), checkpoint_meta(ckpt_dir.with_name(ckpt_dir.name + _OLD)))
                 if m is not None]
     seq = max((int(m["seq"]) for m in previous), default=0) + 1
-    marker = {"seq": seq, "meta": meta or {}, "files": {str(f.relative_to(staging)): f.stat().st_size
-                                                       for f in files}}
+    marker = {"seq": seq, "meta": meta or {}, "digest": DIGEST, "digests": digests,
+              "files": {str(f.relative_to(staging)): f.stat().st_size for f in files}}
     with open(staging / MARKER, "w", encoding="utf-8") as fh:
         fh.write(json.dumps(marker, sort_keys=True))
         fh.flush()
         os.fsync(fh.fileno())
     _fsync_path(staging)
     on_step("marker")
+    problem = _size_problem(staging, marker) or _digest_problem(staging, marker, uncached=True)
+    if problem is not None:
+        raise CheckpointError(f"{problem} (read back after writing; the previous checkpoint is kept)")
+    on_step("verify")
     old = ckpt_dir.with_name(ckpt_dir.name + _OLD)
     if ckpt_dir.exists():
-        _delete(old, on_step)  # a leftover of an earlier interrupted save: older than ckpt_dir
+        _delete(old, on_step)  # a leftover of an earlier interrupted save: older than the new one
         os.rename(ckpt_dir, old)
         _fsync_path(ckpt_dir.parent)
         on_step("retire")
@@ -187,33 +278,74 @@ async def save_checkpoint_dir(run_dir: Path, write: Callable[[Path], Awaitable[N
     return await trio.to_thread.run_sync(commit_checkpoint_dir, ckpt_dir, staging, meta, on_step)
 
 
-def latest_checkpoint(run_dir: Path, *, name: str = "checkpoint", clean: bool = True) -> Path | None:
-    """The newest complete checkpoint of a run, or None when there is none.
+def _step_of(marker: dict[str, Any]) -> str:
+    step = marker.get("meta", {}).get("step") if isinstance(marker.get("meta"), dict) else None
+    return f"step {step}" if step is not None else f"checkpoint #{marker['seq']}"
 
-    With `clean` (the default, for resume), leftovers of an interrupted replacement are
-    resolved first: the newest complete candidate is renamed to `run_dir/<name>/` and the
-    other candidates are deleted, so the returned path is always `run_dir/<name>`.
-    Without it, nothing is changed and the newest complete candidate's path is returned.
+
+def latest_checkpoint(run_dir: Path, *, name: str = "checkpoint", clean: bool = True,
+                      warn: Callable[[str], None] | None = None) -> Path | None:
+    """The newest checkpoint of a run that verifies, or None when there is no complete one.
+
+    Candidates newer than the one returned that fail verification are never returned:
+    `warn` (default: a `flotilla: warning:` line on stderr) gets one line naming the file
+    and the mismatch and the checkpoint used instead. A checkpoint without digests (an
+    earlier version's) is accepted on its sizes, with one `warn` line saying so. Raises
+    CheckpointError (one line naming the file and the mismatch) when complete candidates
+    exist but none verifies; nothing is changed then.
+
+    With `clean` (the default, for resume), leftovers are resolved first: a newer candidate
+    that failed is moved to `<name>.corrupt/` (replacing an earlier one), the one returned
+    is renamed to `run_dir/<name>/`, and older or incomplete candidates are deleted, so the
+    returned path is always `run_dir/<name>`. Without it, nothing is changed and the
+    path of the newest candidate that verifies is returned.
     """
+    warn = warn or _warn
     ckpt_dir = Path(run_dir) / name
     candidates = [ckpt_dir, ckpt_dir.with_name(name + _NEW), ckpt_dir.with_name(name + _OLD)]
-    complete = [(int(m["seq"]), i, c) for i, c in enumerate(candidates) if (m := checkpoint_meta(c)) is not None]
-    if not complete:
+    marked = [(int(m["seq"]), -i, c, m) for i, c in enumerate(candidates) if (m := _read_marker(c)) is not None]
+    best: tuple[Path, dict[str, Any]] | None = None
+    failed: list[tuple[Path, str]] = []
+    if ckpt_dir.exists() and _read_marker(ckpt_dir) is None:  # it only ever appears with its marker
+        failed.append((ckpt_dir, f"{ckpt_dir / MARKER}: missing or unreadable"))
+    for _, _, c, m in sorted(marked, key=lambda t: t[:2], reverse=True):  # newest first
+        problem = _size_problem(c, m) or _digest_problem(c, m)
+        if problem is None:
+            best = (c, m)
+            break
+        failed.append((c, problem))
+    if best is None:
+        if failed:
+            raise CheckpointError(f"{failed[0][1]}; no other checkpoint in {run_dir} verifies")
         if clean:
             for c in candidates[1:]:
                 _delete(c)
         return None
-    best = max(complete, key=lambda t: (t[0], -t[1]))[2]
+    chosen, marker = best
+    if failed:
+        warn(f"{failed[0][1]}: not loaded; resuming from the older checkpoint ({_step_of(marker)})"
+             + (f", the failed one kept as {ckpt_dir.with_name(name + _CORRUPT)}" if clean else ""))
+    if "digests" not in marker:
+        warn(f"{chosen}: written without file digests (an earlier version): checked by file sizes only")
     if not clean:
-        return best
-    if best != ckpt_dir:
-        if ckpt_dir.exists():
+        return chosen
+    if failed:
+        corrupt = ckpt_dir.with_name(name + _CORRUPT)
+        _delete(corrupt)
+        os.rename(failed[0][0], corrupt)  # the newest failure, for inspection
+        _fsync_path(ckpt_dir.parent)
+        for c, _ in failed[1:]:
+            _delete(c)
+    if chosen != ckpt_dir:
+        if ckpt_dir.exists():  # older than `chosen` (a failed one was moved aside above)
             old = candidates[2]
-            if best != old:
+            if chosen != old:
                 _delete(old)
                 os.rename(ckpt_dir, old)
                 _fsync_path(ckpt_dir.parent)
-        os.rename(best, ckpt_dir)
+            else:
+                _delete(ckpt_dir)
+        os.rename(chosen, ckpt_dir)
         _fsync_path(ckpt_dir.parent)
     for c in candidates[1:]:
         _delete(c)

@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         return host_main(argv[1:]) or 0
     args = _parser().parse_args(argv)
     if args.command == "run":
+        from orchestrator.checkpoints import CheckpointError
         from orchestrator.config import ConfigError
         from orchestrator.controller import TrainerLost
         from orchestrator.runner import run_from_cli
@@ -73,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return run_from_cli(args.config, overrides=args.overrides, steps=args.steps,
                                 mode=args.mode, resume=args.resume, quiet=args.quiet)
-        except ConfigError as e:
+        except (ConfigError, CheckpointError) as e:
             print(f"flotilla: {e}", file=sys.stderr)
             return 2
         except TrainerLost as e:

@@ -10,7 +10,8 @@ directory's own (with its chat template), or the built-in word tokenizer with a 
 template that renders its layout.
 
 A run keeps its latest checkpoint only; `--step N` must name that checkpoint's step
-(otherwise the error says which step is there).  Nothing in RUN_DIR is changed; an
+(otherwise the error says which step is there).  A checkpoint whose files do not match
+the digests of its marker is refused, naming the file.  Nothing in RUN_DIR is changed; an
 existing OUT_DIR is refused unless it is empty.
 """
 
@@ -36,6 +37,7 @@ def export_run(run_dir: str | Path, out_dir: str | Path, *, step: int | None = N
     from actors.chat import HFChatFormat, load_chat_format
     from actors.models import build_model
     from actors.tokenizer import build_tokenizer
+    from orchestrator.checkpoints import MARKER, verify_checkpoint
     from orchestrator.controller import STATE_FILE, ControllerState
 
     run_dir, out_dir = Path(run_dir), Path(out_dir)
@@ -44,6 +46,9 @@ def export_run(run_dir: str | Path, out_dir: str | Path, *, step: int | None = N
     ckpt = run_dir / "checkpoint"
     if not (ckpt / "trainer.json").is_file():
         raise ExportError(f"{run_dir}: no complete checkpoint ({ckpt / 'trainer.json'} missing)")
+    if (ckpt / MARKER).is_file() and (problem := verify_checkpoint(ckpt)) is not None:
+        raise ExportError(f"{problem}; the checkpoint is damaged (`flotilla run --resume` falls back "
+                          "to an older one if the run has one)")
     have = ControllerState.load(ckpt).step if (ckpt / STATE_FILE).is_file() else None
     if step is not None and step != have:
         raise ExportError(f"{run_dir}: --step {step} is not kept; the checkpoint is at step {have}")

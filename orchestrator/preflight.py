@@ -133,7 +133,7 @@ def _check_task(cfg: RunConfig, dataset: Any, eval_dataset: Any) -> list[str]:
     if cfg.eval.every and dataset is not None and eval_dataset is None:
         raise ConfigError("eval: task.dataset is set but task.eval_dataset is not (evaluation "
                           "plays held-out rows)")
-    samples = [(d.rows[0], f"{d.source} row 0") for d in (dataset, eval_dataset) if d is not None]
+    samples = [(d.rows[0], d.where(0)) for d in (dataset, eval_dataset) if d is not None]
     if dataset is None:   # the task's own params make the instances
         samples.insert(0, ({}, ""))
     for row, where in samples:

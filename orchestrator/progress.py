@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Hashable
 from typing import Any, TextIO
+
+from orchestrator.runtime import RateLimiter, clip
 
 __all__ = ["Progress"]
 
@@ -21,9 +24,16 @@ class Progress:
         self.stream = stream or sys.stderr
         self.quiet = quiet
         self.t0 = time.monotonic()
-        self.failure_every_s = 1.0
-        self._last_failure = -float("inf")
-        self._held_back = 0
+        self._limits = RateLimiter(5.0)
+
+    @property
+    def failure_every_s(self) -> float:
+        """Seconds between two lines of one key of `repeated` (and of `failure`)."""
+        return self._limits.interval_s
+
+    @failure_every_s.setter
+    def failure_every_s(self, seconds: float) -> None:
+        self._limits.interval_s = seconds
 
     def step(self, record: dict[str, Any]) -> None:
         if self.quiet:
@@ -38,21 +48,30 @@ class Progress:
         print(line, file=self.stream, flush=True)
 
     def failure(self, text: str) -> None:
-        """An error that may repeat (a failing environment): printed at most once per
-        `failure_every_s`, with the count of those held back since."""
-        now = time.monotonic()
-        if now - self._last_failure < self.failure_every_s:
-            self._held_back += 1
-            return
-        more = f" (+{self._held_back} similar since the last shown)" if self._held_back else ""
-        self._last_failure, self._held_back = now, 0
+        """An error that may repeat (a failing environment, a lost rollout): `repeated`
+        under one key shared by all failures."""
+        self.repeated("failure", text)
+
+    def repeated(self, key: Hashable, text: str) -> None:
+        """A message that may repeat (failures, respawns): printed at most once per
+        `failure_every_s` per `key`, with the count of those held back since; a multi-line
+        text (a traceback) shows its first and last lines, and the line is bounded
+        (`orchestrator.runtime.clip`: outside values such as error texts can be long)."""
         lines = text.strip().splitlines() or [""]
         shown = lines[0] if len(lines) == 1 else f"{lines[0]} … {lines[-1]}"  # traceback: its tail
-        self.message(shown[:400] + more)
+        self._limits.log(key, clip(shown), self.message)
 
     def message(self, text: str) -> None:
         if not self.quiet:
             print(text, file=self.stream, flush=True)
+
+    def warning(self, text: str) -> None:
+        """`flotilla: warning: <text>`, shown even when quiet (a damaged checkpoint skipped
+        at resume, a repaired log: what a user must learn of whatever the display)."""
+        if self.quiet:
+            print(f"flotilla: warning: {text}", file=self.stream, flush=True)
+        else:
+            self.message(f"flotilla: warning: {text}")
 
     def close(self) -> None:
         """Nothing to stop for plain lines (the live display overrides this)."""

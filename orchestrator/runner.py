@@ -25,6 +25,7 @@ from typing import Any
 import trio
 
 from orchestrator.checkpoints import (
+    CheckpointError,
     latest_checkpoint,
     repair_jsonl,
     save_checkpoint_dir,
@@ -44,7 +45,7 @@ from orchestrator.outputs import finish_outputs
 from orchestrator.pool_mesh import check_hosts, gpu_warnings, identity_env, pool_mesh
 from orchestrator.preflight import preflight
 from orchestrator.progress import Progress
-from orchestrator.runtime import open_mesh, span
+from orchestrator.runtime import ActorError, open_mesh, span
 from orchestrator.sinks import open_sinks
 from orchestrator.telemetry import MetricsLog, setup_run_telemetry
 
@@ -102,8 +103,9 @@ class DiskCheckpoints:
     state, written to a fresh directory, fsynced and swapped in by renames only when whole
     (`orchestrator.checkpoints`), so a crash at any moment leaves a complete checkpoint."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, warn: Callable[[str], None] | None = None) -> None:
         self.directory = directory
+        self.warn = warn
 
     async def save(self, trainer: TrainerLink, state: ControllerState) -> None:
         async def write(staging: Path) -> None:
@@ -114,7 +116,9 @@ class DiskCheckpoints:
                                   name=self.directory.name)
 
     async def restore(self, trainer: TrainerLink) -> tuple[int, int]:
-        latest_checkpoint(self.directory.parent, name=self.directory.name)  # finish an interrupted swap
+        # Finish an interrupted swap and fall back past a checkpoint that fails verification
+        # (CheckpointError when none verifies: the trainer must not load a damaged one).
+        latest_checkpoint(self.directory.parent, name=self.directory.name, warn=self.warn)
         version = await trainer.restart()  # its constructor reads self.directory
         step = ControllerState.load(self.directory).step if (self.directory / STATE_FILE).exists() else 0
         return version, step
@@ -129,6 +133,23 @@ class RunHandles:
     meshes: dict[str, Any]
 
 
+_CHECKPOINT_ERROR = f"{CheckpointError.__module__}.{CheckpointError.__qualname__}"
+
+
+def _checkpoint_error(exc: BaseException) -> CheckpointError | None:
+    """The CheckpointError inside `exc`: itself, or raised in an actor process (an ActorError
+    naming it), at any depth of the ExceptionGroups trio's nurseries wrap errors in."""
+    if isinstance(exc, CheckpointError):
+        return exc
+    if isinstance(exc, ActorError) and exc.remote_type == _CHECKPOINT_ERROR:
+        return CheckpointError(exc.message)
+    if isinstance(exc, BaseExceptionGroup):
+        for sub in exc.exceptions:
+            if (found := _checkpoint_error(sub)) is not None:
+                return found
+    return None
+
+
 async def run_async(cfg: RunConfig, *, resume: bool = False, progress: Progress | None = None,
                     observer: Callable[[RunHandles], Awaitable[None]] | None = None) -> RunResult:
     """Run (or resume) training to `cfg.steps`; see the module docstring.
@@ -136,7 +157,22 @@ async def run_async(cfg: RunConfig, *, resume: bool = False, progress: Progress 
     Cancellation stops every actor process; an interrupt (SIGINT) finishes the step in
     progress, checkpoints and returns with `interrupted=True`. `observer`, if given, runs
     beside the controller once the actors are up, and is cancelled when the run ends.
+
+    Errors: a checkpoint or model file that cannot be used, in this process or in an actor
+    (the trainer loads its checkpoint, samplers their model), raises CheckpointError with
+    its one-line message, never the ExceptionGroup it travelled in.
     """
+    try:
+        return await _run_async(cfg, resume=resume, progress=progress, observer=observer)
+    except (CheckpointError, ActorError, BaseExceptionGroup) as e:
+        found = _checkpoint_error(e)
+        if found is None:
+            raise
+        raise found from None
+
+
+async def _run_async(cfg: RunConfig, *, resume: bool, progress: Progress | None,
+                     observer: Callable[[RunHandles], Awaitable[None]] | None) -> RunResult:
     from actors.env import EnvActor, EnvConfig
     from actors.trainer import TrainerGroup, trainer_mesh
     from hardware import CostLedger, Scheduler, ThroughputModel
@@ -149,15 +185,17 @@ async def run_async(cfg: RunConfig, *, resume: bool = False, progress: Progress 
     ckpt_dir = run_dir / "checkpoint"
     progress = progress or Progress(cfg.steps)
     state = ControllerState()
+    warn = progress.warning
     if resume:
-        if latest_checkpoint(run_dir) is None:  # also resolves an interrupted replacement
+        # Also resolves an interrupted replacement and falls back past a damaged checkpoint.
+        if latest_checkpoint(run_dir, warn=warn) is None:
             raise ConfigError(f"{run_dir}: no complete checkpoint to resume from")
         try:
             state = ControllerState.load(ckpt_dir)
         except ValueError as e:
             raise ConfigError(str(e)) from None
         for log in ("metrics.jsonl", "traces.jsonl"):
-            repair_jsonl(run_dir / log, warn=lambda m: progress.message(f"flotilla: warning: {m}"))
+            repair_jsonl(run_dir / log, warn=warn)
         _truncate_metrics(run_dir / "metrics.jsonl", state.step)
     else:
         if (run_dir / "metrics.jsonl").exists():
@@ -207,7 +245,7 @@ async def run_async(cfg: RunConfig, *, resume: bool = False, progress: Progress 
     for pc in cfg.pools:  # samplers start without weights and wait for the trainer's keyframe
         meshes[f"pool:{pc.name}"] = pool_mesh(pc, model_cfg, seed=cfg.seed, env=env,
                                               max_len=cfg.model.max_seq_len, weights_key=weights_key)
-    checkpoints = DiskCheckpoints(ckpt_dir)
+    checkpoints = DiskCheckpoints(ckpt_dir, warn)
     async with trio.open_nursery() as actors:
         with span("startup", pools=len(cfg.pools)):
             opened = await _open_all(actors, meshes)

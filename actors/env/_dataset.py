@@ -12,9 +12,12 @@ Files are read with the ``datasets`` library's local loaders (``json`` for
 """
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 from typing import Any
+
+from orchestrator.runtime import clip
 
 __all__ = ["DatasetError", "TaskDataset"]
 
@@ -25,18 +28,65 @@ class DatasetError(ValueError):
     """A dataset file that cannot be used; the message names the file (and row)."""
 
 
+def _check_json(path: Path) -> list[int] | None:
+    """Raise DatasetError naming ``path:line`` for the first row that is not a JSON object:
+    each line of a ``.jsonl`` file (read one at a time), or the items of a ``.json`` file
+    holding one array (a ``.json`` file of JSON lines is checked line by line; one holding
+    an object is left to the loader). Returns the line number of each row for JSON lines,
+    else None."""
+    if path.suffix.lower() == ".json":
+        data = path.read_bytes()
+        try:
+            rows = json.loads(data)
+        except ValueError as e:
+            if data.lstrip()[:1] == b"[":
+                line = getattr(e, "lineno", None)
+                where = f"{path}:{line}" if line is not None else str(path)
+                raise DatasetError(f"dataset {where}: not valid JSON: {clip(getattr(e, 'msg', e))}") from None
+        else:
+            if isinstance(rows, list):
+                bad = next((i for i, r in enumerate(rows) if not isinstance(r, dict)), None)
+                if bad is not None:
+                    raise DatasetError(f"dataset {path}: item {bad} of its array is not a JSON object")
+            return None
+    lines: list[int] = []
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            try:
+                row = json.loads(raw)
+            except ValueError as e:
+                text = clip(raw.decode(errors="replace").strip(), 80)
+                raise DatasetError(f"dataset {path}:{number}: not valid JSON: "
+                                   f"{clip(getattr(e, 'msg', e))} (the line: {text})") from None
+            if not isinstance(row, dict):
+                raise DatasetError(f"dataset {path}:{number}: a row must be a JSON object, "
+                                   f"got {type(row).__name__}")
+            lines.append(number)
+    return lines
+
+
 class TaskDataset:
     """The rows of one dataset file, as task parameter dicts (see the module docstring)."""
 
-    def __init__(self, rows: list[dict[str, Any]], source: str = "<rows>") -> None:
+    def __init__(self, rows: list[dict[str, Any]], source: str = "<rows>",
+                 lines: list[int] | None = None) -> None:
+        self.rows = rows
+        self.source = source
+        self._lines = lines if lines is not None and len(lines) == len(rows) else None
         if not rows:
             raise DatasetError(f"dataset {source}: no rows")
         for i, row in enumerate(rows):
             if not isinstance(row, dict):
-                raise DatasetError(f"dataset {source} row {i}: not an object")
-        self.rows = rows
-        self.source = source
+                raise DatasetError(f"dataset {self.where(i)}: not an object")
         self._orders: dict[tuple[int, int], list[int]] = {}
+
+    def where(self, i: int) -> str:
+        """Where row ``i`` is: ``file:line`` for JSON lines, else ``file row i``."""
+        if self._lines is not None:
+            return f"{self.source}:{self._lines[i]}"
+        return f"{self.source} row {i}"
 
     @classmethod
     def load(cls, path: str | Path) -> TaskDataset:
@@ -55,15 +105,17 @@ class TaskDataset:
         import datasets
 
         datasets.disable_progress_bars()
+        # A bad row is named by its line, which the loader does not do.
+        lines = _check_json(p) if loader == "json" else None
         try:
             ds = datasets.load_dataset(loader, data_files=str(p.resolve()), split="train",
                                        keep_in_memory=True)
         except Exception as e:  # noqa: BLE001 - the loader's many error types, one line
             msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise DatasetError(f"dataset {path}: cannot be read: {msg}") from e
+            raise DatasetError(f"dataset {path}: cannot be read: {clip(msg)}") from e
         # Rows as plain Python: they travel to the env actors inside TaskSpec.params (JSON).
         rows = [{k: v for k, v in row.items() if v is not None} for row in ds.to_list()]
-        return cls(rows, str(path))
+        return cls(rows, str(path), lines)
 
     def __len__(self) -> int:
         return len(self.rows)

@@ -34,6 +34,8 @@ from typing import Any
 import httpx
 import trio
 
+from orchestrator.runtime import clip
+
 __all__ = ["server_command", "serve_sglang", "wait_healthy"]
 
 
@@ -74,7 +76,7 @@ async def _tail(stream: Any, lines: deque[str]) -> None:
         *done, buf = buf.split(b"\n")
         for line in done:
             lines.append(line.decode(errors="replace"))
-            print(f"[sglang] {lines[-1]}", file=sys.stderr, flush=True)
+            print(f"[sglang] {clip(lines[-1], 1000)}", file=sys.stderr, flush=True)
 
 
 async def serve_sglang(launch: dict[str, Any], port: int, gpu: int | None,

@@ -12,22 +12,31 @@ Layout of a checkpoint directory::
 
 Resuming restores all of it, so the next step is bit-exact to the one the saving
 trainer would have taken (same config, same batch, same thread count).
+
+Errors: a checkpoint that cannot be loaded (an unreadable header or JSON file,
+non-finite values, tensors whose names or shapes differ from the model's) raises
+``CheckpointError`` with one line naming the file and the problem (``loading`` turns any
+other loader error into one).
 """
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
-from orchestrator.checkpoints import write_file_atomic
+from actors.models import read_tensors
+from orchestrator.checkpoints import CheckpointError, write_file_atomic
+from orchestrator.runtime import clip
 
 if TYPE_CHECKING:
     from actors.trainer._core import Trainer
 
-__all__ = ["checkpoint_format", "is_complete", "load_state", "model_dir", "read_meta", "save"]
+__all__ = ["checkpoint_format", "is_complete", "load_state", "loading", "model_dir", "read_meta", "save"]
 
 FORMAT = "flotilla.trainer/1"
 SHARDED_FORMAT = "flotilla.trainer/2"   # written by actors.trainer._dcp
@@ -73,15 +82,33 @@ def is_complete(directory: str) -> bool:
     return (Path(directory) / "trainer.json").is_file()
 
 
+@contextmanager
+def loading(directory: str) -> Iterator[None]:
+    """Inside, any error but CheckpointError becomes one: one line naming `directory` and
+    the error (a loader's own exception types are many: json, safetensors, torch)."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except Exception as e:  # the loaders' many error types: one line naming the checkpoint
+        text = str(e).strip()
+        problem = f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+        raise CheckpointError(f"{directory}: cannot be loaded: {clip(problem)}") from e
+
+
 def read_meta(directory: str) -> dict[str, Any]:
     path = Path(directory) / "trainer.json"
     if not path.is_file():
         raise FileNotFoundError(f"{directory} is not a complete trainer checkpoint "
                                 "(no trainer.json)")
-    meta = json.loads(path.read_text())
-    if meta.get("format") not in (FORMAT, SHARDED_FORMAT):
-        raise ValueError(f"{path}: format {meta.get('format')!r}, expected {FORMAT!r} "
-                         f"or {SHARDED_FORMAT!r}")
+    try:
+        meta = json.loads(path.read_text())
+    except (ValueError, OSError) as e:
+        raise CheckpointError(f"{path}: cannot be read: {clip(e)}") from None
+    if not isinstance(meta, dict) or meta.get("format") not in (FORMAT, SHARDED_FORMAT):
+        found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise CheckpointError(f"{path}: format {found!r}, expected {FORMAT!r} "
+                              f"or {SHARDED_FORMAT!r}")
     return meta
 
 
@@ -100,36 +127,37 @@ def load_state(trainer: Trainer, directory: str) -> int:
     """Restore optimizer state and RNG into ``trainer`` (whose model was built from
     ``model_dir(directory)``); returns the checkpoint's version.
 
-    Raises ValueError naming the tensor when the optimizer state does not match the
-    model's parameters.
+    Raises CheckpointError naming the file and tensor when the optimizer state does not
+    match the model's parameters or holds non-finite values.
     """
     meta = read_meta(directory)
     if meta["format"] != FORMAT:
-        raise ValueError(f"{directory}: format {meta['format']!r} is not a single-process checkpoint")
+        raise CheckpointError(f"{directory}: format {meta['format']!r} is not a single-process checkpoint")
     if meta["params"] != list(trainer.params):
-        raise ValueError(f"{directory}: parameter names/order differ from the model's")
-    state = load_file(str(Path(directory) / "optimizer.safetensors"))
+        raise CheckpointError(f"{directory}: parameter names/order differ from the model's")
+    path = Path(directory) / "optimizer.safetensors"
+    state = read_tensors(path)
     for name, p in trainer.params.items():
         entry: dict[str, torch.Tensor] = {}
         for key in _MOMENTS:
             t = state.pop(f"{key}/{name}", None)
             if t is not None:
                 if key != "step" and t.shape != p.shape:
-                    raise ValueError(f"{directory}: optimizer tensor {key}/{name} has shape "
+                    raise CheckpointError(f"{path}: optimizer tensor {key}/{name} has shape "
                                      f"{tuple(t.shape)}, parameter {tuple(p.shape)}")
                 entry[key] = t.to(p.device) if key != "step" else t
         if entry:
             if set(entry) != set(_MOMENTS):
-                raise ValueError(f"{directory}: optimizer state of {name} has {sorted(entry)}, "
+                raise CheckpointError(f"{path}: optimizer state of {name} has {sorted(entry)}, "
                                  f"expected {list(_MOMENTS)}")
             trainer.optimizer.state[p] = entry
     rng = state.pop("rng/torch_cpu", None)
     if rng is None:
-        raise ValueError(f"{directory}: optimizer.safetensors lacks rng/torch_cpu")
+        raise CheckpointError(f"{path}: lacks rng/torch_cpu")
     torch.set_rng_state(rng)
     cuda_rng = state.pop("rng/torch_cuda", None)
     if cuda_rng is not None and trainer.device.type == "cuda":
         torch.cuda.set_rng_state(cuda_rng, trainer.device)
     if state:
-        raise ValueError(f"{directory}: unknown optimizer tensors {sorted(state)[:5]}")
+        raise CheckpointError(f"{path}: unknown optimizer tensors {sorted(state)[:5]}")
     return int(meta["version"])

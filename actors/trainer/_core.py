@@ -23,6 +23,7 @@ ranks are merged on every rank.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import time
@@ -83,16 +84,19 @@ class Trainer:
         self.device = torch.device(config.device)
         if self.device.type == "cuda":
             self.device = torch.device("cuda", torch.cuda.current_device())
-        fmt = _checkpoint.checkpoint_format(resume_from) if resume_from is not None else None
-        if resume_from is not None:
-            model_src: dict[str, Any] | str = _checkpoint.model_dir(resume_from)
-        else:
-            model_src = config.model if config.model is not None else default_model_config(VOCAB_SIZE)
-        self.model_source = model_src
-        self.model_config: dict[str, Any] = (
-            dict(model_src) if isinstance(model_src, dict)
-            else json.loads((Path(model_src) / "config.json").read_text()))
-        """The resolved model config dict (what samplers must build)."""
+        # Every error of reading the checkpoint is one CheckpointError line naming the file.
+        resuming = _checkpoint.loading(resume_from) if resume_from is not None else contextlib.nullcontext()
+        with resuming:
+            fmt = _checkpoint.checkpoint_format(resume_from) if resume_from is not None else None
+            if resume_from is not None:
+                model_src: dict[str, Any] | str = _checkpoint.model_dir(resume_from)
+            else:
+                model_src = config.model if config.model is not None else default_model_config(VOCAB_SIZE)
+            self.model_source = model_src
+            self.model_config: dict[str, Any] = (
+                dict(model_src) if isinstance(model_src, dict)
+                else json.loads((Path(model_src) / "config.json").read_text()))
+            """The resolved model config dict (what samplers must build)."""
         # A sharded checkpoint's model dir holds only config.json: the weights come from
         # the distributed checkpoint after the model is sharded.
         build_src = self.model_config if fmt == _dcp.FORMAT else model_src
@@ -102,7 +106,8 @@ class Trainer:
             if self.world.size != 1:
                 raise RuntimeError("a multi-rank Trainer needs its process group initialised")
             init_group(rendezvous_address(None), self.world, config.device)
-        model = build_model(build_src, seed=config.seed)
+        with _checkpoint.loading(str(build_src)) if isinstance(build_src, str) else contextlib.nullcontext():
+            model = build_model(build_src, seed=config.seed)
         if self.device.type == "cuda":
             model = model.to(self.device)
         self.policy = prepare(model, config, sharded=self.sharded, seed=config.seed)
@@ -116,8 +121,9 @@ class Trainer:
         self.version = 0
         self.pad_id = 0
         if resume_from is not None:
-            self.version = (_dcp.load(self, resume_from) if fmt == _dcp.FORMAT or self.sharded
-                            else _checkpoint.load_state(self, resume_from))
+            with _checkpoint.loading(resume_from):
+                self.version = (_dcp.load(self, resume_from) if fmt == _dcp.FORMAT or self.sharded
+                                else _checkpoint.load_state(self, resume_from))
         else:
             torch.manual_seed(config.seed)
 

@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import load_file
 from safetensors.torch import save as safetensors_bytes
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -37,10 +36,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from actors.models import read_tensors
 from actors.trainer._checkpoint import FORMAT as SINGLE_FORMAT
 from actors.trainer._checkpoint import SHARDED_FORMAT as FORMAT
 from actors.trainer._checkpoint import read_meta
-from orchestrator.checkpoints import write_file_atomic
+from orchestrator.checkpoints import CheckpointError, write_file_atomic
 
 if TYPE_CHECKING:
     from actors.trainer._core import Trainer
@@ -82,12 +82,13 @@ def load(trainer: Trainer, directory: str) -> int:
     """Restore weights, Adam state and RNG into ``trainer`` (built from the checkpoint's
     model config and already sharded); every rank calls it. Returns the version.
 
-    Raises ValueError when the trained parameters differ from the checkpoint's (e.g. a
-    different LoRA config); DCP raises naming a missing tensor.
+    Raises CheckpointError when the trained parameters differ from the checkpoint's (e.g. a
+    different LoRA config) or a file cannot be read; DCP raises naming a missing tensor
+    (the caller wraps it in ``_checkpoint.loading``).
     """
     meta = read_meta(directory)
     if meta["params"] != list(trainer.params):
-        raise ValueError(f"{directory}: trained parameters differ from the checkpoint's "
+        raise CheckpointError(f"{directory}: trained parameters differ from the checkpoint's "
                          f"({len(meta['params'])} there, {len(trainer.params)} here; "
                          "same model and LoRA settings?)")
     if meta["format"] == SINGLE_FORMAT:
@@ -99,12 +100,12 @@ def load(trainer: Trainer, directory: str) -> int:
     set_model_state_dict(trainer.model, state["model"])
     set_optimizer_state_dict(trainer.model, trainer.optimizer,
                              {"state": state["optim"], "param_groups": osd["param_groups"]})
-    torch.set_rng_state(load_file(str(Path(directory) / "rng.safetensors"))["torch_cpu"])
+    torch.set_rng_state(read_tensors(Path(directory) / "rng.safetensors")["torch_cpu"])
     return int(meta["version"])
 
 
 def _load_single(trainer: Trainer, directory: str) -> None:
-    flat = load_file(str(Path(directory) / "optimizer.safetensors"))
+    flat = read_tensors(Path(directory) / "optimizer.safetensors")
     full = get_optimizer_state_dict(trainer.model, trainer.optimizer,
                                     options=StateDictOptions(full_state_dict=True))
     for name in trainer.params:

@@ -175,13 +175,14 @@ class RunContext:
         its sync worker sends it a keyframe before any rollout that needs them starts."""
         for pool in self.pools.values():
             for rank in pool.link.dead_ranks():
-                self.progress.message(f"sampler {pool.receiver(rank)} died; respawning it")
+                self.progress.repeated(("respawn", pool.name, rank),
+                                       f"sampler {pool.receiver(rank)} died; respawning it")
                 pool.link.respawn(rank)
                 pool.versions[rank] = -1
                 pool.marks[rank] = (0, 0.0)  # a fresh process counts from zero
                 self.bump_versions()
         for rank in self.links.envs.dead_ranks():
-            self.progress.message(f"environment actor {rank} died; respawning it")
+            self.progress.repeated(("respawn", "env", rank), f"environment actor {rank} died; respawning it")
             self.links.envs.respawn(rank)
 
     def cancel_rollouts(self) -> None:

@@ -63,7 +63,8 @@ async def sync_worker(ctx: RunContext, pool: PoolView, rank: int) -> None:
         except ActorError as e:
             # The sampler refused the update (hash mismatch, gap): it keeps its last good
             # weights; ask for a keyframe next.
-            ctx.progress.message(f"sampler {receiver} refused weights ({e}); sending a keyframe")
+            ctx.progress.repeated(("weights refused", receiver), f"sampler {receiver} refused weights; "
+                                  f"sending a keyframe ({e.remote_type}: {e.message})")
             pool.versions[rank] = -1
             await backoff.wait()
             continue

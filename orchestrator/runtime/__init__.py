@@ -22,10 +22,11 @@ from ._calls import EndpointRef
 from ._curve import Curve
 from ._errors import ActorDied, ActorError, WireError
 from ._mesh import ActorRef, HostSpec, Mesh, open_mesh
-from ._ratelimit import RateLimiter
+from ._ratelimit import CLIP_CHARS, RateLimiter, clip
 from ._tracing import configure_tracing, span, traced
 
 __all__ = [
+    "CLIP_CHARS",
     "Actor",
     "ActorDied",
     "ActorError",
@@ -37,6 +38,7 @@ __all__ = [
     "Mesh",
     "RateLimiter",
     "WireError",
+    "clip",
     "configure_tracing",
     "current_rank",
     "endpoint",

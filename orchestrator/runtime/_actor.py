@@ -220,23 +220,26 @@ def endpoints_of(cls: type) -> dict[str, EndpointDef[Any, Any]]:
 class WireRejects:
     """Requests this process's server rejected as invalid (malformed frames or header,
     unknown endpoint, arguments that fail validation), counted in total and per peer and
-    logged at most once per second per peer, so a flood of bad messages is not a flood
-    of lines. Touched only from the actor's trio thread."""
+    logged at most once per `interval_s` whichever the peer (a flood may come from many
+    connections, each its own peer), so a flood of bad messages is not a flood of lines.
+    Touched only from the actor's trio thread."""
 
     MAX_PEERS = 1024
 
-    def __init__(self) -> None:
+    def __init__(self, interval_s: float = 5.0) -> None:
         from ._ratelimit import RateLimiter
 
         self.total = 0
         self.by_peer: dict[str, int] = {}
-        self._limit = RateLimiter(1.0, max_keys=self.MAX_PEERS)
+        self._limit = RateLimiter(interval_s)
 
     def record(self, peer: str, message: str, emit: Callable[[str], None]) -> None:
+        """Count a rejection from `peer`; `message` (already bounded: outside values
+        clipped) is emitted if no rejection was logged in the last interval."""
         self.total += 1
         if peer in self.by_peer or len(self.by_peer) < self.MAX_PEERS:
             self.by_peer[peer] = self.by_peer.get(peer, 0) + 1
-        self._limit.log(peer, message, emit)
+        self._limit.log("rejected", message, emit)
 
     def snapshot(self) -> dict[str, Any]:
         return {"rejected_messages": self.total, "rejected_by_peer": dict(self.by_peer)}

@@ -27,8 +27,9 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from ._errors import ActorDied, ActorError
+from ._ratelimit import clip
 from ._wire import SCALARS, decode, dumps, loads
-from ._zsock import SPIN_S, ZSocket, context, log, tune
+from ._zsock import SPIN_S, ZSocket, context, log, log_repeated, tune
 
 __all__ = ["Connection", "ConnectionSource", "Pending", "close_connection", "connection", "reply_value"]
 
@@ -179,7 +180,7 @@ class Connection:
         try:
             header = loads(frames[0])
         except ValueError as exc:
-            log(f"{self.name}[{self.rank}]: dropped a malformed reply: {exc}")
+            log_repeated("malformed reply", f"{self.name}[{self.rank}]: dropped a malformed reply: {clip(exc)}")
             return
         p = self.pending.pop(header.get("id"), None)  # type: ignore[arg-type]
         if p is None:

@@ -1,8 +1,11 @@
-"""A per-key rate limit for log lines: one line per key per interval, the rest counted.
+"""Logs that cannot flood: a per-key rate limit for lines, and a bound on their length.
 
 A flood of identical events (a peer sending malformed frames, an environment that
-fails every episode) must not become a flood of lines: the first event of a key in
-each interval is shown, with how many were suppressed since the last shown one.
+fails every episode, an actor respawned again and again) must not become a flood of
+lines: the first event of a key in each interval is shown, with how many were
+suppressed since the last shown one. A value that comes from outside (a wire message's
+fields, a harness's stderr, an error text) goes into a line through `clip`, so one
+line stays one bounded line.
 """
 
 from __future__ import annotations
@@ -11,7 +14,19 @@ import threading
 import time
 from collections.abc import Callable, Hashable
 
-__all__ = ["RateLimiter"]
+__all__ = ["CLIP_CHARS", "RateLimiter", "clip"]
+
+CLIP_CHARS = 300
+"""Characters of an outside value a log line shows (the rest is counted)."""
+
+
+def clip(text: object, limit: int = CLIP_CHARS) -> str:
+    """`text` (str() of it) as one line of at most `limit` characters plus a count of the
+    rest: line breaks are shown as ``\\n``, and a longer text ends in ``... (N more)``."""
+    s = str(text).replace("\r", "\\r").replace("\n", "\\n")
+    if len(s) <= limit:
+        return s
+    return f"{s[:limit]}... ({len(s) - limit} more)"
 
 
 class RateLimiter:

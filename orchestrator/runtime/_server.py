@@ -28,6 +28,7 @@ import zmq
 from . import _tracing
 from ._actor import Actor, EndpointDef, _Spec, endpoints_of, wire_rejects
 from ._errors import WireError
+from ._ratelimit import clip
 from ._wire import SCALARS, decode, dumps, encode, loads
 from ._zsock import ZSocket, log
 
@@ -98,7 +99,8 @@ class Server:
             peer = bytes(memoryview(ident)).hex()
         except TypeError:  # no frame at all
             peer = "?"
-        wire_rejects.record(peer, f"{self.name}[{self.rank}]: rejected a request from peer {peer}: {msg}", log)
+        wire_rejects.record(peer, f"{self.name}[{self.rank}]: rejected a request from peer {clip(peer, 64)}: "
+                                  f"{clip(msg)}", log)
 
     def _bad(self, ident: bytes, rid: Any, msg: str) -> None:
         self._rejected(ident, msg)

@@ -44,6 +44,8 @@ import struct
 import weakref
 from typing import Any
 
+from ._ratelimit import clip
+
 __all__ = ["ENABLED", "SHM_MIN_BYTES", "SegmentPool", "export_frames", "import_frames", "segments_created"]
 
 ENABLED = os.environ.get("FLOTILLA_SHM", "1") != "0" and os.path.isdir("/dev/shm")
@@ -220,7 +222,7 @@ def import_frames(frames: list[Any], header_at: int, log: Any) -> list[Any]:
         try:
             frames[index] = _map(name, n)
         except OSError as exc:
-            log(f"shared-memory frame {name!r} ({n} bytes) unavailable: {exc}")
+            log(f"shared-memory frame {clip(repr(name))} ({n} bytes) unavailable: {clip(exc)}")
             frames[index] = b""
     return frames
 

@@ -33,6 +33,7 @@ import trio
 import zmq
 
 from . import _shm
+from ._ratelimit import RateLimiter, clip
 
 __all__ = ["SPIN_S", "ZSocket", "context", "tune"]
 
@@ -137,7 +138,7 @@ class ZSocket:
                     try:
                         frames = _shm.import_frames(frames, self._copy_parts - 1, log)
                     except ValueError as exc:
-                        log(f"dropped a message: {exc}")
+                        log_repeated("dropped", f"dropped a message: {clip(exc)}")
                         continue
                 if self._spin:
                     now = perf_counter()
@@ -146,7 +147,7 @@ class ZSocket:
                 try:
                     handle(frames)
                 except Exception as exc:  # noqa: BLE001 - one bad message must not stop the reader
-                    log(f"dropped a message: {exc!r}")
+                    log_repeated("dropped", f"dropped a message: {clip(repr(exc))}")
         finally:
             self._draining = False
         return True
@@ -192,3 +193,17 @@ def log(msg: str) -> None:
         print(f"[flotilla.runtime] {msg}", file=sys.stderr, flush=True)
     except Exception:  # noqa: BLE001, S110 - stderr may be gone at shutdown
         pass
+
+
+REPEAT_S = 5.0
+"""Seconds between two lines of one kind of repeated wire event (malformed messages,
+rejected requests); the events in between are counted into the next line."""
+
+_repeats = RateLimiter(REPEAT_S)
+
+
+def log_repeated(kind: str, msg: str) -> None:
+    """`log` for an event a peer can repeat at will: at most one line per `kind` per
+    `REPEAT_S`, with the count of those held back; put outside values in `msg` through
+    `clip`."""
+    _repeats.log(kind, msg, log)

@@ -93,9 +93,19 @@ def test_parquet_and_bad_files(tmp_path) -> None:
         TaskDataset.load(tmp_path / "none.jsonl")
     with pytest.raises(DatasetError, match="unknown file type '.csv'"):
         TaskDataset.load(tmp_path / "d.csv")
-    (tmp_path / "bad.jsonl").write_text('{"prompt": "a"}\n{not json\n')
-    with pytest.raises(DatasetError, match="bad.jsonl: cannot be read"):
-        TaskDataset.load(tmp_path / "bad.jsonl")
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "a"}\n\n{not json\n{"prompt": "c"}\n')
+    with pytest.raises(DatasetError, match=r"bad\.jsonl:3: not valid JSON: .*the line: \{not json\)$"):
+        TaskDataset.load(tmp_path / "bad.jsonl")  # the file's line, blank lines counted
+    (tmp_path / "list.jsonl").write_text('{"prompt": "a"}\n[1, 2]\n')
+    with pytest.raises(DatasetError, match=r"list\.jsonl:2: a row must be a JSON object, got list"):
+        TaskDataset.load(tmp_path / "list.jsonl")
+    (tmp_path / "arr.json").write_text('[\n {"prompt": "a"},\n {"prompt": \n]\n')
+    with pytest.raises(DatasetError, match=r"arr\.json:4: not valid JSON"):
+        TaskDataset.load(tmp_path / "arr.json")
+    (tmp_path / "long.jsonl").write_text('{"prompt": "' + "x" * 100_000 + '\n')
+    with pytest.raises(DatasetError) as e:
+        TaskDataset.load(tmp_path / "long.jsonl")
+    assert "long.jsonl:1: not valid JSON" in str(e.value) and len(str(e.value)) < 600
 
 
 def test_chat_dataset_rewards(tmp_path) -> None:

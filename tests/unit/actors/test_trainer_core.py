@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 from actors.trainer import Trainer, TrainerConfig
 from actors.trainer._packing import pack
 from actors.types import Trajectory
+from orchestrator.checkpoints import CheckpointError
 from policies import RecipeConfig
 from tests.unit.actors.trainer_batches import on_policy_batch
 
@@ -131,7 +132,7 @@ def test_checkpoint_in_process_is_bit_exact(batch: list[Trajectory], tmp_path: P
     assert opt["rng/torch_cpu"].dtype == torch.uint8
     meta = json.loads((tmp_path / "ck" / "trainer.json").read_text())
     assert meta["version"] == 1 and meta["config"]["weight_decay"] == 0.01
-    with pytest.raises(FileNotFoundError, match="trainer.json"):
+    with pytest.raises(CheckpointError, match=r"nope: cannot be loaded: FileNotFoundError: .*trainer\.json"):
         Trainer(cfg, resume_from=str(tmp_path / "nope"))
 
 

@@ -3,7 +3,7 @@
 A subprocess replaces generation 1 of a checkpoint by generation 2 and SIGKILLs itself
 right after step k of the sequence, for every k (including in the middle of writing a
 file and between the deletions of the old checkpoint); resume must then find a complete
-checkpoint whose every byte belongs to one generation.
+checkpoint that verifies (its digests) and whose every byte belongs to one generation.
 """
 from __future__ import annotations
 
@@ -19,10 +19,12 @@ import trio
 
 from orchestrator.checkpoints import (
     MARKER,
+    CheckpointError,
     checkpoint_meta,
     latest_checkpoint,
     repair_jsonl,
     save_checkpoint_dir,
+    verify_checkpoint,
 )
 from orchestrator.telemetry import MetricsLog
 
@@ -94,6 +96,7 @@ def _generation(ckpt: Path) -> int:
     """The one generation every file of `ckpt` belongs to (fails on a mix or a torn file)."""
     meta = checkpoint_meta(ckpt)
     assert meta is not None, f"{ckpt} is not complete"
+    assert verify_checkpoint(ckpt) is None and set(meta["digests"]) == set(meta["files"])
     gen = meta["meta"]["gen"]
     on_disk = {str(p.relative_to(ckpt)): p.read_bytes() for p in ckpt.rglob("*") if p.is_file() and p.name != MARKER}
     assert on_disk == _gen_files(gen)
@@ -107,8 +110,9 @@ def _kill_and_resume(tmp_path: Path, only: set[str] | None) -> list[str]:
     log = tmp_path / "probe-steps.log"
     assert _save(probe / "run", 2, log=log).returncode == 0
     steps = log.read_text().split()
-    assert {"stage", "write:half-file", "fsync", "marker", "retire", "promote", "delete:marker",
+    assert {"stage", "write:half-file", "fsync", "marker", "verify", "retire", "promote", "delete:marker",
             "delete:file", "delete:dir"} <= set(steps)
+    assert steps.index("marker") < steps.index("verify") < steps.index("retire")  # verified before any deletion
     marker_at = steps.index("marker") + 1
 
     for k in range(1, len(steps) + 1):
@@ -138,7 +142,7 @@ def test_a_kill_at_every_step_of_a_replacement_leaves_a_complete_checkpoint(tmp_
 
 
 def test_a_kill_around_the_swap_leaves_a_complete_checkpoint(tmp_path: Path) -> None:
-    _kill_and_resume(tmp_path, {"fsync", "marker", "retire", "promote", "delete:marker"})
+    _kill_and_resume(tmp_path, {"fsync", "marker", "verify", "retire", "promote", "delete:marker"})
 
 
 def test_a_kill_during_the_first_save_leaves_no_checkpoint_and_no_crash(tmp_path: Path) -> None:
@@ -171,7 +175,10 @@ def test_a_manifest_catches_a_file_lost_after_the_marker(tmp_path: Path) -> None
     os.rename(tmp_path / "checkpoint", tmp_path / "checkpoint.new")
     (tmp_path / "checkpoint.new" / "optimizer.bin").unlink()
     assert checkpoint_meta(tmp_path / "checkpoint.new") is None
-    assert latest_checkpoint(tmp_path) is None
+    # A marked checkpoint missing a file is damaged, not interrupted: one line, nothing changed.
+    with pytest.raises(CheckpointError, match=r"checkpoint\.new/optimizer\.bin: missing .*no other checkpoint"):
+        latest_checkpoint(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.new"]
 
 
 def _metrics(path: Path, n: int) -> None:

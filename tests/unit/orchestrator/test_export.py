@@ -88,3 +88,19 @@ def test_export_errors_name_the_problem(tmp_path) -> None:
     with pytest.raises(ExportError, match="exists and is not empty"):
         export_run(run, tmp_path / "full")
     assert (tmp_path / "full" / "x").read_text() == "keep me"
+
+
+def test_export_refuses_a_checkpoint_that_fails_its_digests(tmp_path) -> None:
+    from orchestrator.checkpoints import commit_checkpoint_dir
+
+    run, _ = _fake_run(tmp_path, None, step=3)
+    staged = run / "checkpoint.new"
+    (run / "checkpoint").rename(staged)
+    commit_checkpoint_dir(run / "checkpoint", staged, {"step": 3})  # as a run writes it: with its marker
+    model = run / "checkpoint" / "model" / "model.safetensors"
+    data = bytearray(model.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    model.write_bytes(bytes(data))
+    with pytest.raises(ExportError, match=r"model\.safetensors: xxh3-128 digest .* the checkpoint is damaged"):
+        export_run(run, tmp_path / "o")
+    assert not (tmp_path / "o").exists()

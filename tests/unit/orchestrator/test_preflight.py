@@ -52,10 +52,10 @@ def test_task_errors_before_any_actor(tmp_path) -> None:
 
 def test_dataset_rows_are_checked_against_the_task(tmp_path) -> None:
     rows = tmp_path / "rows.jsonl"
-    rows.write_text(json.dumps({"prompt": "hi"}) + "\n")   # no answer
+    rows.write_text("\n" + json.dumps({"prompt": "hi"}) + "\n")   # no answer, on the file's line 2
     with pytest.raises(ConfigError) as e:
         preflight(_cfg(tmp_path, task={"name": "chat_dataset", "dataset": str(rows)}))
-    assert "task.params: task 'chat_dataset' rejected" in _one_line(e) and "rows.jsonl row 0" in str(e.value)
+    assert "task.params: task 'chat_dataset' rejected" in _one_line(e) and "rows.jsonl:2)" in str(e.value)
     rows.write_text(json.dumps({"prompt": "hi", "answer": "yo"}) + "\n")
     checked = preflight(_cfg(tmp_path, task={"name": "chat_dataset", "dataset": str(rows),
                                              "eval_dataset": str(rows)}))
