@@ -149,7 +149,7 @@ def read_tensors(path: str | Path, *, finite: bool = True) -> dict[str, torch.Te
     import torch
     from safetensors.torch import load_file
 
-    from orchestrator.checkpoints import CheckpointError
+    from orchestrator.state.checkpoints import CheckpointError
 
     try:
         state = load_file(str(path))
@@ -166,7 +166,7 @@ def read_tensors(path: str | Path, *, finite: bool = True) -> dict[str, torch.Te
 def _load_checkpoint(model: PreTrainedModel, directory: Path) -> None:
     import torch
 
-    from orchestrator.checkpoints import CheckpointError
+    from orchestrator.state.checkpoints import CheckpointError
 
     files = sorted(directory.glob("*.safetensors"))
     if not files:
@@ -204,7 +204,7 @@ def checkpoint_params(directory: str | Path) -> tuple[int, int]:
     CheckpointError naming the file whose header cannot be read."""
     import struct
 
-    from orchestrator.checkpoints import CheckpointError
+    from orchestrator.state.checkpoints import CheckpointError
 
     files = sorted(Path(directory).glob("*.safetensors"))
     if not files:

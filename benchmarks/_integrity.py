@@ -85,7 +85,7 @@ def _try_resume(run_dir: Path) -> tuple[Path | None, str]:
     trainer's real loader."""
     from actors.trainer import TrainerConfig
     from actors.trainer._core import Trainer
-    from orchestrator.checkpoints import CheckpointError, latest_checkpoint
+    from orchestrator.state.checkpoints import CheckpointError, latest_checkpoint
 
     said: list[str] = []
 

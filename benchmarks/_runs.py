@@ -1,7 +1,7 @@
 """Shared helpers of the controller benchmarks (async_vs_sync.py, ablation.py).
 
 Builds run configs as raw dicts from the demo config (examples/guess_number.toml),
-runs one config to completion with the real controller (`orchestrator.runner.run_async`:
+runs one config to completion with the real controller (`orchestrator.entry.runner.run_async`:
 trainer, sampler and environment processes), and reads back its metrics and spans.
 Each run gets its own run_root under a temporary directory, removed afterwards.
 """
@@ -65,9 +65,9 @@ def run_raw(raw: dict[str, Any], *, keep_spans: bool = True, watch_cpu: bool = F
     """
     import trio
 
-    from orchestrator.config import load_config
-    from orchestrator.progress import Progress
-    from orchestrator.runner import run_async
+    from orchestrator.state.config import load_config
+    from orchestrator.state.progress import Progress
+    from orchestrator.entry.runner import run_async
 
     tmp = Path(tempfile.mkdtemp(prefix="flotilla-bench-"))
     affinity = os.sched_getaffinity(0)

@@ -3,7 +3,7 @@
 These are the `[[pools]]` fields that reach real hardware (the rest of ``PoolConfig`` prices
 and models a pool). The models stay pure data: nothing here starts a process, opens a
 socket, reads a key file or imports torch -- the orchestrator does that
-(``orchestrator/pool_mesh.py``) and the sampler actor (``actors/sampler``).
+(``orchestrator/entry/pool_mesh.py``) and the sampler actor (``actors/sampler``).
 
 GPU labels versus GPUs present: ``gpu_matches(label, device_name)`` compares a pool's
 catalog label with the name the CUDA driver reports (``torch.cuda.get_device_name``), so a

@@ -42,7 +42,7 @@ __all__ = [
 
 def __getattr__(name: str):
     if name == "run":
-        from .runner import run
+        from .entry.runner import run
 
         return run
     raise AttributeError(f"module 'orchestrator' has no attribute {name!r}")

@@ -2,6 +2,6 @@
 
 import sys
 
-from orchestrator.cli import main
+from orchestrator.entry.cli import main
 
 sys.exit(main())

@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import save_file
 
 from actors.models import read_tensors
-from orchestrator.checkpoints import CheckpointError, write_file_atomic
+from orchestrator.state.checkpoints import CheckpointError, write_file_atomic
 from orchestrator.runtime import clip
 
 if TYPE_CHECKING:

@@ -40,7 +40,7 @@ from actors.models import read_tensors
 from actors.trainer._checkpoint import FORMAT as SINGLE_FORMAT
 from actors.trainer._checkpoint import SHARDED_FORMAT as FORMAT
 from actors.trainer._checkpoint import read_meta
-from orchestrator.checkpoints import CheckpointError, write_file_atomic
+from orchestrator.state.checkpoints import CheckpointError, write_file_atomic
 
 if TYPE_CHECKING:
     from actors.trainer._core import Trainer

@@ -10,11 +10,11 @@ import trio
 
 from actors.types import SamplingParams, TaskSpec
 from hardware import CostLedger, Scheduler
-from orchestrator.buffer import Drop, RolloutBuffer
-from orchestrator.config import RunConfig
+from orchestrator.state.buffer import Drop, RolloutBuffer
+from orchestrator.state.config import RunConfig
 from orchestrator.controller.links import Checkpointer, Links, PoolLink
 from orchestrator.controller.state import ControllerState
-from orchestrator.progress import Progress
+from orchestrator.state.progress import Progress
 from orchestrator.runtime import ActorDied, span
 
 __all__ = ["Backoff", "PoolView", "RunContext"]

@@ -3,7 +3,7 @@
 It runs, in one nursery: the producer (`_producer`), the trainer loop (`_training`),
 one weight-sync worker per sampler (`_weights`), a supervisor that respawns dead
 sampler and env ranks even when nothing is calling them, and the Ctrl-C watcher
-(`_signals`), and with `[eval] every` the evaluation loop (`orchestrator.evaluation`). `mode = "sync"` runs the same parts on-policy and in sequence: generate
+(`_signals`), and with `[eval] every` the evaluation loop (`orchestrator.controller.evaluation`). `mode = "sync"` runs the same parts on-policy and in sequence: generate
 a batch, train on it, sync every sampler, repeat.
 
 Cancellation: cancelling `run` abandons the rollouts in flight (the meshes behind the
@@ -21,7 +21,7 @@ from typing import Any
 import trio
 
 from hardware import CostLedger, Scheduler
-from orchestrator.config import RunConfig
+from orchestrator.state.config import RunConfig
 from orchestrator.controller._context import RunContext
 from orchestrator.controller._producer import produce
 from orchestrator.controller._signals import request_stop, watch_sigint
@@ -29,8 +29,8 @@ from orchestrator.controller._training import checkpoint, train_loop
 from orchestrator.controller._weights import sync_worker
 from orchestrator.controller.links import Checkpointer, Links
 from orchestrator.controller.state import ControllerState
-from orchestrator.evaluation import eval_loop
-from orchestrator.progress import Progress
+from orchestrator.controller.evaluation import eval_loop
+from orchestrator.state.progress import Progress
 
 __all__ = ["Controller", "MetricsSink"]
 
@@ -38,7 +38,7 @@ SUPERVISE_EVERY_S = 0.5
 
 
 class MetricsSink:
-    """Where step records go (`orchestrator.telemetry.MetricsLog` in a run)."""
+    """Where step records go (`orchestrator.state.telemetry.MetricsLog` in a run)."""
 
     def write(self, record: dict[str, Any]) -> None: ...
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import trio
 
 from actors.types import TaskSpec
-from orchestrator.buffer import Slot
+from orchestrator.state.buffer import Slot
 from orchestrator.controller._context import PoolView, RunContext
 from orchestrator.runtime import ActorDied, span
 

@@ -21,7 +21,7 @@ import trio
 
 from actors.trainer import StepResult, memory_line
 from actors.types import Trajectory
-from orchestrator.buffer import Group
+from orchestrator.state.buffer import Group
 from orchestrator.controller._context import Backoff, RunContext
 from orchestrator.runtime import ActorDied, span
 

@@ -16,8 +16,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from actors.types import TaskSpec
-from orchestrator.buffer import BufferCounters
-from orchestrator.checkpoints import write_file_atomic
+from orchestrator.state.buffer import BufferCounters
+from orchestrator.state.checkpoints import write_file_atomic
 
 __all__ = ["STATE_FILE", "ControllerState"]
 

@@ -43,7 +43,7 @@ max_concurrent_rollouts = 8
 
 
 def _flotilla(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "orchestrator.cli", "run", "--quiet", *args], check=False, cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "orchestrator.entry.cli", "run", "--quiet", *args], check=False, cwd=ROOT,
                           capture_output=True, text=True, timeout=240)
 
 

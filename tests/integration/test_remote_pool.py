@@ -24,7 +24,7 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 
 async def _start_host(keys: Path) -> tuple[trio.Process, str]:
     proc = await trio.lowlevel.open_process(
-        [sys.executable, "-m", "orchestrator.cli", "host", "--bind", "tcp://127.0.0.1:0", "--keys", str(keys)],
+        [sys.executable, "-m", "orchestrator.entry.cli", "host", "--bind", "tcp://127.0.0.1:0", "--keys", str(keys)],
         stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, env=ENV)
     assert proc.stdout is not None
     out = b""
@@ -66,7 +66,7 @@ async def test_run_with_a_pool_on_a_flotilla_host_and_a_refused_key(tmp_path: Pa
             await host.wait()
             port = address.rsplit(":", 1)[1]
             host = await trio.lowlevel.open_process(
-                [sys.executable, "-m", "orchestrator.cli", "host", "--bind", f"tcp://127.0.0.1:{port}",
+                [sys.executable, "-m", "orchestrator.entry.cli", "host", "--bind", f"tcp://127.0.0.1:{port}",
                  "--keys", str(host_keys)], stdout=subprocess.DEVNULL, stdin=subprocess.DEVNULL, env=ENV)
             await trio.sleep(1.0)  # a connect before the host binds is retried by ZeroMQ
 
@@ -85,7 +85,7 @@ async def test_run_with_a_pool_on_a_flotilla_host_and_a_refused_key(tmp_path: Pa
             cfg = _config(tmp_path, address, good, "remote")
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(watch_host)
-                run = await trio.run_process([sys.executable, "-m", "orchestrator.cli", "run", str(cfg), "--quiet"],
+                run = await trio.run_process([sys.executable, "-m", "orchestrator.entry.cli", "run", str(cfg), "--quiet"],
                                              env=ENV, capture_stdout=True, capture_stderr=True, check=False)
                 nursery.cancel_scope.cancel()
             assert run.returncode == 0, run.stderr.decode()[-3000:]
@@ -100,7 +100,7 @@ async def test_run_with_a_pool_on_a_flotilla_host_and_a_refused_key(tmp_path: Pa
             bad = _controller_keys(tmp_path / "other-keys", host_keys, address)
             t0 = trio.current_time()
             run = await trio.run_process(
-                [sys.executable, "-m", "orchestrator.cli", "run", str(_config(tmp_path, address, bad, "refused")),
+                [sys.executable, "-m", "orchestrator.entry.cli", "run", str(_config(tmp_path, address, bad, "refused")),
                  "--quiet"], env=ENV, capture_stdout=True, capture_stderr=True, check=False)
             err = run.stderr.decode()
             assert run.returncode == 2, err[-3000:]

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.config import load_config
-from orchestrator.report import write_compare, write_report
-from orchestrator.runner import run
-from orchestrator.sinks import flatten
+from orchestrator.state.config import load_config
+from orchestrator.entry.report import write_compare, write_report
+from orchestrator.entry.runner import run
+from orchestrator.state.sinks import flatten
 from tests.chromium import check_page, chromium_path
 from tests.integration.conftest import read_jsonl, small_run_raw
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import trio
 
-from orchestrator.config import load_config
-from orchestrator.progress import Progress
-from orchestrator.runner import run_async
+from orchestrator.state.config import load_config
+from orchestrator.state.progress import Progress
+from orchestrator.entry.runner import run_async
 from tests.integration.conftest import read_jsonl
 
 pytestmark = pytest.mark.timeout(300)

@@ -10,9 +10,9 @@ import pytest
 import trio
 
 from actors.tokenizer import VOCAB_SIZE
-from orchestrator.config import load_config
-from orchestrator.progress import Progress
-from orchestrator.runner import run_async
+from orchestrator.state.config import load_config
+from orchestrator.state.progress import Progress
+from orchestrator.entry.runner import run_async
 from tests.integration.conftest import read_jsonl
 from tests.unit.actors.sglang_stub import start_stub
 

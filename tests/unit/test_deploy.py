@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from orchestrator.config import load_config
+from orchestrator.state.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 

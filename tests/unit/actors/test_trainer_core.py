@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from actors.trainer import Trainer, TrainerConfig
 from actors.trainer._packing import pack
 from actors.types import Trajectory
-from orchestrator.checkpoints import CheckpointError
+from orchestrator.state.checkpoints import CheckpointError
 from policies import RecipeConfig
 from tests.unit.actors.trainer_batches import on_policy_batch
 

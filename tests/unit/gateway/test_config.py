@@ -11,8 +11,8 @@ from pydantic import ValidationError
 from actors.gateway import HarnessConfig, resolve
 from actors.gateway._harness import _reward_line, task_dict
 from actors.types import TaskSpec
-from orchestrator.config import ConfigError, load_config
-from orchestrator.preflight import preflight
+from orchestrator.state.config import ConfigError, load_config
+from orchestrator.entry.preflight import preflight
 
 POOL = {"name": "cpu", "gpu": "cpu", "precision": "bf16", "device": "cpu"}
 AGENT = Path(__file__).resolve().parents[3] / "examples" / "harness" / "agent.py"

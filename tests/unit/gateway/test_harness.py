@@ -13,7 +13,7 @@ from actors.chat import HFChatFormat
 from actors.env import EnvActor, EnvConfig
 from actors.gateway import HarnessConfig
 from actors.types import SamplingParams, TaskSpec
-from orchestrator.buffer import RolloutBuffer
+from orchestrator.state.buffer import RolloutBuffer
 from orchestrator.runtime import open_mesh
 from tests.unit.gateway._actors import ReplaySampler, tiny_tokenizer_dir
 

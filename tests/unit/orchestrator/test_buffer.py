@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from orchestrator.buffer import BufferCounters, RolloutBuffer
+from orchestrator.state.buffer import BufferCounters, RolloutBuffer
 
 
 class _T:

@@ -17,7 +17,7 @@ import trio
 from safetensors.torch import load_file, save_file
 
 from actors.trainer import Trainer, TrainerConfig
-from orchestrator.checkpoints import (
+from orchestrator.state.checkpoints import (
     CheckpointError,
     commit_checkpoint_dir,
     file_digest,
@@ -26,7 +26,7 @@ from orchestrator.checkpoints import (
     stage_checkpoint_dir,
     verify_checkpoint,
 )
-from orchestrator.progress import Progress
+from orchestrator.state.progress import Progress
 from tests.unit.actors.trainer_batches import on_policy_batch
 
 torch.set_num_threads(1)
@@ -225,7 +225,7 @@ def test_a_file_that_reads_back_differently_stops_the_replacement_before_any_del
 def test_hashing_streams_a_file_larger_than_its_chunk(tmp_path: Path, monkeypatch) -> None:
     import xxhash
 
-    from orchestrator import checkpoints
+    from orchestrator.state import checkpoints
 
     data = bytes(range(256)) * 5000
     (tmp_path / "f").write_bytes(data)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from orchestrator.checkpoints import (
+from orchestrator.state.checkpoints import (
     MARKER,
     CheckpointError,
     checkpoint_meta,
@@ -26,7 +26,7 @@ from orchestrator.checkpoints import (
     save_checkpoint_dir,
     verify_checkpoint,
 )
-from orchestrator.telemetry import MetricsLog
+from orchestrator.state.telemetry import MetricsLog
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -78,7 +78,7 @@ def _gen_files(g: int) -> dict[str, bytes]:
 def _save(run_dir: Path, gen: int, kill_at: int = 0, log: Path | None = None) -> subprocess.CompletedProcess:
     """Save generation `gen` in a subprocess that SIGKILLs itself after step `kill_at` (0: never)."""
     log = log or run_dir.parent / f"steps-{gen}.log"
-    module = ROOT / "orchestrator" / "checkpoints.py"
+    module = ROOT / "orchestrator" / "state" / "checkpoints.py"
     return subprocess.run([sys.executable, "-c", _SAVER, str(run_dir), str(gen), str(kill_at), str(log), str(module)],
                           capture_output=True, text=True, timeout=60)
 

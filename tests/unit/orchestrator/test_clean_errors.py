@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.cli import main
-from orchestrator.config import ConfigError, load_config
+from orchestrator.entry.cli import main
+from orchestrator.state.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[3]
 DEMO = ROOT / "examples" / "guess_number.toml"
@@ -63,7 +63,7 @@ def test_plain_names_and_model_overrides_still_load() -> None:
 
 
 def test_an_sglang_pool_with_min_keep_is_refused_naming_the_field():
-    from orchestrator.config import ConfigError, load_config
+    from orchestrator.state.config import ConfigError, load_config
 
     raw = {"pools": [{"name": "s", "gpu": "H100-SXM", "device": "cuda", "backend": "sglang",
                       "urls": ["http://127.0.0.1:30000"]}],

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.config import ConfigError, apply_overrides, load_config
+from orchestrator.state.config import ConfigError, apply_overrides, load_config
 
 ROOT = Path(__file__).resolve().parents[3]
 DEMO = ROOT / "examples" / "guess_number.toml"
@@ -21,7 +21,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_help_does_not_import_torch():
-    code = "import sys; from orchestrator.cli import _parser; _parser(); print('torch' in sys.modules)"
+    code = "import sys; from orchestrator.entry.cli import _parser; _parser(); print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, text=True, capture_output=True, timeout=60)
     assert out.stdout.strip() == "False", out.stderr
     assert "usage: flotilla" in _cli("--help").stdout
@@ -60,7 +60,7 @@ def test_unknown_section_and_bad_override_are_refused():
 
 def _fields(model, prefix=""):
     """Every leaf field of a config model, as dotted names."""
-    from orchestrator.confighelp import _model_of
+    from orchestrator.entry.confighelp import _model_of
 
     for name, field in model.model_fields.items():
         sub = _model_of(field.annotation)
@@ -71,8 +71,8 @@ def _fields(model, prefix=""):
 
 
 def test_config_help_documents_every_field_from_the_models():
-    from orchestrator.config import RunConfig
-    from orchestrator.confighelp import config_help
+    from orchestrator.state.config import RunConfig
+    from orchestrator.entry.confighelp import config_help
 
     text = config_help()
     leaves = list(_fields(RunConfig))

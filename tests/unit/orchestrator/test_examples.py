@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.config import load_config
+from orchestrator.state.config import load_config
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[3] / "examples").glob("*.toml"))
 

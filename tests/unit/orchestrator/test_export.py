@@ -11,9 +11,9 @@ from actors.tiny import make_checkpoint
 from actors.tokenizer import default_chat_tokens
 from actors.trainer import TrainerConfig
 from actors.trainer._core import Trainer
-from orchestrator.cli import main
+from orchestrator.entry.cli import main
 from orchestrator.controller import ControllerState
-from orchestrator.export import ExportError, export_run
+from orchestrator.entry.export import ExportError, export_run
 
 torch.set_num_threads(1)
 
@@ -91,7 +91,7 @@ def test_export_errors_name_the_problem(tmp_path) -> None:
 
 
 def test_export_refuses_a_checkpoint_that_fails_its_digests(tmp_path) -> None:
-    from orchestrator.checkpoints import commit_checkpoint_dir
+    from orchestrator.state.checkpoints import commit_checkpoint_dir
 
     run, _ = _fake_run(tmp_path, None, step=3)
     staged = run / "checkpoint.new"

@@ -10,7 +10,7 @@ import trio
 
 from actors.sampler._placement import rank_device
 from hardware import PoolConfig
-from orchestrator.pool_mesh import PoolStartError, check_hosts, host_specs, identity_env, pool_gpus, pool_procs
+from orchestrator.entry.pool_mesh import PoolStartError, check_hosts, host_specs, identity_env, pool_gpus, pool_procs
 from orchestrator.runtime import Curve
 
 

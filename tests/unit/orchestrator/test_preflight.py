@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from actors.tiny import make_checkpoint
-from orchestrator.config import ConfigError, load_config
-from orchestrator.preflight import estimate_memory, preflight
+from orchestrator.state.config import ConfigError, load_config
+from orchestrator.entry.preflight import estimate_memory, preflight
 
 POOL = {"name": "cpu", "gpu": "cpu", "precision": "bf16", "device": "cpu"}
 

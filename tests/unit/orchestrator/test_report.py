@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 
 from hardware import CostLedger
-from orchestrator.config import load_config
-from orchestrator.live import LiveProgress, make_progress, sparkline
-from orchestrator.progress import Progress
-from orchestrator.report import load_run, render_report, write_compare, write_report
-from orchestrator.report._charts import cost_series, rolling_mean
-from orchestrator.sinks import flatten
+from orchestrator.state.config import load_config
+from orchestrator.entry.live import LiveProgress, make_progress, sparkline
+from orchestrator.state.progress import Progress
+from orchestrator.entry.report import load_run, render_report, write_compare, write_report
+from orchestrator.entry.report._charts import cost_series, rolling_mean
+from orchestrator.state.sinks import flatten
 
 ROOT = Path(__file__).resolve().parents[3]
 DEMO = ROOT / "examples" / "guess_number.toml"
@@ -220,7 +220,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_cli_report_and_compare(tmp_path, capsys):
-    from orchestrator.cli import main
+    from orchestrator.entry.cli import main
 
     run_dir, _ = make_run(tmp_path, steps=5, cost=False)
     out = _cli("report", str(run_dir))  # the real entry point, once

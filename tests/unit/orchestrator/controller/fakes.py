@@ -18,9 +18,9 @@ from actors.trainer import StepResult
 from actors.types import SamplingParams, TaskSpec, Trajectory
 from hardware import CostLedger, PoolConfig, Scheduler, ThroughputModel
 from hardware import ModelSpec
-from orchestrator.config import RunConfig
+from orchestrator.state.config import RunConfig
 from orchestrator.controller import Controller, ControllerState, Links
-from orchestrator.progress import Progress
+from orchestrator.state.progress import Progress
 from orchestrator.runtime import ActorDied, ActorError
 from policies.metrics import PoolMetrics
 

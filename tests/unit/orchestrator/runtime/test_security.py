@@ -75,7 +75,7 @@ def test_new_keys_are_private_and_exposed_ones_are_refused(tmp_path: Path) -> No
     with pytest.raises(KeyFileError, match="run: chmod 700"):
         Curve.from_dir(keys)
     # `flotilla host` says so in one line and exits 2, before listening
-    proc = subprocess.run([sys.executable, "-m", "orchestrator.cli", "host", "--bind", "tcp://127.0.0.1:0",
+    proc = subprocess.run([sys.executable, "-m", "orchestrator.entry.cli", "host", "--bind", "tcp://127.0.0.1:0",
                            "--keys", str(keys)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and proc.stderr.startswith("flotilla host: key directory") \
         and proc.stderr.count("\n") == 1, proc.stderr

@@ -54,7 +54,7 @@ async def test_tcp_needs_curve() -> None:
 async def _start_host(keys: Path, *extra: str) -> tuple[trio.Process, HostSpec]:
     """A real `flotilla host` process; by default it may spawn this package's test actors."""
     proc = await trio.lowlevel.open_process(
-        [sys.executable, "-m", "orchestrator.cli", "host", "--bind", "tcp://127.0.0.1:0",
+        [sys.executable, "-m", "orchestrator.entry.cli", "host", "--bind", "tcp://127.0.0.1:0",
          "--keys", str(keys), *(extra or ("--allow", "tests.unit.orchestrator.runtime."))], stdout=subprocess.PIPE,
         env={**os.environ, "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path)})
     assert proc.stdout is not None

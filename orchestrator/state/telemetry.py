@@ -31,7 +31,7 @@ def setup_run_telemetry(run_dir: Path) -> Path:
 class MetricsLog:
     """Appends one JSON object per training step to `metrics.jsonl` (flushed per line, so a
     killed run keeps every completed step), and hands it to the run's sinks (W&B, TensorBoard:
-    `orchestrator.sinks`) after it is on disk."""
+    `orchestrator.state.sinks`) after it is on disk."""
 
     def __init__(self, path: Path, sinks: Any = None) -> None:
         self.path = path

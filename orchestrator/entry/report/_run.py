@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from orchestrator.checkpoints import write_file_atomic
-from orchestrator.report._charts import rolling_mean, run_charts
-from orchestrator.report._data import RunData, load_run, utc
-from orchestrator.report._html import page, pretty
+from orchestrator.state.checkpoints import write_file_atomic
+from orchestrator.entry.report._charts import rolling_mean, run_charts
+from orchestrator.entry.report._data import RunData, load_run, utc
+from orchestrator.entry.report._html import page, pretty
 
 __all__ = ["REPORT_FILE", "render_report", "write_report"]
 

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import plotly.graph_objects as go
 
-from orchestrator.checkpoints import write_file_atomic
-from orchestrator.report._charts import cost_series, rolling_mean
-from orchestrator.report._data import RunData, load_run
-from orchestrator.report._html import page
+from orchestrator.state.checkpoints import write_file_atomic
+from orchestrator.entry.report._charts import cost_series, rolling_mean
+from orchestrator.entry.report._data import RunData, load_run
+from orchestrator.entry.report._html import page
 
 __all__ = ["write_compare"]
 

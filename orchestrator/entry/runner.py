@@ -24,14 +24,14 @@ from typing import Any
 
 import trio
 
-from orchestrator.checkpoints import (
+from orchestrator.state.checkpoints import (
     CheckpointError,
     latest_checkpoint,
     repair_jsonl,
     save_checkpoint_dir,
     write_file_atomic,
 )
-from orchestrator.config import ConfigError, RunConfig, check_runnable, load_config
+from orchestrator.state.config import ConfigError, RunConfig, check_runnable, load_config
 from orchestrator.controller import (
     STATE_FILE,
     Controller,
@@ -40,14 +40,14 @@ from orchestrator.controller import (
     TrainerLink,
 )
 from orchestrator.controller.meshes import MeshEnvs, MeshPool, MeshTrainer
-from orchestrator.live import make_progress
-from orchestrator.outputs import finish_outputs
-from orchestrator.pool_mesh import check_hosts, gpu_warnings, identity_env, pool_mesh
-from orchestrator.preflight import preflight
-from orchestrator.progress import Progress
+from orchestrator.entry.live import make_progress
+from orchestrator.entry.outputs import finish_outputs
+from orchestrator.entry.pool_mesh import check_hosts, gpu_warnings, identity_env, pool_mesh
+from orchestrator.entry.preflight import preflight
+from orchestrator.state.progress import Progress
 from orchestrator.runtime import ActorError, open_mesh, span
-from orchestrator.sinks import open_sinks
-from orchestrator.telemetry import MetricsLog, setup_run_telemetry
+from orchestrator.state.sinks import open_sinks
+from orchestrator.state.telemetry import MetricsLog, setup_run_telemetry
 
 __all__ = ["DiskCheckpoints", "RunHandles", "RunResult", "run", "run_async", "run_from_cli"]
 
@@ -101,7 +101,7 @@ def _truncate_metrics(path: Path, last_step: int) -> None:
 class DiskCheckpoints:
     """Checkpoints in `runs/<name>/checkpoint/`: the trainer's files and the controller's
     state, written to a fresh directory, fsynced and swapped in by renames only when whole
-    (`orchestrator.checkpoints`), so a crash at any moment leaves a complete checkpoint."""
+    (`orchestrator.state.checkpoints`), so a crash at any moment leaves a complete checkpoint."""
 
     def __init__(self, directory: Path, warn: Callable[[str], None] | None = None) -> None:
         self.directory = directory

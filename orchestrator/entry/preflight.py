@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from orchestrator.config import ConfigError, RunConfig
+from orchestrator.state.config import ConfigError, RunConfig
 
 __all__ = ["Preflight", "estimate_memory", "preflight"]
 

@@ -66,10 +66,10 @@ def main(argv: list[str] | None = None) -> int:
         return host_main(argv[1:]) or 0
     args = _parser().parse_args(argv)
     if args.command == "run":
-        from orchestrator.checkpoints import CheckpointError
-        from orchestrator.config import ConfigError
+        from orchestrator.state.checkpoints import CheckpointError
+        from orchestrator.state.config import ConfigError
         from orchestrator.controller import TrainerLost
-        from orchestrator.runner import run_from_cli
+        from orchestrator.entry.runner import run_from_cli
 
         try:
             return run_from_cli(args.config, overrides=args.overrides, steps=args.steps,
@@ -81,11 +81,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"flotilla: {e}", file=sys.stderr)
             return 1
     if args.command == "report":
-        from orchestrator.reports import print_report
+        from orchestrator.entry.reports import print_report
 
         return print_report(args.run_dir)
     if args.command == "export":
-        from orchestrator.export import ExportError, export_run
+        from orchestrator.entry.export import ExportError, export_run
 
         try:
             out = export_run(args.run_dir, args.out_dir, step=args.step, dtype=args.dtype)
@@ -95,12 +95,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"flotilla: exported {args.run_dir} -> {out}")
         return 0
     if args.command == "compare":
-        from orchestrator.reports import compare_runs
+        from orchestrator.entry.reports import compare_runs
 
         return compare_runs(args.run_dirs, args.out)
     if args.command == "config":
-        from orchestrator.config import ConfigError
-        from orchestrator.confighelp import config_help
+        from orchestrator.state.config import ConfigError
+        from orchestrator.entry.confighelp import config_help
 
         try:
             print(config_help(args.section))

@@ -28,7 +28,7 @@ from typing import Any
 
 import trio
 
-from orchestrator.config import ConfigError
+from orchestrator.state.config import ConfigError
 from orchestrator.runtime import ActorDied, ActorError, Curve, HostSpec, Mesh, open_mesh
 
 __all__ = ["PoolStartError", "check_hosts", "gpu_warnings", "pool_gpus", "pool_mesh", "pool_procs"]

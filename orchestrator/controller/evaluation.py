@@ -23,32 +23,15 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict, Field
-
 if TYPE_CHECKING:
     from actors.env import TaskDataset
     from orchestrator.controller._context import RunContext
 
-__all__ = ["EvalConfig", "eval_loop", "eval_tasks"]
+__all__ = ["eval_loop", "eval_tasks"]
 
 EVAL_SEED_OFFSET = 7_777_777
 """Seeds of held-out instances of the training task start here (training seeds are
 ``seed * 1_000_003 + i``; the offset keeps the two apart for any realistic run)."""
-
-
-class EvalConfig(BaseModel):
-    """The ``[eval]`` section."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-
-    every: int = Field(default=0, ge=0)
-    """Evaluate after every this many training steps; 0 turns evaluation off."""
-    episodes: int = Field(default=16, ge=1)
-    """Held-out episodes per evaluation."""
-    temperature: float = Field(default=0.0, ge=0.0)
-    """Sampling temperature of evaluation episodes; 0 is greedy."""
-    pool: str | None = None
-    """The sampler pool that plays evaluation episodes (None: the first pool)."""
 
 
 def eval_tasks(cfg: Any, dataset: TaskDataset | None, episodes: int) -> list[Any]:
@@ -72,7 +55,7 @@ async def evaluate(ctx: RunContext, step: int) -> dict[str, Any]:
     from actors.types import SamplingParams
     from orchestrator.runtime import ActorDied, span
 
-    ev: EvalConfig = ctx.cfg.eval
+    ev = ctx.cfg.eval
     pool = ctx.pools[ev.pool or next(iter(ctx.pools))]
     version = ctx.version
     sampling = SamplingParams(temperature=ev.temperature, top_k=ctx.cfg.recipe.top_k,

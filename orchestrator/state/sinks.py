@@ -27,34 +27,11 @@ from __future__ import annotations
 import hashlib
 import re
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field
+from orchestrator.state.config import ConfigError, TelemetrySection, WandbSection
 
-__all__ = ["MetricSink", "Sinks", "TelemetrySection", "WandbSection", "flatten", "open_sinks"]
-
-
-class WandbSection(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-
-    project: str = Field(min_length=1)
-    """W&B project the run is logged to."""
-    mode: Literal["offline", "online"] = "offline"
-    """`offline`: write only under `runs/<name>/wandb/` (upload later with `wandb sync`);
-    `online`: stream to the W&B server (needs network and a login)."""
-    entity: str | None = None
-    """W&B entity (user or team); None: the logged-in user's default."""
-
-
-class TelemetrySection(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-
-    wandb: WandbSection | None = None
-    """Log every metrics line and the cost report to Weights & Biases (extra `wandb`):
-    `{ project = "...", mode = "offline" | "online", entity = "..." (optional) }`; offline runs
-    live in `runs/<name>/wandb/`."""
-    tensorboard: bool = False
-    """Write TensorBoard event files under `runs/<name>/tensorboard/` (extra `tensorboard`)."""
+__all__ = ["MetricSink", "Sinks", "flatten", "open_sinks"]
 
 
 class MetricSink(Protocol):
@@ -162,7 +139,6 @@ class Sinks:
 
 
 def _missing_extra(field: str, package: str) -> Exception:
-    from orchestrator.config import ConfigError
 
     return ConfigError(f"telemetry.{field}: the {package} package is not installed "
                        f"(pip install 'flotilla[{field}]')")

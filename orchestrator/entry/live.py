@@ -15,7 +15,7 @@ import sys
 import time
 from typing import Any, TextIO
 
-from orchestrator.progress import Progress
+from orchestrator.state.progress import Progress
 
 __all__ = ["LiveProgress", "make_progress", "sparkline"]
 

@@ -74,7 +74,7 @@ def _lines(model: type[BaseModel], prefix: str, out: list[str]) -> None:
 
 def config_help(section: str | None = None) -> str:
     """The fields of the run config (or of one `section`), one block per table."""
-    from orchestrator.config import ConfigError, RunConfig
+    from orchestrator.state.config import ConfigError, RunConfig
 
     model: type[BaseModel] = RunConfig
     prefix = ""

@@ -4,7 +4,7 @@ The cost report is written by the run itself (`cost_report.json` + `.md`); this
 command re-renders the Markdown from the JSON and prints it with a short summary
 of `metrics.jsonl` (steps, reward at the start and the end, drops, wall time, and the
 first and last held-out evaluation when `[eval]` ran).
-It also rebuilds `report.html` (orchestrator.report), also for a run that has no
+It also rebuilds `report.html` (orchestrator.entry.report), also for a run that has no
 cost report yet (still running, or killed), and says what the page lacks.
 `flotilla compare RUN_DIR ...` writes one page overlaying several runs.
 """
@@ -20,7 +20,7 @@ __all__ = ["compare_runs", "print_report", "training_summary"]
 
 
 def training_summary(run_dir: Path) -> str:
-    from orchestrator.report import read_metrics
+    from orchestrator.entry.report import read_metrics
 
     # training lines and evaluation lines; damaged ones left out
     rows, evals = read_metrics(run_dir / "metrics.jsonl", [])
@@ -65,7 +65,7 @@ def print_report(run_dir: str | Path) -> int:
 
 
 def _write_html(run_dir: Path) -> Path | None:
-    from orchestrator.report import load_run, write_report
+    from orchestrator.entry.report import load_run, write_report
 
     data = load_run(run_dir)
     path = write_report(run_dir, data=data)
@@ -77,7 +77,7 @@ def _write_html(run_dir: Path) -> Path | None:
 
 def compare_runs(run_dirs: list[str], out: str) -> int:
     """`flotilla compare`: write the comparison page; 2 when an argument is not a directory."""
-    from orchestrator.report import write_compare
+    from orchestrator.entry.report import write_compare
 
     bad = [d for d in run_dirs if not Path(d).is_dir()]
     if bad:

@@ -84,7 +84,7 @@ class CheckpointError(ValueError):
     file and the problem (a digest mismatch, an unreadable header, non-finite values...).
 
     Raised in an actor process it reaches the controller as an ``ActorError`` whose
-    ``remote_type`` is this class's qualified name; `orchestrator.runner` turns it back
+    ``remote_type`` is this class's qualified name; `orchestrator.entry.runner` turns it back
     into this exception, and the CLI prints it as one line."""
 
 

@@ -37,7 +37,7 @@ def export_run(run_dir: str | Path, out_dir: str | Path, *, step: int | None = N
     from actors.chat import HFChatFormat, load_chat_format
     from actors.models import build_model
     from actors.tokenizer import build_tokenizer
-    from orchestrator.checkpoints import MARKER, verify_checkpoint
+    from orchestrator.state.checkpoints import MARKER, verify_checkpoint
     from orchestrator.controller import STATE_FILE, ControllerState
 
     run_dir, out_dir = Path(run_dir), Path(out_dir)

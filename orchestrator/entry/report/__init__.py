@@ -7,8 +7,8 @@ bundle inlined), from the run directory's files only, so they can be rebuilt at 
     write_compare(["runs/a", "runs/b"], "cmp.html")
 """
 
-from orchestrator.report._compare import write_compare
-from orchestrator.report._data import RunData, load_run, read_metrics
-from orchestrator.report._run import REPORT_FILE, render_report, write_report
+from orchestrator.entry.report._compare import write_compare
+from orchestrator.entry.report._data import RunData, load_run, read_metrics
+from orchestrator.entry.report._run import REPORT_FILE, render_report, write_report
 
 __all__ = ["REPORT_FILE", "RunData", "load_run", "read_metrics", "render_report", "write_compare", "write_report"]

@@ -14,12 +14,17 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from actors.trainer import TrainerConfig
 from hardware import PoolList
-from orchestrator.evaluation import EvalConfig
-from orchestrator.sinks import TelemetrySection
 from policies import RecipeConfig
 
 __all__ = [
@@ -38,6 +43,44 @@ __all__ = [
 
 class ConfigError(ValueError):
     """A run config that cannot be used; the message names the file and the field."""
+
+
+class EvalConfig(BaseModel):
+    """The ``[eval]`` section."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    every: int = Field(default=0, ge=0)
+    """Evaluate after every this many training steps; 0 turns evaluation off."""
+    episodes: int = Field(default=16, ge=1)
+    """Held-out episodes per evaluation."""
+    temperature: float = Field(default=0.0, ge=0.0)
+    """Sampling temperature of evaluation episodes; 0 is greedy."""
+    pool: str | None = None
+    """The sampler pool that plays evaluation episodes (None: the first pool)."""
+
+
+class WandbSection(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    project: str = Field(min_length=1)
+    """W&B project the run is logged to."""
+    mode: Literal["offline", "online"] = "offline"
+    """`offline`: write only under `runs/<name>/wandb/` (upload later with `wandb sync`);
+    `online`: stream to the W&B server (needs network and a login)."""
+    entity: str | None = None
+    """W&B entity (user or team); None: the logged-in user's default."""
+
+
+class TelemetrySection(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    wandb: WandbSection | None = None
+    """Log every metrics line and the cost report to Weights & Biases (extra `wandb`):
+    `{ project = "...", mode = "offline" | "online", entity = "..." (optional) }`; offline runs
+    live in `runs/<name>/wandb/`."""
+    tensorboard: bool = False
+    """Write TensorBoard event files under `runs/<name>/tensorboard/` (extra `tensorboard`)."""
 
 
 class _Section(BaseModel):
@@ -193,11 +236,11 @@ class RunConfig(_Section):
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     """Periodic checkpoints and trainer restarts."""
     eval: EvalConfig = Field(default_factory=EvalConfig)
-    """Held-out evaluation during training (orchestrator.evaluation.EvalConfig)."""
+    """Held-out evaluation during training (orchestrator.controller.evaluation.EvalConfig)."""
     pools: PoolList = Field(min_length=1)
     """Sampler pools ([[pools]] tables, hardware.PoolConfig), names unique."""
     telemetry: TelemetrySection = Field(default_factory=TelemetrySection)
-    """Metric sinks besides metrics.jsonl: W&B and TensorBoard (orchestrator.sinks)."""
+    """Metric sinks besides metrics.jsonl: W&B and TensorBoard (orchestrator.state.sinks)."""
 
     @field_validator("name")
     @classmethod
@@ -322,7 +365,7 @@ def check_runnable(cfg: RunConfig) -> None:
     if cfg.trainer.device == "cuda" and cuda == 0:
         raise ConfigError("trainer.device: 'cuda' but this machine has no CUDA GPU; use \"cpu\"")
     if cfg.task.dataset is not None or cfg.task.kind == "harness":
-        # Rows complete the params / a harness is no registered task: orchestrator.preflight
+        # Rows complete the params / a harness is no registered task: orchestrator.entry.preflight
         # checks the task on its rows, and the harness's entrypoint, grader and command.
         return
     try:

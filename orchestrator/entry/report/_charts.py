@@ -12,7 +12,7 @@ from typing import Any
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from orchestrator.report._data import RunData, Span
+from orchestrator.entry.report._data import RunData, Span
 
 __all__ = ["Chart", "rolling_mean", "run_charts"]
 

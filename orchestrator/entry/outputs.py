@@ -11,8 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from orchestrator.progress import Progress
-from orchestrator.sinks import Sinks
+from orchestrator.state.progress import Progress
+from orchestrator.state.sinks import Sinks
 
 __all__ = ["finish_outputs"]
 
@@ -26,7 +26,7 @@ def finish_outputs(run_dir: Path, sinks: Sinks, cost_report: Any, step: int, pro
         sinks.log_cost_report(cost_report.model_dump(mode="json"), step)
     finally:
         sinks.close()
-    from orchestrator.report import write_report
+    from orchestrator.entry.report import write_report
 
     try:
         path = write_report(run_dir)
