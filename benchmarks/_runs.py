@@ -23,9 +23,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-if not sys.path or sys.path[0] != str(ROOT):
-    # First, so that benchmarks/actors.py (next to this file) never shadows the `actors` package.
-    sys.path.insert(0, str(ROOT))
 
 DEMO = ROOT / "examples" / "guess_number.toml"
 
@@ -65,9 +62,9 @@ def run_raw(raw: dict[str, Any], *, keep_spans: bool = True, watch_cpu: bool = F
     """
     import trio
 
+    from orchestrator.entry.runner import run_async
     from orchestrator.state.config import load_config
     from orchestrator.state.progress import Progress
-    from orchestrator.entry.runner import run_async
 
     tmp = Path(tempfile.mkdtemp(prefix="flotilla-bench-"))
     affinity = os.sched_getaffinity(0)

@@ -57,11 +57,7 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
-
-# The repository root first: benchmarks/actors.py must not shadow the `actors` package.
-sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
 from _runs import RunOutput, demo_raw, intervals_union, load_average, run_raw  # noqa: E402
 

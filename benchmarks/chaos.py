@@ -224,9 +224,9 @@ def main() -> None:
 
     import trio
 
+    from orchestrator.entry.runner import run_async
     from orchestrator.state.config import load_config
     from orchestrator.state.progress import Progress
-    from orchestrator.entry.runner import run_async
 
     raw = demo_raw()
     tmp = Path(tempfile.mkdtemp(prefix="flotilla-chaos-"))

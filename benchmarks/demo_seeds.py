@@ -31,14 +31,10 @@ import argparse
 import json
 import resource
 import statistics
-import sys
 import time
 import tomllib
 from pathlib import Path
 from typing import Any
-
-# The repository root first: benchmarks/actors.py must not shadow the `actors` package.
-sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
 from _runs import load_average, run_raw  # noqa: E402
 

@@ -45,10 +45,7 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 N, TURNS, VOCAB = 7, 3, 16
 WINDOW = 10
@@ -67,7 +64,14 @@ def train(variant: dict[str, Any], top_p: float, seed: int, steps: int, prompts:
     """Train one tabular policy; its reward curve figures."""
     import torch
 
-    from policies import RecipeConfig, SupportRecord, grpo_advantages, recipe_loss, replay_logprobs, sample_with_support
+    from policies import (
+        RecipeConfig,
+        SupportRecord,
+        grpo_advantages,
+        recipe_loss,
+        replay_logprobs,
+        sample_with_support,
+    )
 
     cfg = RecipeConfig(top_p=top_p, min_keep=variant["min_keep"], entropy_coef=variant.get("entropy_coef", 0.0),
                        entropy_floor=variant.get("entropy_floor"))
@@ -147,7 +151,6 @@ def main() -> None:
     steps = args.steps or (60 if args.quick else 300)
 
     import torch
-
     from _runs import load_average
 
     torch.set_num_threads(1)

@@ -51,7 +51,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 MAX_SUPPORT = 128
 
@@ -98,7 +97,12 @@ def _worker(args: argparse.Namespace) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from policies import RecipeConfig, recipe_loss, replay_logprobs, replay_logprobs_from_hidden
+    from policies import (
+        RecipeConfig,
+        recipe_loss,
+        replay_logprobs,
+        replay_logprobs_from_hidden,
+    )
 
     torch.set_num_threads(args.threads)
     h0, w0, support, y, adv = _build_inputs(args.tokens, args.hidden, args.vocab, args.seed)

@@ -25,11 +25,7 @@ import argparse
 import json
 import math
 import random
-import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hardware import (  # noqa: E402
     CATALOG,

@@ -43,13 +43,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
-
-# The repository root first: benchmarks/actors.py must not shadow the `actors` package.
-sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
 from _runs import demo_raw, load_average, run_variants
 from ablation import FP8_BUDGET, VARIANTS

@@ -45,7 +45,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))   # before benchmarks/, whose actors.py would shadow the package
 
 
 def model(hidden: int, layers: int, vocab: int, inter: int, heads: int = 8, kv: int = 4) -> dict[str, Any]:

@@ -56,8 +56,6 @@ import torch
 import zstandard
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # runnable from a checkout without `pip install -e .`
-    sys.path.insert(0, str(ROOT))
 
 from orchestrator.weightsync import (  # noqa: E402
     WeightMessage,

@@ -40,8 +40,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 from orchestrator.runtime import Actor, endpoint
 
@@ -75,8 +73,8 @@ def _tensor(nbytes: int) -> Any:
 # -- Flotilla ------------------------------------------------------------------------
 async def _flotilla(quick: bool, rtt_only: bool = False) -> dict[str, float]:
     import trio
-
     from benchmarks.actors import EchoActor as Echo  # importable by the actor process
+
     from orchestrator.runtime import open_mesh
 
     n = _sizes(quick)
