@@ -73,7 +73,7 @@ def _tensor(nbytes: int) -> Any:
 # -- Flotilla ------------------------------------------------------------------------
 async def _flotilla(quick: bool, rtt_only: bool = False) -> dict[str, float]:
     import trio
-    from benchmarks.actors import EchoActor as Echo  # importable by the actor process
+    from actor_calls import EchoActor as Echo  # importable by the actor process (it inherits sys.path)
 
     from orchestrator.runtime import open_mesh
 

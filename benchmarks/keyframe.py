@@ -157,8 +157,8 @@ class Publisher(Actor):
 
 
 async def _main(args: argparse.Namespace) -> dict[str, Any]:
-    from benchmarks.keyframe import Publisher as P  # importable by the actor processes
-    from benchmarks.keyframe import Receiver as R
+    from keyframe import Publisher as P  # importable by the actor processes (they inherit sys.path)
+    from keyframe import Receiver as R
     from orchestrator.runtime import open_mesh
 
     env = {"OMP_NUM_THREADS": str(args.threads)}
