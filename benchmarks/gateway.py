@@ -434,6 +434,8 @@ def main() -> None:
         ("gateway CPU per turn", f"{cpu_turn * 1e3:.2f} ms", "process time / probe turns"),
         ("concurrent sessions ok", f"{ok}/{args.sessions}", f"{args.turns} turns each, openai client"),
         ("  their overhead p50 / p99", ms(conc), f"{args.sessions} requests in flight"),
+        ("  gateway CPU per turn", f"{ov['gateway_cpu'] / max(1, len(conc)) * 1e3:.2f} ms",
+         "queued turns wait for each other's"),
         ("8 turns, prefix cache on", f"{on_wall:.2f} s",
          f"median of {n_on}; {r['stats_on']['prompt_tokens']} prompt tokens in all"),
         ("8 turns, prefix cache off", f"{off_wall:.2f} s", f"{r['stats_off']['prompt_tokens']} prompt tokens"),
@@ -473,6 +475,10 @@ def main() -> None:
         "sampler_compute_p50_ms": round(statistics.median(r["computes"]) * 1e3, 3),
         "concurrent_overhead_p50_ms": round(_pct(conc, 0.5) * 1e3, 3),
         "concurrent_overhead_p99_ms": round(_pct(conc, 0.99) * 1e3, 3),
+        # Where a concurrent turn's time goes: the gateway's own CPU per turn, times the
+        # requests queued ahead of it on the one event loop, plus the sampler batching them.
+        "concurrent_gateway_cpu_per_turn_ms": round(ov["gateway_cpu"] / max(1, len(conc)) * 1e3, 3),
+        "concurrent_sampler_wait_p50_ms": round(_pct(ov["sampler"], 0.5) * 1e3, 3),
         "multiturn_sessions": args.multi_sessions,
         "multiturn_system_tokens": args.system,
         "multiturn_reps": n_on,
