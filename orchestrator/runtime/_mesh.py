@@ -180,6 +180,14 @@ class Mesh(Generic[A]):
             return []
         return [r for r, s in enumerate(self._owner.slots) if s.state == "dead"]
 
+    @property
+    def starting_ranks(self) -> list[int]:
+        """Ranks being (re)started: spawned or respawned, not constructed yet (owner only;
+        empty elsewhere)."""
+        if self._owner is None:
+            return []
+        return [r for r, s in enumerate(self._owner.slots) if s.state == "starting"]
+
 
 class ActorRef(Generic[A]):
     """One actor of a mesh: ``ref.<endpoint>.call_one(...)``."""
