@@ -18,8 +18,15 @@ neither trained, still buffered, nor counted as skipped), `prompts_skipped`,
 `bad_weight_messages_accepted` (a corrupted or forged message applied, or a replayed
 old keyframe that rolled the sampler back), `controller_cpu_while_trainer_dead` (cores).
 
+A second run (`_chaos_stalls`) freezes one of two pools' sampler (SIGSTOP, 60 s; 8 s with
+--quick) and then kills the `flotilla host` of the other pool (down 30 s; 6 s), and adds
+`normal_step_s`, `frozen_sampler_stall_s`, `frozen_detected_s`, `host_loss_stall_s`,
+`host_reattached_s` and `log_lines_per_minute_max` (targets: both stalls at most twice
+`normal_step_s`, detection within 10 s, at most 60 log lines a minute).
+
     python benchmarks/chaos.py            # 120 steps
     python benchmarks/chaos.py --quick    # 40 steps
+    python benchmarks/chaos.py --quick --only-stalls   # the stall run alone
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _chaos_stalls import run_stalls
 from _runs import ROOT, demo_raw, load_average
 
 sys.path.insert(0, str(ROOT))
@@ -137,7 +145,14 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="40 steps instead of 120")
     ap.add_argument("--steps", type=int)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--only-stalls", action="store_true", help="only the frozen-sampler and host-loss run")
     args = ap.parse_args()
+    if args.only_stalls:
+        t0 = time.monotonic()
+        stalls = run_stalls(args.quick)
+        print(json.dumps({"benchmark": "chaos", "quick": args.quick, **stalls,
+                          "wall_s": round(time.monotonic() - t0, 1), "load_average": load_average()}))
+        return
     steps = args.steps or (40 if args.quick else 120)
     every = 5 if args.quick else 10
 
@@ -181,6 +196,7 @@ def main() -> None:
         "controller_cpu_while_trainer_dead": round(schedule.cpu_while_dead, 3)
         if schedule.cpu_while_dead is not None else None,
         "final_reward_10": round(sum(r["reward_mean"] for r in rows[-10:]) / min(10, len(rows)), 3),
+        **run_stalls(args.quick),
         "wall_s": round(time.monotonic() - t0, 1),
         "load_average": load_average(),
     }

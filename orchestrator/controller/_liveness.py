@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 __all__ = ["STATS_WAIT_S", "Health", "bind", "refresh_stats", "watch"]
 
-STATS_WAIT_S = 0.5
+STATS_WAIT_S = 0.2
 """How long a step's accounting waits for a rank's counters; a rank that misses it is
 accounted at a later step, from its cumulative counters (nothing is lost, only deferred)."""
 
