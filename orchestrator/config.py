@@ -178,7 +178,11 @@ class FaultsSection(_Section):
     give_up_after_s: float = Field(default=300.0, gt=0)
     """An actor unresponsive for this long is given up: its process is stopped (SIGKILL if it
     ignores SIGTERM) and a fresh one started."""
-    respawn_backoff_max_s: float = Field(default=30.0, gt=0)
+    restart_timeout_s: float = Field(default=600.0, gt=0)
+    """A respawned sampler or environment actor not constructed within this many seconds
+    (its model load included) is stopped and counts as a failed respawn (retried with
+    back-off)."""
+    respawn_backoff_max_s: float = Field(default=10.0, gt=0)
     """Longest wait between two respawn attempts of an actor whose respawn keeps failing
     (an unreachable host): the waits double from 0.5 s up to this."""
 

@@ -17,6 +17,8 @@ process is stopped and a fresh one started.
 Respawns back off per rank (0.5 s doubling up to `respawn_backoff_max_s`), so a rank whose
 respawn keeps failing (its host is unreachable) is retried calmly; the console says once
 that it died, then only how many attempts failed, at doubling counts, and when it is back.
+A respawn that does not finish within `restart_timeout_s` is stopped by the runtime and
+counts as a failed attempt.
 
 Cancellation: the watchers live in the controller's nursery and end with it. A call bound
 with `bind` is cancelled by its scope; the caller learns it from `scope.cancelled_caught`.
