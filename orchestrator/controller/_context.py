@@ -100,6 +100,7 @@ class RunContext:
         self.buffer = RolloutBuffer(cfg.rollout.group_size, counters=state.buffer)
         self.pools = {name: PoolView.of(link) for name, link in links.pools.items()}
         self.env_health = [Health(f"environment actor {r}") for r in range(links.envs.size)]
+        self.trainer_health = Health("trainer")
         self.env_in_flight = [0] * links.envs.size  # episodes running on each env rank
         self.nursery: trio.Nursery | None = None  # the controller's, for background calls
         self.sampling = SamplingParams(

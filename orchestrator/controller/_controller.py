@@ -139,8 +139,15 @@ class Controller:
             nursery.cancel_scope.cancel()
 
     def _start_watchers(self, nursery: trio.Nursery) -> None:
-        """One liveness watcher per sampler rank and env rank (`_liveness.watch`)."""
+        """One liveness watcher per sampler rank and env rank, and one for the trainer,
+        which is named but never given up on (its death is the restore path's)
+        (`_liveness.watch`)."""
         ctx = self.ctx
+        trainer = ctx.links.trainer
+        nursery.start_soon(
+            watch, ctx, ctx.trainer_health, trainer.ping,
+            lambda: ctx.trainer_alive.is_set() and not trainer.is_dead(), None,
+            "training waits for it")
         for pool in ctx.pools.values():
             link = pool.link
             for rank, health in enumerate(pool.health):

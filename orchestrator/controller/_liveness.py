@@ -26,6 +26,7 @@ with `bind` is cancelled by its scope; the caller learns it from `scope.cancelle
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
@@ -105,10 +106,11 @@ def _clock(trio_t: float) -> str:
 
 
 async def watch(ctx: RunContext, health: Health, ping: Callable[[], Awaitable[None]],
-                live: Callable[[], bool], give_up: Callable[[], None], effect: str) -> None:
+                live: Callable[[], bool], give_up: Callable[[], None] | None, effect: str) -> None:
     """Ping one rank forever (see the module docstring). `live`: the rank is neither dead
     nor (re)starting (the death path and the start own those states); `give_up`: stop its
-    process and start a fresh one; `effect`: what the unresponsive line says happens."""
+    process and start a fresh one (None: never; it is waited for); `effect`: what the
+    unresponsive line says happens."""
     f = ctx.cfg.faults
     health.last_answer = ctx.now()
     while True:
@@ -120,9 +122,11 @@ async def watch(ctx: RunContext, health: Health, ping: Callable[[], Awaitable[No
             continue
         if health.responsive:
             deadline = health.last_answer + f.unresponsive_after_s
-        else:
+        elif give_up is not None:
             assert health.since is not None
             deadline = health.since + f.give_up_after_s
+        else:
+            deadline = math.inf
         answered = False
         with trio.move_on_at(deadline):
             try:

@@ -57,6 +57,10 @@ class TrainerLink(Protocol):
     def is_dead(self) -> bool:
         """Whether the trainer's process (any rank's) is known to be gone."""
 
+    async def ping(self) -> None:
+        """Returns once the trainer's processes answer a cheap call (liveness); ActorDied
+        if one is dead."""
+
 
 class PoolLink(Protocol):
     """One sampler pool: `size` sampler ranks sharing a config."""

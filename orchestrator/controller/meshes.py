@@ -48,6 +48,9 @@ class MeshTrainer:
     def is_dead(self) -> bool:
         return bool(self.mesh.dead_ranks)
 
+    async def ping(self) -> None:
+        await self._actor.runtime_stats.call_one()
+
 
 class MeshPool:
     """One sampler pool's link over its `SamplerActor` mesh."""

@@ -1,6 +1,7 @@
 """Frozen and lost actors in a real run, each in its own process: SIGSTOP of one pool's
 sampler (the other pool keeps training, steps are written while it is stopped, and it
-rejoins after SIGCONT), SIGSTOP of the env actor (the console names it), and SIGKILL of a
+rejoins after SIGCONT), SIGSTOP of the env actor and of the trainer (the console names
+each), and SIGKILL of a
 `flotilla host` holding one pool while a local pool trains beside it (training goes on, the
 respawn line is printed once). Every stopped process is continued or killed in a finally."""
 
@@ -75,8 +76,8 @@ async def test_a_stopped_sampler_does_not_stall_the_other_pool(small_raw):
     assert c["groups_in"] == c["groups_trained"] + c["groups_buffered"] + c["groups_skipped"]
 
 
-async def test_a_stopped_env_actor_is_named(small_raw):
-    raw = small_raw(name="frozen-env", steps=6)
+async def test_a_stopped_env_actor_and_a_stopped_trainer_are_named(small_raw):
+    raw = small_raw(name="frozen-env", steps=8)
     raw["faults"] = FAULTS
     cfg = load_config(raw=raw)
     progress, out = _progress(cfg)
@@ -84,24 +85,29 @@ async def test_a_stopped_env_actor_is_named(small_raw):
 
     async def freeze(run: RunHandles) -> None:
         state = run.controller.state
-        await _until(lambda: state.step >= 2, "step 2")
-        pid = run.meshes["env"].pids[0]
-        os.kill(pid, signal.SIGSTOP)
-        try:
-            t0 = trio.current_time()
-            await _until(lambda: "environment actor 0 is unresponsive" in out.getvalue(), "named", 120)
-            seen["named_after_s"] = trio.current_time() - t0
-        finally:
-            os.kill(pid, signal.SIGCONT)
+        for at, key, label in ((2, "env", "environment actor 0"), (4, "trainer", "trainer")):
+            await _until(lambda: state.step >= at, f"step {at}")
+            pid = run.meshes[key].pids[0]
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                t0 = trio.current_time()
+                await _until(lambda: f"{label} is unresponsive" in out.getvalue(), "named", 120)
+                seen[key] = trio.current_time() - t0
+            finally:
+                os.kill(pid, signal.SIGCONT)
 
     with trio.fail_after(550):
         result = await run_async(cfg, progress=progress, observer=freeze)
     text = out.getvalue()
-    assert result.steps_done == 6
-    assert text.count("environment actor 0 is unresponsive") == 1, text
-    assert "environment actor 0 answers again" in text, text
+    assert result.steps_done == 8
+    for label in ("environment actor 0", "trainer"):
+        assert text.count(f"{label} is unresponsive") == 1, text
+        assert f"{label} answers again" in text, text
+    assert "giving up" not in text
     # Named by the liveness watcher, not found by chance later: within a few detection times.
-    assert seen["named_after_s"] < 10 * FAULTS["unresponsive_after_s"]
+    assert max(seen.values()) < 10 * FAULTS["unresponsive_after_s"]
+    assert result.counts["groups_in"] == (result.counts["groups_trained"] + result.counts["groups_buffered"]
+                                          + result.counts["groups_skipped"])
 
 
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}

@@ -65,6 +65,10 @@ class FakeTrainer:
     def is_dead(self) -> bool:
         return self.dead
 
+    async def ping(self) -> None:
+        await trio.sleep(0.001)
+        self._alive()
+
     def _alive(self) -> None:
         if self.dead:
             raise ActorDied("trainer", 0, "killed")
