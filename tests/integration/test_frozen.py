@@ -86,12 +86,12 @@ async def test_a_stopped_env_actor_and_a_stopped_trainer_are_named(small_raw):
     async def freeze(run: RunHandles) -> None:
         state = run.controller.state
         for at, key, label in ((2, "env", "environment actor 0"), (4, "trainer", "trainer")):
-            await _until(lambda: state.step >= at, f"step {at}")
+            await _until(lambda at=at: state.step >= at, f"step {at}")
             pid = run.meshes[key].pids[0]
             os.kill(pid, signal.SIGSTOP)
             try:
                 t0 = trio.current_time()
-                await _until(lambda: f"{label} is unresponsive" in out.getvalue(), "named", 120)
+                await _until(lambda label=label: f"{label} is unresponsive" in out.getvalue(), "named", 120)
                 seen[key] = trio.current_time() - t0
             finally:
                 os.kill(pid, signal.SIGCONT)
