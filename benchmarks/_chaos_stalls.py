@@ -14,7 +14,8 @@ tcp + CurveZMQ) and its BF16 pool local. While it trains:
 4. `log_lines_per_minute_max`: the most console lines (stderr of the controller, the host
    and every actor, per-step progress lines excepted) in any 60 s during those faults.
 
-`run_stalls(quick)` returns these keys; chaos.py adds them to its JSON line.
+`run_stalls(quick)` returns these keys; chaos.py adds them to its JSON line, measured in
+a process of its own (`run_stalls_apart`): a process's telemetry belongs to its first run.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from typing import Any, Self
 
 from _runs import ROOT, demo_raw
 
-__all__ = ["run_stalls"]
+__all__ = ["run_stalls", "run_stalls_apart"]
 
 STEP_LINE = "step "  # the progress line each step prints (not a log line)
 
@@ -231,3 +232,14 @@ def run_stalls(quick: bool) -> dict[str, Any]:
             host[0].wait()
         shutil.rmtree(tmp, ignore_errors=True)
     return schedule.results()
+
+
+def run_stalls_apart(quick: bool) -> dict[str, Any]:
+    """`run_stalls` in a fresh process (`chaos.py --only-stalls`); its keys from the JSON
+    line it prints. Its console passes through."""
+    import json
+
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "chaos.py"), "--only-stalls"] + (["--quick"] if quick else [])
+    out = subprocess.run(cmd, stdout=subprocess.PIPE, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    line = json.loads(out.stdout.decode().strip().splitlines()[-1])
+    return {k: v for k, v in line.items() if k not in ("benchmark", "quick", "wall_s", "load_average")}

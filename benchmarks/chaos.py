@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _chaos_stalls import run_stalls
+from _chaos_stalls import run_stalls, run_stalls_apart
 from _runs import ROOT, demo_raw, load_average
 
 sys.path.insert(0, str(ROOT))
@@ -196,7 +196,7 @@ def main() -> None:
         "controller_cpu_while_trainer_dead": round(schedule.cpu_while_dead, 3)
         if schedule.cpu_while_dead is not None else None,
         "final_reward_10": round(sum(r["reward_mean"] for r in rows[-10:]) / min(10, len(rows)), 3),
-        **run_stalls(args.quick),
+        **run_stalls_apart(args.quick),
         "wall_s": round(time.monotonic() - t0, 1),
         "load_average": load_average(),
     }

@@ -10,7 +10,7 @@ updates).
 Failure: a dead sampler is respawned and gets a keyframe; a dead trainer is reported to
 the trainer loop, which restores it, and waited for; every retry backs off, so no worker
 spins on a dead actor. A sampler that stops answering (`_liveness`) has its update
-abandoned and gets none until it answers again, then a keyframe.
+abandoned and gets none until it answers again, then a reset and a keyframe.
 """
 
 from __future__ import annotations
@@ -76,9 +76,10 @@ async def sync_worker(ctx: RunContext, pool: PoolView, rank: int) -> None:
             pool.versions[rank] = -1
             await backoff.wait()
             continue
-        if scope.cancelled_caught:  # unresponsive mid-update: what it holds is unknown
-            if pool.versions[rank] != -2:
-                pool.versions[rank] = -1
+        if scope.cancelled_caught:
+            # Unresponsive mid-update: what it holds once it thaws is unknown (the abandoned
+            # update may still land), so it forgets its version first, then gets a keyframe.
+            pool.versions[rank] = -2
             continue
         backoff.reset()
         if pool.versions[rank] != -2:  # unless the trainer went back meanwhile
