@@ -200,8 +200,9 @@ class StallSchedule:
         }
 
 
-def run_stalls(quick: bool) -> dict[str, Any]:
-    """The stall phase (see the module docstring); quick: shorter faults."""
+def run_stalls(quick: bool, unresponsive_after_s: float | None = None) -> dict[str, Any]:
+    """The stall phase (see the module docstring); quick: shorter faults;
+    `unresponsive_after_s`: the run's `[faults]` setting (None: its default)."""
     import trio
 
     from orchestrator.config import load_config
@@ -219,6 +220,8 @@ def run_stalls(quick: bool) -> dict[str, Any]:
             raw = demo_raw()
             raw.update(name="stalls", steps=10_000, run_root=str(tmp))
             raw["checkpoint"] = {"every_steps": None}
+            if unresponsive_after_s is not None:
+                raw["faults"] = {"unresponsive_after_s": unresponsive_after_s}
             raw["pools"][1].update(hosts=[address], keys=str(keys))
             cfg = load_config(raw=raw)
             schedule = StallSchedule(tap, host, host_keys, address, warm=3, normal=6 if quick else 15,
@@ -231,15 +234,17 @@ def run_stalls(quick: bool) -> dict[str, Any]:
             host[0].kill()
             host[0].wait()
         shutil.rmtree(tmp, ignore_errors=True)
-    return schedule.results()
+    return {**schedule.results(), "unresponsive_after_s": cfg.faults.unresponsive_after_s}
 
 
-def run_stalls_apart(quick: bool) -> dict[str, Any]:
+def run_stalls_apart(quick: bool, unresponsive_after_s: float | None = None) -> dict[str, Any]:
     """`run_stalls` in a fresh process (`chaos.py --only-stalls`); its keys from the JSON
     line it prints. Its console passes through."""
     import json
 
     cmd = [sys.executable, str(ROOT / "benchmarks" / "chaos.py"), "--only-stalls"] + (["--quick"] if quick else [])
+    if unresponsive_after_s is not None:
+        cmd += ["--unresponsive-after-s", str(unresponsive_after_s)]
     out = subprocess.run(cmd, stdout=subprocess.PIPE, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     line = json.loads(out.stdout.decode().strip().splitlines()[-1])
     return {k: v for k, v in line.items() if k not in ("benchmark", "quick", "wall_s", "load_average")}

@@ -146,10 +146,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--only-stalls", action="store_true", help="only the frozen-sampler and host-loss run")
+    ap.add_argument("--unresponsive-after-s", type=float, default=None,
+                    help="the stall run's [faults] unresponsive_after_s (default: the config's)")
     args = ap.parse_args()
     if args.only_stalls:
         t0 = time.monotonic()
-        stalls = run_stalls(args.quick)
+        stalls = run_stalls(args.quick, args.unresponsive_after_s)
         print(json.dumps({"benchmark": "chaos", "quick": args.quick, **stalls,
                           "wall_s": round(time.monotonic() - t0, 1), "load_average": load_average()}))
         return
@@ -196,7 +198,7 @@ def main() -> None:
         "controller_cpu_while_trainer_dead": round(schedule.cpu_while_dead, 3)
         if schedule.cpu_while_dead is not None else None,
         "final_reward_10": round(sum(r["reward_mean"] for r in rows[-10:]) / min(10, len(rows)), 3),
-        **run_stalls_apart(args.quick),
+        **run_stalls_apart(args.quick, args.unresponsive_after_s),
         "wall_s": round(time.monotonic() - t0, 1),
         "load_average": load_average(),
     }

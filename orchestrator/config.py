@@ -171,7 +171,7 @@ class FaultsSection(_Section):
     ping_every_s: float = Field(default=1.0, gt=0)
     """Seconds between liveness pings of each sampler and environment actor (a cheap call
     every actor answers from its message loop)."""
-    unresponsive_after_s: float = Field(default=5.0, gt=0)
+    unresponsive_after_s: float = Field(default=3.0, gt=0)
     """An actor that has answered nothing for this long is unresponsive: the console names it
     once, its rollouts and weight pushes are abandoned and retried elsewhere, it gets no new
     work, and its statistics wait until it answers again (it rejoins then)."""
