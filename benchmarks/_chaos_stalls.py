@@ -90,8 +90,18 @@ class ConsoleTap:
         return best
 
 
+TRACE_VARS = ("FLOTILLA_TRACE_FILE", "FLOTILLA_SERVICE_NAME")
+"""Where a process's spans go, inherited by processes it starts: a host (and the samplers it
+spawns) and the stall run must not write into an earlier run's directory."""
+
+
+def _fresh_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in TRACE_VARS}
+    return {**env, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
 def _start_host(keys: Path, bind: str) -> tuple[subprocess.Popen[bytes], str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = _fresh_env()
     proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "host", "--bind", bind,
                              "--keys", str(keys)], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
                             env=env)
@@ -245,6 +255,6 @@ def run_stalls_apart(quick: bool, unresponsive_after_s: float | None = None) -> 
     cmd = [sys.executable, str(ROOT / "benchmarks" / "chaos.py"), "--only-stalls"] + (["--quick"] if quick else [])
     if unresponsive_after_s is not None:
         cmd += ["--unresponsive-after-s", str(unresponsive_after_s)]
-    out = subprocess.run(cmd, stdout=subprocess.PIPE, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    out = subprocess.run(cmd, stdout=subprocess.PIPE, check=True, env=_fresh_env())
     line = json.loads(out.stdout.decode().strip().splitlines()[-1])
     return {k: v for k, v in line.items() if k not in ("benchmark", "quick", "wall_s", "load_average")}
