@@ -26,8 +26,15 @@ old keyframe that rolled the sampler back), `controller_cpu_while_trainer_dead` 
 excluded: the higher of the rate during the flood and the busiest 60 s of the faulted
 run; target <= 60), with `log_line_chars_max`.
 
+A second run (`_chaos_stalls`) freezes one of two pools' sampler (SIGSTOP, 60 s; 8 s with
+--quick) and then kills the `flotilla host` of the other pool (down 30 s; 6 s), and adds
+`normal_step_s`, `frozen_sampler_stall_s`, `frozen_detected_s`, `host_loss_stall_s`,
+`host_reattached_s` and `log_lines_per_minute_max` (targets: both stalls at most twice
+`normal_step_s`, detection within 10 s, at most 60 log lines a minute).
+
     python benchmarks/chaos.py            # 120 steps
     python benchmarks/chaos.py --quick    # 40 steps
+    python benchmarks/chaos.py --quick --only-stalls   # the stall run alone
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _chaos_stalls import run_stalls, run_stalls_apart
 from _runs import ROOT, demo_raw, load_average
 
 sys.path.insert(0, str(ROOT))
@@ -218,7 +226,16 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="40 steps instead of 120")
     ap.add_argument("--steps", type=int)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--only-stalls", action="store_true", help="only the frozen-sampler and host-loss run")
+    ap.add_argument("--unresponsive-after-s", type=float, default=None,
+                    help="the stall run's [faults] unresponsive_after_s (default: the config's)")
     args = ap.parse_args()
+    if args.only_stalls:
+        t0 = time.monotonic()
+        stalls = run_stalls(args.quick, args.unresponsive_after_s)
+        print(json.dumps({"benchmark": "chaos", "quick": args.quick, **stalls,
+                          "wall_s": round(time.monotonic() - t0, 1), "load_average": load_average()}))
+        return
     steps = args.steps or (40 if args.quick else 120)
     every = 5 if args.quick else 10
 
@@ -271,6 +288,7 @@ def main() -> None:
         if schedule.cpu_while_dead is not None else None,
         **integrity,
         "final_reward_10": round(sum(r["reward_mean"] for r in rows[-10:]) / min(10, len(rows)), 3),
+        **run_stalls_apart(args.quick, args.unresponsive_after_s),
         "wall_s": round(time.monotonic() - t0, 1),
         "load_average": load_average(),
     }

@@ -171,6 +171,7 @@ class Scheduler:
         self._curve: list[dict[int, float]] = [{} for _ in ordered]
         self._inflight = [0] * n
         self._ver = [0] * n
+        self._down = [False] * n  # no rank can take a rollout (set_available)
         self._fill_to = [0] * n  # top-up target (rule 2); 0: none
         self._fill_from = [0] * n  # in flight when the top-up began; draining back to it ends it
         self._lengths = RolloutLengths(self._cap, float(mean_rollout_tokens), float(length_window))
@@ -231,6 +232,12 @@ class Scheduler:
         """The weight version `pool` now holds (after a sync)."""
         self._ver[self._idx(pool)] = version
 
+    def set_available(self, pool: str, available: bool) -> None:
+        """Whether `pool` can take rollouts now (some rank is up, answering and holding
+        weights). An unavailable pool is never chosen and, like a pool beyond its budget,
+        counts only for the rollouts it still has in flight."""
+        self._down[self._idx(pool)] = not available
+
     def complete(self, pool: str, tokens: int | None = None) -> None:
         """A rollout on `pool` finished or failed: its slot is free again. `tokens`
         (generated) stands in for the pool's generated tokens until it is observed."""
@@ -253,8 +260,9 @@ class Scheduler:
         return i
 
     def _eligible(self, i: int) -> bool:
-        """Pool i's weights are within its staleness budget of the trainer's version."""
-        return self._trainer_version - self._ver[i] <= self._budget[i]
+        """Pool i is available and its weights are within its staleness budget of the
+        trainer's version."""
+        return not self._down[i] and self._trainer_version - self._ver[i] <= self._budget[i]
 
     def observe(self, pool: str, tokens: float, gpu_seconds: float, batch_per_gpu: float | None = None) -> float:
         """A throughput measurement for `pool`: `tokens` generated in `gpu_seconds` busy

@@ -152,6 +152,10 @@ class TrainerGroup:
     def is_dead(self) -> bool:
         return bool(self.mesh.dead_ranks)
 
+    async def ping(self) -> None:
+        """Returns once every rank's process answers a cheap call (liveness)."""
+        await self.mesh.runtime_stats.call()
+
     async def restart(self) -> int:
         """A group cannot replace one rank in place (the survivors' process group is
         broken); raises ``TrainerRankDied`` for the dead rank: the run stops and resumes

@@ -12,6 +12,7 @@ from actors.types import SamplingParams, TaskSpec
 from hardware import CostLedger, Scheduler
 from orchestrator.state.buffer import Drop, RolloutBuffer
 from orchestrator.state.config import RunConfig
+from orchestrator.controller._liveness import Health, respawn_due
 from orchestrator.controller.links import Checkpointer, Links, PoolLink
 from orchestrator.controller.state import ControllerState
 from orchestrator.state.progress import Progress
@@ -22,24 +23,43 @@ __all__ = ["Backoff", "PoolView", "RunContext"]
 
 @dataclass
 class PoolView:
-    """The controller's view of one pool: what each rank holds and runs."""
+    """The controller's view of one pool: what each rank holds and runs, and its liveness."""
 
     link: PoolLink
     versions: list[int]  # weights each rank holds; -1: none (start, respawn, refused update)
     in_flight: list[int]  # rollouts running on each rank
     marks: list[tuple[int, float]]  # each rank's (tokens, busy seconds) at the last step
+    health: list[Health]  # each rank's liveness (`_liveness`)
+    stats: list[dict[str, Any] | None]  # each rank's latest counters; None: none yet, or dead
+    stats_call: list[trio.Event | None]  # set when the rank's outstanding stats call ends
+    epochs: list[int]  # bumped when a rank's process is replaced
 
     @classmethod
     def of(cls, link: PoolLink) -> PoolView:
         n = link.size
-        return cls(link, [-1] * n, [0] * n, [(0, 0.0)] * n)
+        name = link.config.name
+        return cls(link, [-1] * n, [0] * n, [(0, 0.0)] * n,
+                   [Health(f"sampler {name}/{r}") for r in range(n)], [None] * n, [None] * n, [0] * n)
 
     @property
     def name(self) -> str:
         return self.link.config.name
 
-    def pick_rank(self) -> int:
-        return min(range(len(self.in_flight)), key=lambda r: (self.in_flight[r], r))
+    def usable(self) -> list[int]:
+        """Ranks that can take a rollout now: constructed, answering, holding weights."""
+        down = set(self.link.dead_ranks()) | set(self.link.starting_ranks())
+        return [r for r, h in enumerate(self.health) if h.responsive and r not in down
+                and self.versions[r] >= 0]
+
+    def held_version(self) -> int:
+        """The oldest weights among the usable ranks (-1 when none is usable)."""
+        return min((self.versions[r] for r in self.usable()), default=-1)
+
+    def pick_rank(self, min_version: int) -> int | None:
+        """The usable rank holding weights no older than `min_version` with the fewest
+        rollouts in flight (ties: the lowest rank); None if there is none."""
+        ok = [r for r in self.usable() if self.versions[r] >= min_version]
+        return min(ok, key=lambda r: (self.in_flight[r], r)) if ok else None
 
     def receiver(self, rank: int) -> str:
         return f"{self.name}/{rank}"
@@ -79,6 +99,10 @@ class RunContext:
         self.checkpoints = checkpoints
         self.buffer = RolloutBuffer(cfg.rollout.group_size, counters=state.buffer)
         self.pools = {name: PoolView.of(link) for name, link in links.pools.items()}
+        self.env_health = [Health(f"environment actor {r}") for r in range(links.envs.size)]
+        self.trainer_health = Health("trainer")
+        self.env_in_flight = [0] * links.envs.size  # episodes running on each env rank
+        self.nursery: trio.Nursery | None = None  # the controller's, for background calls
         self.sampling = SamplingParams(
             temperature=cfg.recipe.temperature, top_k=cfg.recipe.top_k, top_p=cfg.recipe.top_p,
             min_keep=cfg.recipe.min_keep, max_new_tokens=cfg.task.max_new_tokens)
@@ -141,7 +165,30 @@ class RunContext:
         return 0 if self.cfg.mode == "sync" else self.pools[pool].link.config.staleness_budget
 
     def all_synced(self) -> bool:
-        return all(v >= self.version for p in self.pools.values() for v in p.versions)
+        """Every sampler that answers holds the trainer's version (sync mode waits for it;
+        an unresponsive or restarting rank is not waited for)."""
+        for p in self.pools.values():
+            down = set(p.link.dead_ranks()) | set(p.link.starting_ranks())
+            if any(v < self.version for r, v in enumerate(p.versions)
+                   if p.health[r].responsive and r not in down):
+                return False
+        return True
+
+    def pick_env(self) -> int | None:
+        """The environment rank for the next episode: constructed, answering, fewest
+        episodes in flight (ties: the lowest rank); None when none is."""
+        envs = self.links.envs
+        down = set(envs.dead_ranks()) | set(envs.starting_ranks())
+        ok = [r for r, h in enumerate(self.env_health) if h.responsive and r not in down]
+        return min(ok, key=lambda r: (self.env_in_flight[r], r)) if ok else None
+
+    def update_scheduler(self) -> None:
+        """Tell the scheduler which pools can take rollouts and the weights they hold."""
+        for name, view in self.pools.items():
+            usable = view.usable()
+            self.scheduler.set_available(name, bool(usable))
+            if usable:
+                self.scheduler.set_pool_version(name, view.held_version())
 
     def now(self) -> float:
         return trio.current_time()
@@ -171,19 +218,25 @@ class RunContext:
             self.notify()
 
     def respawn_dead(self) -> None:
-        """Bring back every dead sampler and env rank. A respawned sampler holds no weights:
-        its sync worker sends it a keyframe before any rollout that needs them starts."""
+        """Bring back every dead sampler and env rank, each no sooner than its back-off
+        allows (`_liveness.respawn_due`). A respawned sampler holds no weights: its sync
+        worker sends it a keyframe before any rollout that needs them starts."""
         for pool in self.pools.values():
             for rank in pool.link.dead_ranks():
-                self.progress.repeated(("respawn", pool.name, rank),
-                                       f"sampler {pool.receiver(rank)} died; respawning it")
-                pool.link.respawn(rank)
-                pool.versions[rank] = -1
-                pool.marks[rank] = (0, 0.0)  # a fresh process counts from zero
-                self.bump_versions()
+                if respawn_due(self, pool.health[rank]):
+                    self.respawn_sampler(pool, rank)
         for rank in self.links.envs.dead_ranks():
-            self.progress.repeated(("respawn", "env", rank), f"environment actor {rank} died; respawning it")
-            self.links.envs.respawn(rank)
+            if respawn_due(self, self.env_health[rank]):
+                self.links.envs.respawn(rank)
+
+    def respawn_sampler(self, pool: PoolView, rank: int) -> None:
+        """A fresh process for sampler `rank` of `pool` (its old one stopped, if any)."""
+        pool.link.respawn(rank)
+        pool.versions[rank] = -1
+        pool.marks[rank] = (0, 0.0)  # a fresh process counts from zero
+        pool.stats[rank] = None
+        pool.epochs[rank] += 1
+        self.bump_versions()
 
     def cancel_rollouts(self) -> None:
         for scope in list(self.rollout_scopes):

@@ -2,7 +2,8 @@
 
 It runs, in one nursery: the producer (`_producer`), the trainer loop (`_training`),
 one weight-sync worker per sampler (`_weights`), a supervisor that respawns dead
-sampler and env ranks even when nothing is calling them, and the Ctrl-C watcher
+sampler and env ranks even when nothing is calling them, a liveness watcher per sampler
+and env rank (`_liveness`: a frozen actor is named, avoided and rejoins), and the Ctrl-C watcher
 (`_signals`), and with `[eval] every` the evaluation loop (`orchestrator.controller.evaluation`). `mode = "sync"` runs the same parts on-policy and in sequence: generate
 a batch, train on it, sync every sampler, repeat.
 
@@ -16,6 +17,7 @@ times (`TrainerLost` past that).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import trio
@@ -23,6 +25,7 @@ import trio
 from hardware import CostLedger, Scheduler
 from orchestrator.state.config import RunConfig
 from orchestrator.controller._context import RunContext
+from orchestrator.controller._liveness import watch
 from orchestrator.controller._producer import produce
 from orchestrator.controller._signals import request_stop, watch_sigint
 from orchestrator.controller._training import checkpoint, train_loop
@@ -35,6 +38,11 @@ from orchestrator.state.progress import Progress
 __all__ = ["Controller", "MetricsSink"]
 
 SUPERVISE_EVERY_S = 0.5
+
+
+def _live(link: Any, rank: int) -> bool:
+    """The rank is constructed: neither dead nor (re)starting."""
+    return rank not in link.dead_ranks() and rank not in link.starting_ranks()
 
 
 class MetricsSink:
@@ -115,9 +123,11 @@ class Controller:
     async def _run(self) -> None:
         ctx = self.ctx
         async with trio.open_nursery() as nursery:
+            ctx.nursery = nursery
             if self._handle_sigint:
                 await nursery.start(watch_sigint, ctx, nursery.cancel_scope)
             nursery.start_soon(self._supervise)
+            self._start_watchers(nursery)
             for pool in ctx.pools.values():
                 for rank in range(len(pool.versions)):
                     nursery.start_soon(sync_worker, ctx, pool, rank)
@@ -133,6 +143,30 @@ class Controller:
             if ctx.failure is None:
                 await evals_done.wait()  # an evaluation due at the last step finishes first
             nursery.cancel_scope.cancel()
+
+    def _start_watchers(self, nursery: trio.Nursery) -> None:
+        """One liveness watcher per sampler rank and env rank, and one for the trainer,
+        which is named but never given up on (its death is the restore path's)
+        (`_liveness.watch`)."""
+        ctx = self.ctx
+        trainer = ctx.links.trainer
+        nursery.start_soon(
+            watch, ctx, ctx.trainer_health, trainer.ping,
+            lambda: ctx.trainer_alive.is_set() and not trainer.is_dead(), None,
+            "training waits for it")
+        for pool in ctx.pools.values():
+            link = pool.link
+            for rank, health in enumerate(pool.health):
+                nursery.start_soon(
+                    watch, ctx, health, partial(link.ping, rank),
+                    partial(_live, link, rank), partial(ctx.respawn_sampler, pool, rank),
+                    "its rollouts go to the ranks that answer; waiting for it")
+        envs = ctx.links.envs
+        for rank, health in enumerate(ctx.env_health):
+            nursery.start_soon(
+                watch, ctx, health, partial(envs.ping, rank), partial(_live, envs, rank),
+                partial(envs.respawn, rank),
+                "its episodes go to the environment actors that answer; waiting for it")
 
     async def _supervise(self) -> None:
         """Respawn ranks that died while nothing was calling them."""

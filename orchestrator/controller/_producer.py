@@ -10,7 +10,8 @@ it (with `staleness_budget = 0`, a group due next behind one due later hung the 
 Cancellation: leaving the nursery abandons the rollouts in flight; their slots stay
 counted as buffered. A sampler or env process that dies mid-rollout is respawned and
 the rollout re-queued; the trainer's restart cancels every rollout in flight (their
-weights are gone) and re-queues them.
+weights are gone) and re-queues them; so does a sampler or env actor that stops answering
+(`_liveness`), and no rollout starts on one until it answers again.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import trio
 from actors.types import TaskSpec
 from orchestrator.state.buffer import Slot
 from orchestrator.controller._context import PoolView, RunContext
+from orchestrator.controller._liveness import bind
 from orchestrator.runtime import ActorDied, span
 
 __all__ = ["produce", "task_for"]
@@ -74,6 +76,7 @@ def _place(ctx: RunContext) -> str | None:
     batch = rollout.prompts_per_step * rollout.group_size
     demand = max(0, batch - ctx.buffer.done_rollouts())  # in-flight ones: the scheduler weighs them
     ctx.scheduler.set_trainer(ctx.version, demand, ctx.horizon(), ctx.consume_rate(), batch=batch)
+    ctx.update_scheduler()  # pools without a usable rank (dead, frozen, no weights) are out
     return ctx.scheduler.place()
 
 
@@ -102,7 +105,8 @@ async def produce(ctx: RunContext, nursery: trio.Nursery) -> None:
             if task is None:  # its group was skipped meanwhile
                 ctx.buffer.requeue(slot)
                 continue
-            if not any(min(v.versions) >= _need_version(ctx, slot, name) for name, v in ctx.pools.items()):
+            if not any(v.pick_rank(_need_version(ctx, slot, name)) is not None
+                       for name, v in ctx.pools.items()):
                 # Due at a version no pool holds yet: the slots behind it (a group due now) may
                 # be what that version waits for, so look past it.
                 waiting.append(slot)
@@ -113,27 +117,31 @@ async def produce(ctx: RunContext, nursery: trio.Nursery) -> None:
                 continue
             min_version = _need_version(ctx, slot, pool)
             view = ctx.pools[pool]
-            if not ctx.trainer_alive.is_set() or min(view.versions) < min_version:
+            rank, env = view.pick_rank(min_version), ctx.pick_env()
+            if not ctx.trainer_alive.is_set() or rank is None or env is None:
                 ctx.scheduler.release(pool)  # held back: undone, not a finished rollout
                 await _wait(ctx, waiting, slot)
                 continue
-            rank = view.pick_rank()
             view.in_flight[rank] += 1
-            nursery.start_soon(_rollout, ctx, slot, task, view, rank, min_version)
+            ctx.env_in_flight[env] += 1
+            nursery.start_soon(_rollout, ctx, slot, task, view, rank, min_version, env)
     finally:
         _put_back(ctx, waiting)
 
 
 async def _rollout(ctx: RunContext, slot: Slot, task: TaskSpec, pool: PoolView, rank: int,
-                   min_version: int) -> None:
+                   min_version: int, env: int) -> None:
     traj = None
     scope = trio.CancelScope()
     ctx.rollout_scopes.add(scope)
     try:
-        with scope, span("rollout", task=task.task, prompt_id=slot.prompt_id, group_id=slot.group_id,
-                         sample=slot.index, attempt=slot.attempt, pool=pool.name,
-                         gpu=pool.link.config.gpu, precision=pool.link.config.precision) as s:
-            traj = await ctx.links.envs.run_episode(pool.link, rank, task, ctx.sampling, min_version)
+        # Abandoned (re-queued) when the trainer restarts or its sampler or env actor freezes.
+        with bind(scope, pool.health[rank], ctx.env_health[env]), scope, \
+                span("rollout", task=task.task, prompt_id=slot.prompt_id, group_id=slot.group_id,
+                     sample=slot.index, attempt=slot.attempt, pool=pool.name,
+                     gpu=pool.link.config.gpu, precision=pool.link.config.precision) as s:
+            traj = await ctx.links.envs.run_episode(pool.link, rank, task, ctx.sampling, min_version,
+                                                    env_rank=env)
             s.set_attribute("policy_version", traj.oldest_version)
             s.set_attribute("policy_version_max", traj.newest_version)
             s.set_attribute("staleness", ctx.version - traj.oldest_version)
@@ -147,6 +155,7 @@ async def _rollout(ctx: RunContext, slot: Slot, task: TaskSpec, pool: PoolView, 
     finally:
         ctx.rollout_scopes.discard(scope)
         pool.in_flight[rank] -= 1
+        ctx.env_in_flight[env] -= 1
         if traj is None:  # died or cancelled (trainer restart): it never finished
             ctx.scheduler.release(pool.name)
             ctx.buffer.requeue(slot)

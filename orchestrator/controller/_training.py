@@ -11,6 +11,9 @@ checkpoint, up to `[checkpoint] max_restarts` times; the steps since that checkp
 trained again. Past the limit the loop raises `TrainerLost`, naming the actor. A death
 seen between steps, by a weight-sync call (`RunContext.report_trainer_death`), is
 restored the same way, without waiting for a batch that could not come.
+
+No step waits on a sampler: its counters are asked for with a deadline
+(`_liveness.refresh_stats`), and a rank that misses it is accounted at a later step.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from actors.trainer import StepResult, memory_line
 from actors.types import Trajectory
 from orchestrator.state.buffer import Group
 from orchestrator.controller._context import Backoff, RunContext
+from orchestrator.controller._liveness import refresh_stats
 from orchestrator.runtime import ActorDied, span
 
 __all__ = ["TrainerLost", "checkpoint", "train_loop"]
@@ -138,7 +142,10 @@ async def restart_trainer(ctx: RunContext, death: ActorDied) -> None:
 async def _account(ctx: RunContext, trajs: list[Trajectory], stale: list[int],
                    result: StepResult) -> None:
     now = ctx.now()
-    pool_stats = {name: await _pool_step_stats(ctx, name, now) for name in ctx.pools}
+    async with trio.open_nursery() as nursery:  # every pool's counters at once, bounded
+        for view in ctx.pools.values():
+            nursery.start_soon(refresh_stats, ctx, view)
+    pool_stats = {name: _pool_step_stats(ctx, name, now) for name in ctx.pools}
     by_pool: dict[str, list[int]] = {}
     for t, st in zip(trajs, stale):
         by_pool.setdefault(t.pool, []).append(st)
@@ -178,11 +185,13 @@ async def _account(ctx: RunContext, trajs: list[Trajectory], stale: list[int],
     ctx.step_t0 = now
 
 
-async def _pool_step_stats(ctx: RunContext, name: str, now: float) -> dict[str, Any]:
-    """A pool's tokens and busy time since the last step, from every live rank's counters.
-    A dead rank is skipped (and respawned); a respawned rank counts from zero again."""
+def _pool_step_stats(ctx: RunContext, name: str, now: float) -> dict[str, Any]:
+    """A pool's tokens and busy time since the last step, from every rank's latest counters
+    (`refresh_stats`). A dead rank is skipped (and respawned); a respawned rank counts from
+    zero again; a rank that did not answer in time is accounted when it does (its counters
+    are cumulative)."""
     pool = ctx.pools[name]
-    stats = await pool.link.stats()
+    stats = pool.stats
     d_tok, d_busy = 0, 0.0
     tokens, busy, requests, prefills, prefix_hits = 0, 0.0, 0, 0, 0
     for rank, st in enumerate(stats):
@@ -198,7 +207,7 @@ async def _pool_step_stats(ctx: RunContext, name: str, now: float) -> dict[str, 
         requests += int(st["requests_finished"])
         prefills += int(st["prefill_batches"])
         prefix_hits += int(st.get("prefix_hits", 0))
-    if any(st is None for st in stats):
+    if pool.link.dead_ranks():
         ctx.respawn_dead()
     ctx.ledger.record_busy(name, seconds=d_busy)
     if d_busy > 0 and d_tok > 0:

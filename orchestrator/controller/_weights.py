@@ -9,12 +9,16 @@ updates).
 
 Failure: a dead sampler is respawned and gets a keyframe; a dead trainer is reported to
 the trainer loop, which restores it, and waited for; every retry backs off, so no worker
-spins on a dead actor.
+spins on a dead actor. A sampler that stops answering (`_liveness`) has its update
+abandoned and gets none until it answers again, then a reset and a keyframe.
 """
 
 from __future__ import annotations
 
+import trio
+
 from orchestrator.controller._context import Backoff, PoolView, RunContext
+from orchestrator.controller._liveness import bind
 from orchestrator.controller._stream import PART_BYTES, KeyframeGone, send_path
 from orchestrator.runtime import ActorDied, ActorError, span
 
@@ -24,15 +28,20 @@ __all__ = ["sync_worker"]
 async def sync_worker(ctx: RunContext, pool: PoolView, rank: int) -> None:
     receiver = pool.receiver(rank)
     precision = pool.link.config.precision
+    health = pool.health[rank]
     backoff = Backoff()
     while True:
         while pool.versions[rank] >= ctx.version:
             await ctx.wait_bump()
         await ctx.trainer_alive.wait()
+        await health.wait_responsive()
         have = pool.versions[rank]
+        scope = trio.CancelScope()
         try:
-            with span("weights.apply", pool=pool.name, rank=rank, precision=precision,
-                      from_version=have, to_version=ctx.version) as s:
+            # Abandoned when the sampler stops answering: it gets a keyframe once it does.
+            with bind(scope, health), scope, \
+                    span("weights.apply", pool=pool.name, rank=rank, precision=precision,
+                         from_version=have, to_version=ctx.version) as s:
                 if have == -2:
                     await pool.link.reset_weights(rank)
                     have = pool.versions[rank] = -1
@@ -41,7 +50,7 @@ async def sync_worker(ctx: RunContext, pool: PoolView, rank: int) -> None:
                 s.set_attribute("messages", len(path["deltas"]) + (path["keyframe"] is not None))
                 s.set_attribute("keyframe", path["keyframe"] is not None)
                 s.set_attribute("wire_bytes", wire)
-            await ctx.links.trainer.ack(receiver, now)
+                await ctx.links.trainer.ack(receiver, now)
         except KeyframeGone as e:
             # The trainer published a newer keyframe mid-stream; the sampler's unfinished
             # stream is void (its engine keeps the weights it had): start over.
@@ -68,8 +77,13 @@ async def sync_worker(ctx: RunContext, pool: PoolView, rank: int) -> None:
             pool.versions[rank] = -1
             await backoff.wait()
             continue
+        if scope.cancelled_caught:
+            # Unresponsive mid-update: what it holds once it thaws is unknown (the abandoned
+            # update may still land), so it forgets its version first, then gets a keyframe.
+            pool.versions[rank] = -2
+            continue
         backoff.reset()
         if pool.versions[rank] != -2:  # unless the trainer went back meanwhile
             pool.versions[rank] = now
-        ctx.scheduler.set_pool_version(pool.name, min(pool.versions))
+        ctx.update_scheduler()
         ctx.notify()

@@ -16,7 +16,8 @@ an evaluation due at the last step before it returns.
 
 Cancellation: leaving the controller's nursery abandons an evaluation in progress
 (no line is written for it).  Errors: a failed episode counts as reward 0 and in
-``eval_failed``; a dead sampler or env actor fails that episode, not the run.
+``eval_failed``; a dead sampler or env actor fails that episode, not the run; one
+that stops answering has its episode played again elsewhere.
 """
 from __future__ import annotations
 
@@ -68,21 +69,30 @@ async def evaluate(ctx: RunContext, step: int) -> dict[str, Any]:
     with span("eval", step=step, version=version, pool=pool.name, episodes=len(tasks)) as sp:
         async def one(task: Any) -> None:
             nonlocal failed
-            # Like a training rollout, an episode starts only on a rank that holds the
-            # weights (it holds no sampler slot while the weight sync catches up).
-            while not (ready := [r for r, v in enumerate(pool.versions) if v >= version]):
-                await ctx.wait_change()
-            rank = min(ready, key=lambda r: (pool.in_flight[r], r))
-            pool.in_flight[rank] += 1
-            try:
-                traj = await ctx.links.envs.run_episode(pool.link, rank, task, sampling, version)
-                failed += traj.failed
-                rewards.append(0.0 if traj.failed else float(traj.reward))
-            except ActorDied:
-                failed += 1
-                rewards.append(0.0)
-            finally:
-                pool.in_flight[rank] -= 1
+            from orchestrator.controller._liveness import bind
+
+            while True:
+                # Like a training rollout, an episode starts only on a rank that answers and
+                # holds the weights (it holds no sampler slot while the weight sync catches up).
+                while (rank := pool.pick_rank(version)) is None or (env := ctx.pick_env()) is None:
+                    await ctx.wait_change()
+                pool.in_flight[rank] += 1
+                ctx.env_in_flight[env] += 1
+                scope = trio.CancelScope()
+                try:
+                    with bind(scope, pool.health[rank], ctx.env_health[env]), scope:
+                        traj = await ctx.links.envs.run_episode(pool.link, rank, task, sampling,
+                                                                version, env_rank=env)
+                        failed += traj.failed
+                        rewards.append(0.0 if traj.failed else float(traj.reward))
+                except ActorDied:
+                    failed += 1
+                    rewards.append(0.0)
+                finally:
+                    pool.in_flight[rank] -= 1
+                    ctx.env_in_flight[env] -= 1
+                if not scope.cancelled_caught:
+                    return  # else its sampler or env actor stopped answering: play it elsewhere
 
         async with trio.open_nursery() as nursery:
             for task in tasks:

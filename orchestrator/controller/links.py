@@ -4,7 +4,9 @@ The controller never touches a mesh directly; it talks to a `TrainerLink`, one
 `PoolLink` per sampler pool and an `EnvLink`. `orchestrator.controller.meshes`
 implements them over runtime meshes (separate processes); tests implement them
 in memory. Every call may raise `ActorDied` (the actor behind it is gone) or
-`ActorError` (it raised); the controller handles both.
+`ActorError` (it raised); the controller handles both. A call may also never return (a
+frozen process): the controller binds each call to the liveness of the actor it waits on
+(`_liveness`) and abandons it by cancellation when that actor stops answering pings.
 """
 
 from __future__ import annotations
@@ -55,6 +57,10 @@ class TrainerLink(Protocol):
     def is_dead(self) -> bool:
         """Whether the trainer's process (any rank's) is known to be gone."""
 
+    async def ping(self) -> None:
+        """Returns once the trainer's processes answer a cheap call (liveness); ActorDied
+        if one is dead."""
+
 
 class PoolLink(Protocol):
     """One sampler pool: `size` sampler ranks sharing a config."""
@@ -77,24 +83,41 @@ class PoolLink(Protocol):
         """Forget the held weights' version, so an older keyframe is accepted (the trainer
         went back to a checkpoint); generation waits for the next keyframe."""
 
-    async def stats(self) -> list[dict[str, Any] | None]:
-        """Every rank's counters (`tokens_generated`, `busy_seconds`, `requests_finished`,
-        `prefill_batches`), None for a rank that is dead or restarting."""
+    async def rank_stats(self, rank: int) -> dict[str, Any] | None:
+        """The rank's counters (`tokens_generated`, `busy_seconds`, `requests_finished`,
+        `prefill_batches`), None if it is dead. Waits while the rank restarts and, for a
+        frozen process, until it thaws: the controller never waits for it on a step's path."""
+
+    async def ping(self, rank: int) -> None:
+        """Returns once the rank's process answers a cheap call (liveness); ActorDied if dead."""
 
     def dead_ranks(self) -> list[int]: ...
 
+    def starting_ranks(self) -> list[int]:
+        """Ranks being (re)started, not constructed yet."""
+
     def respawn(self, rank: int) -> None:
-        """Start a fresh process for `rank`; calls wait until it is constructed."""
+        """Start a fresh process for `rank` (stopping the old one, also a frozen one);
+        calls wait until it is constructed."""
 
 
 class EnvLink(Protocol):
     """The environment actors, which play episodes against a chosen sampler."""
 
+    @property
+    def size(self) -> int: ...
+
     async def run_episode(self, pool: PoolLink, rank: int, task: TaskSpec,
-                          sampling: SamplingParams, min_version: int) -> Trajectory:
-        """Play `task` with sampler `rank` of `pool`, weights no older than `min_version`."""
+                          sampling: SamplingParams, min_version: int, env_rank: int) -> Trajectory:
+        """Play `task` on environment actor `env_rank` with sampler `rank` of `pool`, weights
+        no older than `min_version`."""
+
+    async def ping(self, rank: int) -> None:
+        """Returns once the rank's process answers a cheap call (liveness); ActorDied if dead."""
 
     def dead_ranks(self) -> list[int]: ...
+
+    def starting_ranks(self) -> list[int]: ...
 
     def respawn(self, rank: int) -> None: ...
 

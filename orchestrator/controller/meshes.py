@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import trio
+
 from actors.trainer import StepResult
 from actors.types import SamplingParams, TaskSpec, Trajectory
 from hardware import PoolConfig
@@ -46,6 +48,9 @@ class MeshTrainer:
     def is_dead(self) -> bool:
         return bool(self.mesh.dead_ranks)
 
+    async def ping(self) -> None:
+        await self._actor.runtime_stats.call_one()
+
 
 class MeshPool:
     """One sampler pool's link over its `SamplerActor` mesh."""
@@ -70,17 +75,20 @@ class MeshPool:
     async def reset_weights(self, rank: int) -> None:
         await self.mesh[rank].reset_weights.call_one()
 
-    async def stats(self) -> list[dict[str, Any] | None]:
-        out: list[dict[str, Any] | None] = []
-        for rank in range(self.mesh.size):
-            if rank in self.mesh.dead_ranks:
-                out.append(None)
-                continue
-            try:
-                out.append(await self.mesh[rank].stats.call_one())
-            except ActorDied:
-                out.append(None)
-        return out
+    async def rank_stats(self, rank: int) -> dict[str, Any] | None:
+        if rank in self.mesh.dead_ranks:
+            await trio.lowlevel.checkpoint()
+            return None
+        try:
+            return await self.mesh[rank].stats.call_one()
+        except ActorDied:
+            return None
+
+    async def ping(self, rank: int) -> None:
+        await self.mesh[rank].runtime_stats.call_one()
+
+    def starting_ranks(self) -> list[int]:
+        return self.mesh.starting_ranks
 
     def dead_ranks(self) -> list[int]:
         return self.mesh.dead_ranks
@@ -90,14 +98,24 @@ class MeshPool:
 
 
 class MeshEnvs:
-    """The environment actors: each episode goes to the least-loaded live one."""
+    """The environment actors; the controller picks the rank of each episode."""
 
     def __init__(self, mesh: Mesh[Any]) -> None:
         self.mesh = mesh
 
+    @property
+    def size(self) -> int:
+        return self.mesh.size
+
     async def run_episode(self, pool: MeshPool, rank: int, task: TaskSpec,
-                          sampling: SamplingParams, min_version: int) -> Trajectory:
-        return await self.mesh.run_episode.choose(pool.sampler(rank), task, sampling, min_version)
+                          sampling: SamplingParams, min_version: int, env_rank: int) -> Trajectory:
+        return await self.mesh[env_rank].run_episode.call_one(pool.sampler(rank), task, sampling, min_version)
+
+    async def ping(self, rank: int) -> None:
+        await self.mesh[rank].runtime_stats.call_one()
+
+    def starting_ranks(self) -> list[int]:
+        return self.mesh.starting_ranks
 
     def dead_ranks(self) -> list[int]:
         return self.mesh.dead_ranks

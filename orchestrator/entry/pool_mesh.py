@@ -126,12 +126,14 @@ async def check_hosts(pools: list[Any], timeout_s: float = HOST_TIMEOUT_S) -> No
 
 def pool_mesh(pool: Any, model_config: dict[str, Any] | str, *, seed: int,
               env: dict[str, str], max_len: int | None = None,
-              weights_key: str | None = None) -> AbstractAsyncContextManager[Mesh[Any]]:
+              weights_key: str | None = None,
+              restart_timeout: float | None = None) -> AbstractAsyncContextManager[Mesh[Any]]:
     """The ``open_mesh`` context of the pool's samplers (see the module docstring).
 
     Samplers start with no weights (version -1) and wait for the trainer's keyframe.
     ``max_len``: tokens per KV-cache slot (the run's ``[model] max_seq_len``);
-    ``weights_key``: the run's key that sealed weight messages must carry.
+    ``weights_key``: the run's key that sealed weight messages must carry;
+    ``restart_timeout``: seconds a respawned rank may take to start (``open_mesh``).
     """
     from actors.sampler import SamplerActor
 
@@ -149,7 +151,8 @@ def pool_mesh(pool: Any, model_config: dict[str, Any] | str, *, seed: int,
         staleness_budget=pool.staleness_budget, weights_key=weights_key,
         seed=seed, backend=pool.backend, sglang=sglang, gpus=pool_gpus(pool),
         prefix_cache=pool.prefix_cache, stale_prefix=pool.stale_prefix,
-        procs=pool_procs(pool), name=f"sampler-{pool.name}", env=env, **placement)
+        procs=pool_procs(pool), name=f"sampler-{pool.name}", env=env,
+        restart_timeout=restart_timeout, **placement)
 
 
 async def gpu_warnings(pool: Any, mesh: Mesh[Any]) -> list[str]:

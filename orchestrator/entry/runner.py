@@ -240,11 +240,13 @@ async def _run_async(cfg: RunConfig, *, resume: bool, progress: Progress | None,
                              model_path=model_cfg if isinstance(model_cfg, str) else None,
                              chat_template_kwargs=cfg.model.chat_template_kwargs,
                              task_modules=checked.task_modules)),
-                         procs=cfg.task.env_actors, name="env", env={**env, **identity_env(cfg.pools)}),
+                         procs=cfg.task.env_actors, name="env", env={**env, **identity_env(cfg.pools)},
+                         restart_timeout=cfg.faults.restart_timeout_s),
     }
     for pc in cfg.pools:  # samplers start without weights and wait for the trainer's keyframe
         meshes[f"pool:{pc.name}"] = pool_mesh(pc, model_cfg, seed=cfg.seed, env=env,
-                                              max_len=cfg.model.max_seq_len, weights_key=weights_key)
+                                              max_len=cfg.model.max_seq_len, weights_key=weights_key,
+                                              restart_timeout=cfg.faults.restart_timeout_s)
     checkpoints = DiskCheckpoints(ckpt_dir, warn)
     async with trio.open_nursery() as actors:
         with span("startup", pools=len(cfg.pools)):

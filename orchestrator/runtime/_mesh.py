@@ -180,6 +180,14 @@ class Mesh(Generic[A]):
             return []
         return [r for r, s in enumerate(self._owner.slots) if s.state == "dead"]
 
+    @property
+    def starting_ranks(self) -> list[int]:
+        """Ranks being (re)started: spawned or respawned, not constructed yet (owner only;
+        empty elsewhere)."""
+        if self._owner is None:
+            return []
+        return [r for r, s in enumerate(self._owner.slots) if s.state == "starting"]
+
 
 class ActorRef(Generic[A]):
     """One actor of a mesh: ``ref.<endpoint>.call_one(...)``."""
@@ -232,7 +240,7 @@ async def open_mesh(cls: type[A], *args: Any, procs: int = 1, name: str | None =
                     transport: Literal["ipc", "tcp"] = "ipc", curve: Curve | None = None,
                     hosts: Sequence[HostSpec] | None = None, tcp_host: str = "127.0.0.1",
                     grace: float = 5.0, on_death: Callable[[ActorDied], None] | None = None,
-                    **kwargs: Any) -> AsyncIterator[Mesh[A]]:
+                    restart_timeout: float | None = None, **kwargs: Any) -> AsyncIterator[Mesh[A]]:
     """Spawn ``procs`` processes each running ``cls(*args, **kwargs)``; yield the mesh.
 
     Every rank is constructed before the block starts (a constructor error
@@ -241,7 +249,9 @@ async def open_mesh(cls: type[A], *args: Any, procs: int = 1, name: str | None =
     fails outstanding calls with ``ActorDied``, sends SIGTERM (``on_stop``
     runs), SIGKILLs what is still alive after ``grace`` seconds and reaps
     every process. ``on_death`` is called (in the owner's loop) when a rank
-    dies; the owner may then call ``mesh.respawn(rank)``.
+    dies; the owner may then call ``mesh.respawn(rank)``. A respawn that does not
+    finish (constructed) within ``restart_timeout`` seconds is stopped and the rank
+    marked dead (None: no limit; the first start is never limited).
 
     ``transport="tcp"`` needs ``curve``; with ``hosts`` the ranks are spread
     round-robin over remote actor hosts (tcp + curve). Constructor keyword
@@ -268,7 +278,8 @@ async def open_mesh(cls: type[A], *args: Any, procs: int = 1, name: str | None =
     unwrapped: BaseException | None = None
     try:
         async with _mesh_lifetime(cls, cls_path, name, procs, env, transport, curve, hosts,
-                                  tcp_host, grace, on_death, ((a, w), frames)) as mesh:
+                                  tcp_host, grace, on_death, ((a, w), frames),
+                                  restart_timeout) as mesh:
             yield mesh
     except BaseExceptionGroup as group:
         if len(group.exceptions) != 1:
@@ -283,7 +294,8 @@ async def _mesh_lifetime(cls: type[A], cls_path: str, name: str, procs: int,
                          env: Mapping[str, str] | None, transport: str, curve: Curve | None,
                          hosts: Sequence[HostSpec] | None, tcp_host: str, grace: float,
                          on_death: Callable[[ActorDied], None] | None,
-                         init: tuple[Any, list[Any]]) -> AsyncIterator[Mesh[A]]:
+                         init: tuple[Any, list[Any]],
+                         restart_timeout: float | None = None) -> AsyncIterator[Mesh[A]]:
     async with trio.open_nursery() as nursery:
         host_meshes = []
         if hosts:
@@ -300,7 +312,8 @@ async def _mesh_lifetime(cls: type[A], cls_path: str, name: str, procs: int,
             set_default_identity(curve)
         owner = Owner(name=name, cls_path=cls_path, procs=procs, init=init,
                       nursery=nursery, env=dict(env or {}), transport=transport, curve=curve,
-                      hosts=host_meshes, tcp_host=tcp_host, grace=grace, on_death=on_death)
+                      hosts=host_meshes, tcp_host=tcp_host, grace=grace, on_death=on_death,
+                      restart_timeout=restart_timeout)
         mesh: Mesh[A] = Mesh(name, cls_path, list(endpoints_of(cls)), [], keys, owner=owner,
                              identity=curve)
         try:

@@ -1,8 +1,9 @@
 """The owner's side of a mesh: spawning ranks, supervising them, respawning, stopping.
 
 Supervision: one task per process waits for its exit (local: the process
-handle; remote: a long-lived ``wait_exit`` call on its host). An exit the
-owner did not cause marks the rank dead, fails its calls with ``ActorDied``
+handle; remote: a long-lived ``wait_exit`` call on its host). A respawn that does
+not finish within ``restart_timeout`` (when given) is stopped and the rank marked
+dead. An exit the owner did not cause marks the rank dead, fails its calls with ``ActorDied``
 and calls ``on_death``. ``shutdown`` (run shielded when the mesh closes) fails
 outstanding calls, SIGTERMs every process, SIGKILLs what outlives the grace
 period and reaps everything.
@@ -47,36 +48,44 @@ class Owner:
     def __init__(self, *, name: str, cls_path: str, procs: int, init: tuple[Any, list[Any]],
                  nursery: trio.Nursery, env: dict[str, str], transport: str, curve: Curve | None,
                  hosts: list[Mesh[Any]], tcp_host: str, grace: float,
-                 on_death: Callable[[ActorDied], None] | None) -> None:
+                 on_death: Callable[[ActorDied], None] | None,
+                 restart_timeout: float | None = None) -> None:
         self.addresses = [""] * procs  # each rank's address; a respawn may change it
         self.name, self.cls_path, self.init = name, cls_path, init
         self.nursery, self.env, self.transport, self.curve = nursery, env, transport, curve
         self.hosts, self.tcp_host, self.grace, self.on_death = hosts, tcp_host, grace, on_death
+        self.restart_timeout = restart_timeout
         self.slots = [RankSlot() for _ in range(procs)]
         self.procs: list[ActorProcess] = []
         self.closing = False
         self.tmpdir = tempfile.mkdtemp(prefix="flotilla-") if transport == "ipc" and not hosts \
             else None
 
-    async def _spawn(self, rank: int) -> ActorProcess:
+    async def _spawn(self, rank: int, mine: list[ActorProcess]) -> ActorProcess:
         slot = self.slots[rank]
+
+        def register(proc: ActorProcess) -> None:
+            self.procs.append(proc)
+            mine.append(proc)
+
         if self.hosts:
             from .host import RemoteProcess
 
             host = self.hosts[rank % len(self.hosts)][0]
             return await RemoteProcess.spawn(host, self.cls_path, name=self.name, rank=rank,
-                                             env=self.env, register=self.procs.append)
+                                             env=self.env, register=register)
         if self.tmpdir is not None:
             bind = f"ipc://{self.tmpdir}/{rank}"
         else:  # tcp: a respawned rank reuses its port so handles held elsewhere stay valid
             bind = slot.address or f"tcp://{self.tcp_host}:*"
         return await spawn_local(self.cls_path, name=self.name, rank=rank, bind=bind,
-                                 env=child_env(self.env, self.curve), register=self.procs.append)
+                                 env=child_env(self.env, self.curve), register=register)
 
-    async def start(self, rank: int) -> None:
-        """Spawn, connect and construct one rank; raises ActorDied/ActorError on failure."""
+    async def start(self, rank: int, mine: list[ActorProcess] | None = None) -> None:
+        """Spawn, connect and construct one rank; raises ActorDied/ActorError on failure.
+        Processes it spawns are also appended to `mine`."""
         slot = self.slots[rank]
-        proc = await self._spawn(rank)
+        proc = await self._spawn(rank, [] if mine is None else mine)
         slot.proc, slot.address = proc, proc.address
         self.addresses[rank] = proc.address
         self.nursery.start_soon(self._supervise, rank, proc)
@@ -155,10 +164,22 @@ class Owner:
         if old is not None:
             with trio.CancelScope(shield=True):
                 await old.stop(self.grace)
+        mine: list[ActorProcess] = []
         try:
-            await self.start(rank)
-        except (ActorDied, ActorError, OSError) as exc:
-            reason = exc.reason if isinstance(exc, ActorDied) else f"respawn failed: {exc}"
+            limit = self.restart_timeout if self.restart_timeout is not None else float("inf")
+            with trio.fail_after(limit):
+                await self.start(rank, mine)
+        except (ActorDied, ActorError, OSError, trio.TooSlowError) as exc:
+            if isinstance(exc, trio.TooSlowError):
+                # A start that hangs (a frozen new process, a host that stopped answering):
+                # stop what it spawned, then the rank is dead like any failed respawn.
+                reason = f"respawn did not finish within {self.restart_timeout:g} s"
+                self.slots[rank].proc = None  # its exit is not a new death
+                with trio.CancelScope(shield=True):
+                    for proc in mine:
+                        await proc.stop(self.grace)
+            else:
+                reason = exc.reason if isinstance(exc, ActorDied) else f"respawn failed: {exc}"
             if not self.closing:
                 self._mark_dead(rank, ActorDied(self.name, rank, reason))
 

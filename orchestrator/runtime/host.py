@@ -126,7 +126,11 @@ class HostActor(Actor):
 
     @endpoint
     def signal(self, pid: int, signum: int) -> None:
-        self._child(pid).process.send_signal(signum)
+        """Send ``signum`` to the child ``pid``; nothing for a pid this host does not run (a
+        host restarted since the owner spawned it has no such child: it is gone)."""
+        proc = self.children.get(pid)
+        if proc is not None:
+            proc.process.send_signal(signum)
 
     def _child(self, pid: int) -> LocalProcess:
         proc = self.children.get(pid)

@@ -30,6 +30,7 @@ from policies import RecipeConfig
 __all__ = [
     "CheckpointSection",
     "ConfigError",
+    "FaultsSection",
     "ModelSection",
     "PlacementSection",
     "RolloutSection",
@@ -208,6 +209,36 @@ class CheckpointSection(_Section):
     """Times a dead trainer is restored from a checkpoint before the run gives up."""
 
 
+class FaultsSection(_Section):
+    """How the controller tells a frozen or unreachable actor from a busy one, and what it
+    does then (orchestrator.controller._liveness)."""
+
+    ping_every_s: float = Field(default=1.0, gt=0)
+    """Seconds between liveness pings of each sampler and environment actor (a cheap call
+    every actor answers from its message loop)."""
+    unresponsive_after_s: float = Field(default=3.0, gt=0)
+    """An actor that has answered nothing for this long is unresponsive: the console names it
+    once, its rollouts and weight pushes are abandoned and retried elsewhere, it gets no new
+    work, and its statistics wait until it answers again (it rejoins then)."""
+    give_up_after_s: float = Field(default=300.0, gt=0)
+    """An actor unresponsive for this long is given up: its process is stopped (SIGKILL if it
+    ignores SIGTERM) and a fresh one started."""
+    restart_timeout_s: float = Field(default=600.0, gt=0)
+    """A respawned sampler or environment actor not constructed within this many seconds
+    (its model load included) is stopped and counts as a failed respawn (retried with
+    back-off)."""
+    respawn_backoff_max_s: float = Field(default=10.0, gt=0)
+    """Longest wait between two respawn attempts of an actor whose respawn keeps failing
+    (an unreachable host): the waits double from 0.5 s up to this."""
+
+    @model_validator(mode="after")
+    def _ordered(self) -> FaultsSection:
+        if self.give_up_after_s <= self.unresponsive_after_s:
+            raise ValueError(f"give_up_after_s ({self.give_up_after_s:g}) must be longer than "
+                             f"unresponsive_after_s ({self.unresponsive_after_s:g})")
+        return self
+
+
 class RunConfig(_Section):
     name: str = "run"
     """The run's name: outputs go to `<run_root>/<name>/`."""
@@ -235,6 +266,8 @@ class RunConfig(_Section):
     """Threads and CPU pinning of the actor processes."""
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     """Periodic checkpoints and trainer restarts."""
+    faults: FaultsSection = Field(default_factory=FaultsSection)
+    """Liveness pings, unresponsive actors and respawn back-off."""
     eval: EvalConfig = Field(default_factory=EvalConfig)
     """Held-out evaluation during training (orchestrator.controller.evaluation.EvalConfig)."""
     pools: PoolList = Field(min_length=1)

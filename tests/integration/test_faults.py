@@ -26,23 +26,27 @@ async def test_sampler_env_and_trainer_kills_do_not_end_the_run(small_raw):
 
     async def faults(run: RunHandles) -> None:
         state, meshes = run.controller.state, run.meshes
-        for at, key in ((2, "pool:b200-bf16"), (3, "env"), (5, "trainer")):
+        # Both pools at once: with one pool left the run would train on without waiting
+        # for the respawn, and might end before it is seen.
+        for at, keys in ((2, ("pool:b200-bf16", "pool:h100-fp8")), (3, ("env",)), (5, ("trainer",))):
             while state.step < at:
                 await trio.sleep(0.05)
-            old = meshes[key].pids[0]
-            if key == "trainer":
+            old = {key: meshes[key].pids[0] for key in keys}
+            if keys == ("trainer",):
                 seen["step_at_trainer_kill"] = state.step
-            os.kill(old, signal.SIGKILL)
-            while meshes[key].pids[0] in (old, None) or run.controller.restoring_trainer:
-                await trio.sleep(0.05)
-            seen[key] = meshes[key].pids[0]
-            if key == "trainer":
+            for key in keys:
+                os.kill(old[key], signal.SIGKILL)
+            for key in keys:
+                while meshes[key].pids[0] in (old[key], None) or run.controller.restoring_trainer:
+                    await trio.sleep(0.05)
+                seen[key] = meshes[key].pids[0]
+            if keys == ("trainer",):
                 seen["step_after_restore"] = state.step
 
     with trio.fail_after(500):
         result = await run_async(cfg, progress=Progress(cfg.steps, quiet=True), observer=faults)
     assert result.steps_done == 9 and not result.interrupted
-    assert set(seen) >= {"pool:b200-bf16", "env", "trainer"}  # each was respawned
+    assert set(seen) >= {"pool:b200-bf16", "pool:h100-fp8", "env", "trainer"}  # each was respawned
     repeated = seen["step_at_trainer_kill"] - seen["step_after_restore"]
     assert 0 <= repeated <= 2
     rows = read_jsonl(cfg.run_dir / "metrics.jsonl")

@@ -269,3 +269,20 @@ def test_release_undoes_a_placement_without_moving_the_rollout_length_estimate()
     assert _observed_mean("complete") < 0.9 * untouched
     with pytest.raises(ValueError, match="release"):
         s.release("cheap")
+
+
+def test_an_unavailable_pool_gets_nothing_and_its_supply_is_not_counted():
+    s = make([a100("cheap", 1.0), a100("dear", 2.0)])
+    s.set_trainer(0, demand=100)
+    assert fill(s, 2) == ["cheap"] * 2
+    s.set_available("cheap", False)  # its only sampler froze: what it runs may never land
+    assert fill(s, 5) == ["dear"] * 4 + [None]
+    s.release("cheap")
+    s.release("cheap")  # its rollouts were abandoned and re-queued
+    assert s.place() is None  # dear full, cheap out
+    s.set_available("cheap", True)
+    assert s.place() == "cheap"
+    s2 = make([a100("b", 1.0, cap=1), a100("a", 1.0, cap=1)], policy="round_robin")
+    s2.set_trainer(0, demand=0)
+    s2.set_available("a", False)
+    assert fill(s2, 2) == ["b", None]

@@ -2,7 +2,8 @@
 
 Time is trio's (tests run under `MockClock(autojump_threshold=0)`), so an episode that
 "takes" 0.2 s costs nothing. Faults are injected by the test: `FakePool.kill(rank)` fails
-the rank's episodes in flight with ActorDied until it is respawned; `FakeTrainer.die_at`
+the rank's episodes in flight with ActorDied until it is respawned; `FakePool.freeze(rank)`
+makes every call on it wait until `thaw(rank)` (a stopped process); `FakeTrainer.die_at`
 kills the trainer at a step.
 """
 
@@ -63,6 +64,10 @@ class FakeTrainer:
 
     def is_dead(self) -> bool:
         return self.dead
+
+    async def ping(self) -> None:
+        await trio.sleep(0.001)
+        self._alive()
 
     def _alive(self) -> None:
         if self.dead:
@@ -149,6 +154,10 @@ class FakePool:
         self.busy = [0.0] * size
         self.respawns = 0
         self.resets = 0
+        self.frozen: set[int] = set()  # ranks that answer nothing (see freeze)
+        self.down_until = -1.0  # respawns before this trio time fail (an unreachable host)
+        self.respawn_calls = 0
+        self.thawed = trio.Event()
 
     @property
     def size(self) -> int:
@@ -167,12 +176,14 @@ class FakePool:
 
     async def apply_weights(self, rank: int, updates: list[list[bytes]]) -> int:
         self._alive(rank)
+        await self._thawed(rank)
         await trio.sleep(0.01)
         self.held[rank] = int(updates[-1][0])
         return self.held[rank]
 
     async def apply_weights_part(self, rank: int, header: dict[str, Any], frames: list[Any]) -> int:
         self._alive(rank)
+        await self._thawed(rank)
         await trio.sleep(0.005)
         if header["seq"] == header["parts"] - 1:
             self.held[rank] = header["version"]
@@ -182,15 +193,43 @@ class FakePool:
         self._alive(rank)
         self.resets += 1
 
-    async def stats(self) -> list[dict[str, Any] | None]:
-        return [None if r in self.dead else
-                {"tokens_generated": self.tokens[r], "busy_seconds": self.busy[r],
-                 "requests_finished": 0, "prefill_batches": 0} for r in range(self.size)]
+    async def _thawed(self, rank: int) -> None:
+        """A frozen rank answers nothing until it thaws (a SIGSTOPped process)."""
+        while rank in self.frozen:
+            await self.thawed.wait()
+
+    def freeze(self, rank: int) -> None:
+        self.frozen.add(rank)
+        self.thawed = trio.Event()
+
+    def thaw(self, rank: int) -> None:
+        self.frozen.discard(rank)
+        self.thawed.set()
+
+    async def rank_stats(self, rank: int) -> dict[str, Any] | None:
+        await self._thawed(rank)
+        await trio.sleep(0.001)
+        if rank in self.dead:
+            return None
+        return {"tokens_generated": self.tokens[rank], "busy_seconds": self.busy[rank],
+                "requests_finished": 0, "prefill_batches": 0}
+
+    async def ping(self, rank: int) -> None:
+        await self._thawed(rank)
+        await trio.sleep(0.001)
+        self._alive(rank)
 
     def dead_ranks(self) -> list[int]:
         return sorted(self.dead)
 
+    def starting_ranks(self) -> list[int]:
+        return []
+
     def respawn(self, rank: int) -> None:
+        self.respawn_calls += 1
+        if trio.current_time() < self.down_until:  # its host is unreachable: it stays dead
+            return
+        self.frozen.discard(rank)  # a fresh process
         self.dead.discard(rank)
         self.held[rank] = -1
         self.tokens[rank], self.busy[rank] = 0, 0.0  # a new process counts from zero
@@ -206,14 +245,17 @@ class FakeEnvs:
         self.rng = random.Random(seed)
         self.started: list[tuple[str, int, int]] = []  # (pool, rank, min_version)
 
+    size = 1
+
     async def run_episode(self, pool: FakePool, rank: int, task: TaskSpec,
-                          sampling: SamplingParams, min_version: int) -> Trajectory:
+                          sampling: SamplingParams, min_version: int, env_rank: int) -> Trajectory:
         pool._alive(rank)
         epoch = pool.epoch[rank]
         assert pool.held[rank] >= min_version, "started on weights older than asked for"
         self.started.append((pool.config.name, rank, min_version))
         version = pool.held[rank]
         await trio.sleep(self.episode_s)
+        await pool._thawed(rank)
         if pool.epoch[rank] != epoch:
             raise ActorDied(pool.config.name, rank, "SIGKILL")
         pool.tokens[rank] += TOKENS
@@ -228,7 +270,13 @@ class FakeEnvs:
             reward=float(self.rng.random() < 0.5), failed=failed,
             error="Traceback...\nValueError: env exploded" if failed else None, turns=1, seconds=self.episode_s)
 
+    async def ping(self, rank: int) -> None:
+        await trio.sleep(0.001)
+
     def dead_ranks(self) -> list[int]:
+        return []
+
+    def starting_ranks(self) -> list[int]:
         return []
 
     def respawn(self, rank: int) -> None:

@@ -192,3 +192,18 @@ class Lifecycle(Actor):
 
     async def on_stop(self) -> None:
         await trio.Path(self.path).write_text("stopped")
+
+
+class HangsOnRestart(Actor):
+    """Constructs normally, except while the file `hang` exists: then its constructor never
+    returns (a respawn that hangs)."""
+
+    def __init__(self, hang: str) -> None:
+        import time
+
+        while os.path.exists(hang):
+            time.sleep(0.1)
+
+    @endpoint
+    def pid(self) -> int:
+        return os.getpid()

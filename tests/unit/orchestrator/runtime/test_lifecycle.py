@@ -14,7 +14,7 @@ import trio
 
 from orchestrator.runtime import ActorDied, ActorError, open_mesh
 
-from ._actors import BadInit, Counter, Gate, Lifecycle
+from ._actors import BadInit, Counter, Gate, HangsOnRestart, Lifecycle
 
 
 def _gone(pids: list[int]) -> bool:
@@ -208,3 +208,24 @@ async def test_on_start_tasks_run_and_on_stop_runs_at_exit(tmp_path: Path) -> No
             assert await mesh[0].background_ran.call_one()
             assert not marker.exists()
     assert marker.read_text() == "stopped"
+
+
+async def test_a_respawn_that_hangs_is_stopped_and_the_rank_marked_dead(tmp_path: Path) -> None:
+    hang = tmp_path / "hang"
+    deaths: list[ActorDied] = []
+    with trio.fail_after(60):
+        async with open_mesh(HangsOnRestart, str(hang), restart_timeout=3.0,
+                             on_death=deaths.append) as mesh:
+            first = await mesh[0].pid.call_one()
+            hang.write_text("")
+            mesh.respawn(0)
+            while mesh.dead_ranks != [0]:
+                await trio.sleep(0.05)
+            assert "respawn did not finish within 3 s" in deaths[-1].reason
+            hung = [p.pid for p in psutil.Process().children() if p.pid != first]
+            assert not [p for p in hung if psutil.pid_exists(p)
+                        and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+                        and "HangsOnRestart" in " ".join(psutil.Process(p).cmdline())]
+            hang.unlink()
+            mesh.respawn(0)  # and a later respawn works
+            assert await mesh[0].pid.call_one() not in (first, None)

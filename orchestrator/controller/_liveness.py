@@ -1,0 +1,220 @@
+"""Liveness: which sampler and environment actors answer, and what the run does when one does not.
+
+A dead process is the runtime's to report (`ActorDied`, within seconds); a frozen one
+(SIGSTOP, a wedged driver, a host that stopped answering) never answers and never dies.
+So every sampler rank and environment rank has a `Health` record and a watcher task that
+pings it every `[faults] ping_every_s` (`runtime_stats`, answered from the actor's
+message loop). A rank that has answered nothing for `unresponsive_after_s` is
+*unresponsive*: the console names it once, with the time of its last answer; the calls
+bound to it are abandoned (cancelled: the remote side is told), so its rollouts are
+re-queued and go to ranks that answer, its weight push starts over later with a keyframe,
+and it gets no new work. Its statistics wait (`refresh_stats` never waits for a call that
+already missed a step's deadline). When it answers again it rejoins: its sync worker
+brings it to the newest weights, and rollouts it produced before the freeze are judged by
+the staleness budgets as always. Unresponsive for `give_up_after_s`, it is given up: its
+process is stopped and a fresh one started.
+
+Respawns back off per rank (0.5 s doubling up to `respawn_backoff_max_s`), so a rank whose
+respawn keeps failing (its host is unreachable) is retried calmly; the console says once
+that it died, then only how many attempts failed, at doubling counts, and when it is back.
+A respawn that does not finish within `restart_timeout_s` is stopped by the runtime and
+counts as a failed attempt.
+
+Cancellation: the watchers live in the controller's nursery and end with it. A call bound
+with `bind` is cancelled by its scope; the caller learns it from `scope.cancelled_caught`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from orchestrator.runtime import ActorDied
+
+if TYPE_CHECKING:
+    from orchestrator.controller._context import PoolView, RunContext
+
+__all__ = ["STATS_WAIT_S", "Health", "bind", "refresh_stats", "watch"]
+
+STATS_WAIT_S = 0.2
+"""How long a step's accounting waits for a rank's counters; a rank that misses it is
+accounted at a later step, from its cumulative counters (nothing is lost, only deferred)."""
+
+RESPAWN_FIRST_S = 0.5
+"""First wait between two respawn attempts of one rank; it doubles on each failure."""
+
+
+@dataclass(eq=False)
+class Health:
+    """What the controller knows of one actor rank's liveness (one trio thread: no locks)."""
+
+    label: str  # "sampler h100-fp8/0", "environment actor 0"
+    last_answer: float = 0.0  # trio time of its last answer (or of its last (re)start)
+    since: float | None = None  # unresponsive since (its last answer); None: responsive
+    scopes: set[trio.CancelScope] = field(default_factory=set)  # calls bound to it
+    back: trio.Event = field(default_factory=trio.Event)  # set while responsive
+    respawns: int = 0  # respawn attempts since it was last up for a while
+    next_respawn: float = 0.0  # no respawn attempt before this trio time
+    up_since: float | None = None  # first answer since its last (re)start
+
+    def __post_init__(self) -> None:
+        self.back.set()
+
+    @property
+    def responsive(self) -> bool:
+        return self.since is None
+
+    async def wait_responsive(self) -> None:
+        while not self.responsive:
+            await self.back.wait()
+
+    def mark_unresponsive(self) -> None:
+        self.since = self.last_answer
+        self.back = trio.Event()
+        for scope in list(self.scopes):
+            scope.cancel()
+
+    def mark_responsive(self) -> None:
+        self.since = None
+        self.back.set()
+
+
+@contextmanager
+def bind(scope: trio.CancelScope, *healths: Health) -> Iterator[trio.CancelScope]:
+    """Tie `scope` (entered by the caller, around the calls) to the liveness of `healths`:
+    cancelled when any of them turns unresponsive, at once if one already is."""
+    for h in healths:
+        if not h.responsive:
+            scope.cancel()
+        h.scopes.add(scope)
+    try:
+        yield scope
+    finally:
+        for h in healths:
+            h.scopes.discard(scope)
+
+
+def _clock(trio_t: float) -> str:
+    """The wall-clock time (HH:MM:SS) of a trio time in the past."""
+    return time.strftime("%H:%M:%S", time.localtime(time.time() - (trio.current_time() - trio_t)))
+
+
+async def watch(ctx: RunContext, health: Health, ping: Callable[[], Awaitable[None]],
+                live: Callable[[], bool], give_up: Callable[[], None] | None, effect: str) -> None:
+    """Ping one rank forever (see the module docstring). `live`: the rank is neither dead
+    nor (re)starting (the death path and the start own those states); `give_up`: stop its
+    process and start a fresh one (None: never; it is waited for); `effect`: what the
+    unresponsive line says happens."""
+    f = ctx.cfg.faults
+    health.last_answer = ctx.now()
+    while True:
+        if not live():
+            health.last_answer, health.up_since = ctx.now(), None
+            if not health.responsive:  # respawned (given up, or died meanwhile): a new process
+                health.mark_responsive()
+            await trio.sleep(f.ping_every_s)
+            continue
+        if health.responsive:
+            deadline = health.last_answer + f.unresponsive_after_s
+        elif give_up is not None:
+            assert health.since is not None
+            deadline = health.since + f.give_up_after_s
+        else:
+            deadline = math.inf
+        answered = False
+        with trio.move_on_at(deadline):
+            try:
+                await ping()
+                answered = True
+            except ActorDied:
+                pass  # gone: the supervisor respawns it; `live` tells once it is marked
+        now = ctx.now()
+        if answered:
+            _answered(ctx, health, now)
+            await trio.sleep(f.ping_every_s)
+        elif now < deadline:
+            await trio.sleep(f.ping_every_s)  # ActorDied: never spin on a dead connection
+        elif health.responsive:
+            health.mark_unresponsive()
+            ctx.progress.message(
+                f"{health.label} is unresponsive: no answer since {_clock(health.last_answer)} "
+                f"({now - health.last_answer:.1f} s); {effect}")
+            ctx.notify()
+        else:
+            ctx.progress.message(
+                f"{health.label}: unresponsive for {now - (health.since or now):.0f} s, giving up "
+                f"on it; stopping its process and starting a fresh one")
+            give_up()
+            # A fresh process: judged from now (while it starts, `live` is false).
+            health.mark_responsive()
+            health.last_answer, health.up_since = now, None
+            ctx.notify()
+
+
+def _answered(ctx: RunContext, health: Health, now: float) -> None:
+    if not health.responsive:
+        assert health.since is not None
+        ctx.progress.message(f"{health.label} answers again after {now - health.since:.1f} s "
+                             f"unresponsive; it rejoins the run")
+        health.mark_responsive()
+        ctx.notify()
+        ctx.bump_versions()
+    health.last_answer = now
+    if health.up_since is None:  # first answer of a (re)started process
+        health.up_since = now
+        if health.respawns > 1:
+            ctx.progress.message(f"{health.label} is back after {health.respawns} respawn attempts")
+        ctx.notify()
+    elif health.respawns and now - health.up_since >= ctx.cfg.faults.respawn_backoff_max_s:
+        health.respawns = 0  # up for a while: a later death starts the back-off afresh
+
+
+def respawn_due(ctx: RunContext, health: Health) -> bool:
+    """Whether a respawn attempt of this dead rank may run now; if so, counts it, schedules
+    the next one no sooner than the back-off allows and says so on the console (once, then
+    at doubling attempt counts)."""
+    now = ctx.now()
+    if now < health.next_respawn:
+        return False
+    health.respawns += 1
+    n = health.respawns
+    wait = min(ctx.cfg.faults.respawn_backoff_max_s, RESPAWN_FIRST_S * 2 ** (n - 1))
+    health.next_respawn = now + wait
+    if n == 1:
+        ctx.progress.message(f"{health.label} died; respawning it")
+    elif n & (n - 1) == 0:  # 2, 4, 8, ...
+        ctx.progress.message(f"{health.label} still down: {n} respawn attempts so far; next "
+                             f"in {wait:g} s")
+    return True
+
+
+async def refresh_stats(ctx: RunContext, pool: PoolView, wait_s: float = STATS_WAIT_S) -> None:
+    """Ask every responsive rank of `pool` without a call outstanding for its counters
+    (into `pool.stats`), and wait up to `wait_s` for those answers; a call that takes longer
+    keeps running beside the run and lands in `pool.stats` when it answers."""
+    started: list[trio.Event] = []
+    for rank in range(pool.link.size):
+        if pool.stats_call[rank] is None and pool.health[rank].responsive:
+            done = pool.stats_call[rank] = trio.Event()
+            ctx.nursery.start_soon(_fetch_stats, pool, rank, done)
+            started.append(done)
+    with trio.move_on_after(wait_s):
+        for done in started:
+            await done.wait()
+
+
+async def _fetch_stats(pool: PoolView, rank: int, done: trio.Event) -> None:
+    epoch = pool.epochs[rank]
+    try:
+        st: Any = await pool.link.rank_stats(rank)
+        if pool.epochs[rank] == epoch:  # not a process replaced meanwhile
+            pool.stats[rank] = st
+    finally:
+        pool.stats_call[rank] = None
+        done.set()

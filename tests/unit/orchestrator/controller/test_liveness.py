@@ -1,0 +1,107 @@
+"""Frozen and unreachable actors over in-memory links: a frozen sampler is named once and
+avoided while the other pool trains, and rejoins when it thaws; one frozen past the limit is
+replaced; a rank whose respawn keeps failing is retried with back-off and one line. Time is
+trio's MockClock: the waits cost nothing."""
+
+from __future__ import annotations
+
+import io
+
+import trio
+
+from orchestrator.state.progress import Progress
+
+from .fakes import FakeEnvs, Harness, run_config
+
+
+class TimedEnvs(FakeEnvs):
+    """FakeEnvs that note when each episode started, and whether its sampler was frozen."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.starts: list[tuple[float, str, bool]] = []
+
+    async def run_episode(self, pool, rank, task, sampling, min_version, env_rank):
+        self.starts.append((trio.current_time(), pool.config.name, rank in pool.frozen))
+        return await super().run_episode(pool, rank, task, sampling, min_version, env_rank)
+
+
+def _console(h: Harness) -> io.StringIO:
+    out = io.StringIO()
+    h.controller.ctx.progress = Progress(h.cfg.steps, stream=out)
+    return out
+
+
+async def _until(h: Harness, step: int) -> None:
+    while h.state.step < step:
+        await trio.sleep(0.05)
+
+
+async def test_a_frozen_sampler_is_named_once_avoided_and_rejoins(autojump_clock):
+    h = Harness(run_config(steps=30, faults={"unresponsive_after_s": 3.0}), envs=TimedEnvs())
+    out = _console(h)
+    cheap = h.pools["cheap"]
+    with trio.fail_after(3600):
+        async with trio.open_nursery() as n:
+            n.start_soon(h.controller.run)
+            await _until(h, 4)
+            cheap.freeze(0)
+            frozen_at, step_at_freeze = trio.current_time(), h.state.step
+            await _until(h, step_at_freeze + 10)  # trains on the other pool meanwhile
+            thawed_at = trio.current_time()
+            cheap.thaw(0)
+    lines = out.getvalue().splitlines()
+    named = [ln for ln in lines if "sampler cheap/0 is unresponsive" in ln]
+    assert len(named) == 1, lines
+    assert any("sampler cheap/0 answers again" in ln for ln in lines), lines
+    assert not any("giving up" in ln for ln in lines)
+    assert h.state.step == 30
+    detected = frozen_at + 3.0 + h.cfg.faults.ping_every_s + 0.1
+    assert not [s for s in h.envs.starts if detected < s[0] < thawed_at and s[1] == "cheap"]
+    assert any(s[1] == "cheap" and s[0] > thawed_at for s in h.envs.starts), "it never rejoined"
+    assert cheap.respawns == 0
+    c = h.controller.counts()
+    assert c["groups_in"] == c["groups_trained"] + c["groups_buffered"] + c["groups_skipped"]
+
+
+async def test_a_sampler_frozen_past_the_limit_is_replaced(autojump_clock):
+    h = Harness(run_config(steps=200, faults={"unresponsive_after_s": 2.0, "give_up_after_s": 10.0}))
+    out = _console(h)
+    cheap = h.pools["cheap"]
+    with trio.fail_after(3600):
+        async with trio.open_nursery() as n:
+            n.start_soon(h.controller.run)
+            await _until(h, 3)
+            cheap.freeze(0)  # never thawed: only a fresh process answers
+            while cheap.respawns == 0 and h.state.step < 200:
+                await trio.sleep(0.5)
+            replaced_at = h.state.step
+    text = out.getvalue()
+    assert text.count("sampler cheap/0 is unresponsive") == 1, text
+    assert text.count("sampler cheap/0: unresponsive for") == 1, text
+    assert cheap.respawns == 1 and not cheap.frozen and replaced_at < 200
+    assert h.state.step == 200
+
+
+async def test_a_respawn_that_keeps_failing_backs_off_and_is_said_once(autojump_clock):
+    h = Harness(run_config(steps=300, faults={"respawn_backoff_max_s": 8.0}),
+                envs=FakeEnvs(episode_s=0.5))
+    out = _console(h)
+    cheap = h.pools["cheap"]
+    with trio.fail_after(3600):
+        async with trio.open_nursery() as n:
+            n.start_soon(h.controller.run)
+            await _until(h, 3)
+            cheap.down_until = trio.current_time() + 60.0
+            cheap.kill(0)
+            step_at_loss = h.state.step
+            while trio.current_time() < cheap.down_until:
+                await trio.sleep(0.5)
+            assert h.state.step > step_at_loss + 5, "the other pool did not keep training"
+    text = out.getvalue()
+    assert text.count("sampler cheap/0 died; respawning it") == 1, text
+    # 0.5, 1, 2, 4, then every 8 s: about a dozen attempts in a minute, not one per tick.
+    assert cheap.respawn_calls <= 14, cheap.respawn_calls
+    assert text.count("still down") <= 4, text
+    assert "sampler cheap/0 is back after" in text, text
+    assert h.state.step == 300
