@@ -45,7 +45,6 @@ import os
 import random
 import shutil
 import signal
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -53,8 +52,6 @@ from typing import Any
 
 from _chaos_stalls import run_stalls, run_stalls_apart
 from _runs import ROOT, demo_raw, load_average
-
-sys.path.insert(0, str(ROOT))
 
 
 def _forgeries(keyframe: list[bytes], current: list[bytes], rng: random.Random, n: int) -> list[tuple[str, list[bytes]]]:
