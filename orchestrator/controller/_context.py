@@ -204,7 +204,8 @@ class RunContext:
         """Count an episode's outcome (``error`` None: it succeeded). `max_failed_in_a_row`
         failures with no success between them stop the run: the step in progress finishes,
         the run checkpoints, writes its reports and ends with `failure` set, naming the
-        last error, instead of retrying a broken environment forever."""
+        last error, instead of retrying a broken environment forever. Rollouts lost with a
+        dead or frozen actor are not episodes that failed: respawning handles those."""
         if error is None:
             self.failed_in_a_row = 0
             return

@@ -150,7 +150,6 @@ async def _rollout(ctx: RunContext, slot: Slot, task: TaskSpec, pool: PoolView, 
             s.set_attribute("failed", bool(traj.failed))
     except ActorDied as e:
         ctx.progress.failure(f"rollout on {pool.receiver(rank)} lost: {e}")
-        ctx.episode_ended(f"rollout on {pool.receiver(rank)} lost: {e}")
         ctx.respawn_dead()
     finally:
         ctx.rollout_scopes.discard(scope)
