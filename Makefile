@@ -1,6 +1,8 @@
 # Two commands from a fresh clone:
 #   make demo    set up .venv (CPU torch, then Flotilla) and train the demo
 #   make test    set up .venv with the dev extra and run the test suite
+# And the docs: `make docs` serves the site at http://127.0.0.1:8000 (mkdocs serve),
+# `make docs-build` builds it strictly into site/ (broken links fail).
 # Variables: PYTHON=python3.11 picks the interpreter; TORCH=cpu|cuda picks the torch
 # build (cpu pins the CPU wheel, cuda lets pip choose); ARGS="--set seed=1" is passed
 # to `flotilla run`. The install is redone only when pyproject.toml changes.
@@ -17,7 +19,7 @@ ifeq ($(filter $(TORCH),cpu cuda),)
 $(error TORCH must be cpu or cuda, not '$(TORCH)')
 endif
 
-.PHONY: demo test clean
+.PHONY: demo test docs docs-build clean
 
 demo: $(VENV)/.installed-$(TORCH)
 	$(VENV)/bin/flotilla run $(CONFIG) $(ARGS)
@@ -25,8 +27,14 @@ demo: $(VENV)/.installed-$(TORCH)
 test: $(VENV)/.installed-$(TORCH)-dev
 	$(VENV)/bin/python -m pytest -q
 
+docs: $(VENV)/.installed-$(TORCH)-dev
+	$(VENV)/bin/mkdocs serve
+
+docs-build: $(VENV)/.installed-$(TORCH)-dev
+	$(VENV)/bin/mkdocs build --strict
+
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) runs site
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)

@@ -20,8 +20,8 @@ clipping), mean mismatch KL (k3 estimate, over steps), mean masked fraction (MIS
 mean staleness; per variant the mean over seeds and the spread (min..max) of the final
 reward.
 
-Why: DESIGN §3 claims each component of the recipe matters once samples come from a
-mismatched, stale sampler. This is a small-scale check of that claim; there is no
+Why: docs/architecture.md (The recipe) claims each component of the recipe matters once
+samples come from a mismatched, stale sampler. This is a small-scale check of that claim; there is no
 target and at this scale (a ~90k-parameter model, a few dozen steps) the differences
 may well be within seed noise. The table says what it shows.
 

@@ -32,7 +32,7 @@ Why: issue 11 asks to choose the fix on evidence; full runs of the demo cost min
 CPU each on this shared machine, this costs seconds, with the same sampler and loss code.
 
 Run:  .venv/bin/python benchmarks/exploration.py           (6 variants x 2 top_p x 20 seeds x 300 steps: long)
-      .venv/bin/python benchmarks/exploration.py --seeds 8 --steps 200 --top-p 0.97   (the README's table)
+      .venv/bin/python benchmarks/exploration.py --seeds 8 --steps 200 --top-p 0.97   (the recorded table)
       .venv/bin/python benchmarks/exploration.py --quick   (4 seeds x 60 steps: too short to learn, a smoke test)
 Options: --seeds, --steps, --lr, --top-p 0.97,0.99, --variants a,b, --prompts, --group.
 Last line: JSON with per-variant figures.

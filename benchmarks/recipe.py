@@ -13,8 +13,8 @@ Both compute gradients for hidden and W (as a trainer would). The loss, every re
 log-probability and both gradients are compared; `max_abs_diff` is the largest
 difference among them.
 
-Why: DESIGN §3.2 claims the trainer never needs [T, V] logits for the recipe; this
-measures the memory and time that saves.
+Why: docs/architecture.md (The recipe, 2) claims the trainer never needs [T, V] logits for
+the recipe; this measures the memory and time that saves.
 
 How memory is measured: each path runs in a fresh subprocess that builds the inputs,
 returns freed heap to the OS (malloc_trim), resets the kernel's peak-RSS counter

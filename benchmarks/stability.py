@@ -20,10 +20,11 @@ Per run: final reward (mean of the last 10 steps), AUC (mean reward over all ste
 peak 10-step mean, drawdown (the largest fall of the 10-step mean below an earlier
 peak of it), collapse (drawdown > 0.2), max grad norm (before clipping) and mean
 mismatch KL (k3 estimate). Per variant: means over seeds (max grad norm: the max),
-final-reward spread, and the number of collapsed runs. The table goes in the README.
+final-reward spread, and the number of collapsed runs. The table goes in a dated record
+under benchmarks/records/.
 
-Why: DESIGN §3 claims each component matters once samples come from a mismatched, stale
-sampler. benchmarks/ablation.py checks that over a few dozen steps; this runs long
+Why: docs/architecture.md (The recipe) claims each component matters once samples come from
+a mismatched, stale sampler. benchmarks/ablation.py checks that over a few dozen steps; this runs long
 enough for the full recipe to plateau (default: the demo's own step count) and counts
 collapses, which short runs cannot show. Seeds are `seed` and `model.seed` together.
 

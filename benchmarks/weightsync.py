@@ -1,4 +1,4 @@
-"""Benchmark: sparse weight deltas on real AdamW steps (issue 4, DESIGN §5).
+"""Benchmark: sparse weight deltas on real AdamW steps (docs/architecture.md, Weight sync).
 
 What: a Qwen3-style model (transformers Qwen3Config, random init, ~125 M
 parameters: hidden 768, 12 layers, vocab 32k, untied head) keeps fp32 master

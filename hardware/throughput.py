@@ -119,8 +119,7 @@ class RooflineAssumptions(BaseModel):
     gpu_step_overhead_s: float = Field(default=0.001, ge=0)
     """Fixed cost per decode step on a GPU (launches, scheduling)."""
     cpu_step_overhead_s: float = Field(default=0.004, ge=0)
-    """Fixed cost per decode step on this machine's CPU (a tiny model decodes 256 sequences ×
-    16 tokens in ~70 ms here)."""
+    """Fixed cost per decode step on this machine's CPU (launches, Python, scheduling)."""
     max_replica_gpus: int = Field(default=8, ge=1)
     """Largest tensor-parallel replica (one NVLink node); a model needing more does not fit."""
 

@@ -1,4 +1,4 @@
-"""The RL recipe: pure functions on tensors (DESIGN §3).
+"""The RL recipe: pure functions on tensors (docs/architecture.md, The recipe).
 
 Sampler side: `sample_with_support` draws tokens after temperature / top-k / top-p and
 records each token's kept support as a `SupportRecord` (CSR ids + offsets + log q).

@@ -1,4 +1,4 @@
-"""GRPO advantages (DESIGN §3.5).
+"""GRPO advantages (docs/architecture.md, The recipe, 5).
 
 For rollout i in group g (the samples of one prompt), with n_g rollouts in the group:
 

@@ -1,4 +1,6 @@
-"""`RecipeConfig`: every switch of the recipe (DESIGN §3), so each ablation is one line.
+"""`RecipeConfig`: every switch of the recipe, so each ablation is one line.
+
+The recipe itself: docs/architecture.md, The recipe.
 
 Plain GRPO on the same run, for instance, is
 `RecipeConfig(mask_replay=False, importance="none", score_centering=False)`.

@@ -1,4 +1,6 @@
-"""Importance weights (DESIGN §3.3): MIS / TIS / none at token, sequence or geometric level.
+"""Importance weights: MIS / TIS / none at token, sequence or geometric level.
+
+docs/architecture.md, The recipe, 3.
 
 Per loss token t, with log-ratio ℓ_t = log p^S_t(y_t) − log q_t(y_t) (detached), the
 level picks the ratio ρ that f sees:
@@ -10,8 +12,8 @@ level picks the ratio ρ that f sees:
 and f is  mis: ρ·1[lo <= ρ <= hi],  tis: min(ρ, C),  none: 1.  w_y = f(ρ_t); a trajectory
 whose ρ falls outside [lo, hi] under MIS therefore masks all its tokens.
 
-Centering coefficients c_v (DESIGN §3.4) are the q-expectation of the same weight: the
-weight token t would have had if v had been sampled there,
+Centering coefficients c_v (docs/architecture.md, The recipe, 4) are the q-expectation of
+the same weight: the weight token t would have had if v had been sampled there,
 
     c_v = q_t(v) · f(ρ_t(v)),   log ρ_t(v) = log ρ_t + κ_t (log r_t(v) − ℓ_t),
 

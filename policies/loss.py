@@ -1,4 +1,4 @@
-"""The score-centred token loss (DESIGN §3.4) with global token-mean aggregation (§3.6).
+"""The score-centred token loss (docs/architecture.md, The recipe, 4) with global token-mean aggregation (6).
 
 Per generated token t with advantage A_t, detached weights w_y and c_v (see
 `policies.importance`) and replayed log p^S_t:

@@ -1,4 +1,4 @@
-"""Per-step recipe metrics (DESIGN §3.8), overall and per sampler pool.
+"""Per-step recipe metrics (docs/architecture.md, The recipe, 8), overall and per sampler pool.
 
 Over loss tokens t (loss_mask = 1), with r_t = exp(log p(y_t) − log q(y_t)):
 

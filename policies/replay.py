@@ -1,4 +1,6 @@
-"""Mask replay (DESIGN §3.2, trainer side): log-probabilities over each recorded support.
+"""Mask replay (trainer side): log-probabilities over each recorded support.
+
+docs/architecture.md, The recipe, 2.
 
 For row t with support S_t, trainer logits z_t and temperature T:
 

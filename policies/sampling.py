@@ -1,4 +1,4 @@
-"""Sampling with a support record (DESIGN §3.1, sampler side).
+"""Sampling with a support record (docs/architecture.md, The recipe, 1; sampler side).
 
 For each row of logits z ∈ R^V:
 

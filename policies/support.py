@@ -129,7 +129,7 @@ class SupportRecord:
         """int64 [n_rows]: flat entry index of tokens[t] inside row t.
 
         Raises ValueError naming the first position whose token is not in its support
-        (never silently widened, DESIGN §3.2).
+        (never silently widened, docs/architecture.md, The recipe, 2).
         """
         if tokens.dim() != 1 or tokens.numel() != self.n_rows:
             raise ValueError(

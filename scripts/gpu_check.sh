@@ -7,7 +7,7 @@
 # when sglang is installed, and whatever other checks live there), each in its own process
 # with a time limit. A check prints JSON lines and exits 0 (passed, or skipped with a
 # reason), or non-zero (failed). This script exits non-zero if any check failed or no CUDA
-# device is visible. Record what it prints in the README ("What has run on a GPU").
+# device is visible. Record what it prints as a dated record under benchmarks/records/ (see docs/gpus.md).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}

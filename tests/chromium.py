@@ -4,7 +4,7 @@ Drives Debian's `chromium` over the DevTools protocol on a pipe (`--remote-debug
 NUL-terminated JSON on file descriptors 3 and 4), so it needs no websocket client and no
 browser download. It records what a person would see go wrong: console errors, uncaught
 exceptions, and any request that leaves the page's own file (a self-contained report makes
-none). Used by the report tests and to make the README's screenshot:
+none). Used by the report tests and to make the docs' screenshot:
 
     python -m tests.chromium runs/<name>/report.html docs/report.png --height 1800
 

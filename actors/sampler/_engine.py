@@ -449,4 +449,4 @@ class DecoderEngine:
 
 
 Qwen3Engine = DecoderEngine
-"""The engine's earlier name (it ran Qwen3 only); kept for existing callers."""
+"""An alias of `DecoderEngine`, kept for callers that import it by this name."""

@@ -1,6 +1,6 @@
 """``TrainerGroup``: a trainer mesh of N ranks presented as the one trainer the controller drives.
 
-The controller knows nothing of FSDP (DESIGN §9): it calls ``version``,
+The controller knows nothing of FSDP (docs/architecture.md, The user's world): it calls ``version``,
 ``train_step``, ``updates_for``, ``ack``, ``save_checkpoint`` and ``restart`` on one
 trainer link (``orchestrator.controller.TrainerLink``). ``TrainerGroup`` is that link
 over an N-rank mesh: the collective calls (``train_step``, ``evaluate``,

@@ -16,7 +16,7 @@ Two ways to run it as Flotilla's environment (examples/harness/config.toml):
 
 The model is the tiny built-in one with the word tokenizer, which has no tool-call
 format, so the *agent* calls the tool; a model with a chat template that supports
-tools would get ``tools=[...]`` and call it itself (see the README).
+tools would get ``tools=[...]`` and call it itself (see docs/harness.md).
 """
 from __future__ import annotations
 

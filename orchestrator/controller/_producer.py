@@ -5,7 +5,7 @@ ahead of it / P, +1 if a step is running); its rollouts need weights no older th
 that minus the pool's budget. A rollout whose pool does not hold them yet is held
 back here, holding no sampler slot, which work due earlier (a retry) may need; and
 the producer looks past it, since the version it waits for may need the work behind
-it (with `staleness_budget = 0`, a group due next behind one due later hung the run).
+it (with `staleness_budget = 0`, a group due next can sit behind one due later).
 
 Cancellation: leaving the nursery abandons the rollouts in flight; their slots stay
 counted as buffered. A sampler or env process that dies mid-rollout is respawned and

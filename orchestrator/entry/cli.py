@@ -6,7 +6,7 @@
     flotilla compare RUN_DIR RUN_DIR ... [-o compare.html]
     flotilla config [SECTION]    every config field with its type, default and meaning
     flotilla hardware [CONFIG]
-    flotilla host ...            (an actor host on another machine; see README)
+    flotilla host ...            (an actor host on another machine; see docs/remote-hosts.md)
 
 Parsing happens before any heavy import, so `flotilla --help` is instant; torch and
 transformers load only once a command needs them.

@@ -1,8 +1,8 @@
 """Large frames between processes on one machine, through shared memory.
 
 Over ``ipc://`` every byte of a ZeroMQ message goes through the kernel socket and
-ZeroMQ's I/O threads on both sides: about 1.2 GB/s for a 256 MB frame on a small VM,
-against ~8 GB/s for one ``memcpy`` into memory that is already mapped. So on a socket
+ZeroMQ's I/O threads on both sides, several times slower than one ``memcpy`` into memory
+that is already mapped. So on a socket
 whose peers share the machine (both ends of an ``ipc://`` address), a data frame of at
 least ``SHM_MIN_BYTES`` travels as a segment file in ``/dev/shm``:
 

@@ -6,10 +6,11 @@ that enters is accounted for until the end of the run: it is trained, still
 buffered (queued, in flight or done but not yet trained), or its group was
 abandoned after repeated environment failures. Nothing is lost silently.
 
-Staleness (DESIGN §4): a trajectory trained at trainer version k has staleness
-k − (oldest policy version among its tokens). When a batch is assembled, a
-trajectory over its pool's budget is dropped and its slot re-queued ahead of new
-work; its group waits until the slot is filled again by a fresh rollout.
+Staleness (docs/architecture.md, Staleness and versions): a trajectory trained at
+trainer version k has staleness k − (oldest policy version among its tokens). When a
+batch is assembled, a trajectory over its pool's budget is dropped and its slot
+re-queued ahead of new work; its group waits until the slot is filled again by a
+fresh rollout.
 
 The counters live in one `BufferCounters` model, which the controller's
 checkpointed state owns and hands to the buffer, so a resumed run continues them.

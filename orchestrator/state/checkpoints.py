@@ -203,8 +203,8 @@ def checkpoint_meta(path: Path) -> dict[str, Any] | None:
 
 def verify_checkpoint(path: Path) -> str | None:
     """None when the checkpoint at `path` verifies (marker, sizes and every file's digest),
-    else one line naming the file and the problem. A marker without digests (an earlier
-    version's) verifies on its sizes."""
+    else one line naming the file and the problem. A marker without digests (the format
+    before digests) verifies on its sizes."""
     marker = _read_marker(path)
     if marker is None:
         return f"{path / MARKER}: missing or unreadable (not a complete checkpoint)"
@@ -289,8 +289,8 @@ def latest_checkpoint(run_dir: Path, *, name: str = "checkpoint", clean: bool = 
 
     Candidates newer than the one returned that fail verification are never returned:
     `warn` (default: a `flotilla: warning:` line on stderr) gets one line naming the file
-    and the mismatch and the checkpoint used instead. A checkpoint without digests (an
-    earlier version's) is accepted on its sizes, with one `warn` line saying so. Raises
+    and the mismatch and the checkpoint used instead. A checkpoint without digests (the
+    format before digests) is accepted on its sizes, with one `warn` line saying so. Raises
     CheckpointError (one line naming the file and the mismatch) when complete candidates
     exist but none verifies; nothing is changed then.
 

@@ -55,7 +55,7 @@ def _sha256(buf) -> bytes:
 
 
 HASHERS: dict[str, Callable[[object], bytes]] = {"sha256": _sha256}
-try:  # xxh3 is ~10 GB/s per core against sha256's ~1.2, and releases the GIL.
+try:  # xxh3 hashes several times faster than sha256 per core, and releases the GIL.
     import xxhash
 
     HASHERS["xxh3-128"] = xxhash.xxh3_128_digest
@@ -81,10 +81,9 @@ def word_dtype(itemsize: int) -> np.dtype:
 def _fast_params(level: int) -> zstandard.ZstdCompressionParameters | None:
     """zstd parameters for the fast levels (<= 1): matches of 7+ bytes and a 64-entry
     hash table. Byte planes of weights and of their changes hold few long repeats, so
-    the default match search mostly burns time: bf16 keyframe planes compress ~2.4x
-    faster and ~2% smaller, deltas 5-11% faster and mostly 1-2% smaller (measured on
-    real AdamW steps of a 7.6 M and a 125 M model); the literals' entropy coding, where the
-    gain is, stays. None (plain `level`) above 1."""
+    the default match search mostly costs time without shrinking the output; the
+    literals' entropy coding, where the gain is, stays. None (plain `level`) above 1.
+    Figures: benchmarks/records/2026-11-30-weightsync.md."""
     if level > 1:
         return None
     return zstandard.ZstdCompressionParameters.from_level(
@@ -175,10 +174,9 @@ def _planes_into(words: np.ndarray, out: np.ndarray) -> None:
 _SPARSE = (0.003, 0.1)
 """Below this fraction of changed words (estimated from a sample), changes are found
 8-byte groups first: the first figure for chunks under 1 MiB, the second for larger
-ones. One flatnonzero over a chunk's words costs ~0.35 ns a word while the chunk fits
-in cache and ~1 ns beyond, so large chunks gain from the group scan up to ~10% changed,
-small ones only when almost nothing changed (measured on real AdamW steps: a 7.6 M
-model's 0.35 MB chunks, a 125 M model's 4 MB chunks)."""
+ones. A scan of every word is cheap while the chunk fits in cache and dearer beyond, so
+large chunks gain from the group scan up to a larger changed fraction than small ones,
+which gain only when almost nothing changed."""
 
 
 def looks_sparse(old: np.ndarray, new: np.ndarray, chunk_bytes: int) -> bool:

@@ -58,21 +58,17 @@ DEFAULT_CHUNK_BYTES = 4 << 20
 _MIN_CHUNK = 4096
 _PARALLEL_APPLY_CHUNK = 1 << 20
 """Deltas cut into smaller chunks are applied by one thread. Decoding a delta's chunk is
-a string of short numpy calls, and two workers hand the GIL back and forth between them:
-on 2 cores, a 7.6 M-parameter model's deltas (349 KB chunks) applied in 7.4 ms by one
-thread and 8.8 ms by two; with 1.3 MB chunks two threads won (3.6 against 2.6 GB/s at
-10% of the words changed). Keyframes always use the threads: their dense chunks decode
-in a few long calls (the same model's keyframe: 17-19 ms on two threads, 24 on one)."""
+a string of short numpy calls, and two workers hand the GIL back and forth between them,
+so below this size a second thread costs more than it brings; above it, threads win.
+Keyframes always use the threads: their dense chunks decode in a few long calls."""
 
 
 _HELPER_CHUNK = 1 << 20
 """Snapshots in shared memory cut into smaller chunks are encoded by helper processes
 (`_shared`), larger ones by threads. Small chunks mean many short numpy calls, and
-threads hand the GIL back and forth between them: a 7.6 M-parameter model's deltas
-(349 KB chunks) encoded 1.3-1.6x faster with one helper process than with a second
-thread. Large chunks are a few long calls each, so threads scale, and a helper's frames
-cost a copy through its socket: a 125 M model's (4 MB chunks) encoded 5-10% slower on
-a helper."""
+threads hand the GIL back and forth between them, while processes share no GIL. Large
+chunks are a few long calls each, so threads scale, and a helper's frames would cost a
+copy through its socket."""
 
 
 def snapshot_bytes(snapshot: Mapping[str, torch.Tensor]) -> int:

@@ -3,11 +3,8 @@
 Why: a chunk's encoding is a string of numpy and zstd calls. Each call lets the GIL go
 and must take it back, so two encoding *threads* wait on each other at every call, and
 with small chunks (a small model's) the calls are short and many. Two *processes* share
-no GIL. On 2 cores, a 7.6 M-parameter model's 15 MB deltas (~80 chunks of 349 KB)
-encoded back to back by the calling thread and one helper process took 1.3-1.6x less
-time than on two threads; in `benchmarks/weightsync.py --quick`, where each delta is
-encoded once after a training step, bf16 deltas encoded 1.15-1.2x faster and FP8
-deltas 1.4-1.6x (the same deltas on threads, timed in the same runs). Chunks of 1 MiB
+no GIL, so for small chunks the calling thread and helper processes outrun threads
+(`benchmarks/weightsync.py` reports both paths on the same deltas). Chunks of 1 MiB
 and more stay on threads (`_codec._HELPER_CHUNK`). A helper can only read what it can
 map, so this path needs snapshots that live in shared memory.
 

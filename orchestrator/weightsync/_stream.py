@@ -48,8 +48,8 @@ def stream_keyframe(snapshot: Mapping[str, torch.Tensor], version: int, precisio
     Each part is encoded (on ``threads`` workers) only when the consumer asks for it, so
     the publisher holds one part at a time. ``compress=False`` sends the chunks' raw bytes
     instead (header ``raw: true``): the frames are views of the snapshot itself (zero-copy,
-    no encoding cost, wire = raw size), for links faster than zstd (~0.5 GB/s per core on
-    bf16 weights). The snapshot must not change until the last part has been *sent*.
+    no encoding cost, wire = raw size), for links faster than zstd compresses bf16
+    weights on the publisher's cores. The snapshot must not change until the last part has been *sent*.
     """
     algo = hash_algo or default_hash_algo()
     if algo not in HASHERS:

@@ -12,7 +12,7 @@ Parts (one JSON line each; exit non-zero on a failure):
   checkpointing at 8 layers; ratio must be <= 0.7.
 - ``dcp_roundtrip``: a bf16 trainer's checkpoint resumes to the same digest.
 
-Not yet run on a GPU when written (no GPU in that session); see the README.
+What has and has not run on a GPU: docs/gpus.md.
 """
 
 from __future__ import annotations

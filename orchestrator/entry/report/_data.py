@@ -1,10 +1,10 @@
 """Read a run directory into what the report draws, and say what is missing.
 
-Everything comes from the files a run leaves (DESIGN §9): `config.json`, `metrics.jsonl`,
-`traces.jsonl`, `cost_report.json` and the checkpoint's model files, so a report can be rebuilt
-from a finished, interrupted or still-running run at any time. No file is required: a missing,
-empty or damaged one becomes a line in `RunData.missing`, and the sections that need it say so
-instead of drawing a chart.
+Everything comes from the files a run leaves (docs/architecture.md, Telemetry): `config.json`,
+`metrics.jsonl`, `traces.jsonl`, `cost_report.json` and the checkpoint's model files, so a
+report can be rebuilt from a finished, interrupted or still-running run at any time. No file is
+required: a missing, empty or damaged one becomes a line in `RunData.missing`, and the sections
+that need it say so instead of drawing a chart.
 
 `traces.jsonl` can hold millions of spans (a 500-step demo writes ~300 MB), so it is read in two
 streaming passes: one over the controller's `rollout` spans only (matched as text before any

@@ -63,7 +63,7 @@ def _mode(p: Path) -> int:
 
 def test_new_keys_are_private_and_exposed_ones_are_refused(tmp_path: Path) -> None:
     keys = tmp_path / "keys"
-    (keys / "allowed").mkdir(parents=True)  # as the README has users do first: mode 0755
+    (keys / "allowed").mkdir(parents=True)  # as docs/remote-hosts.md has users do first: mode 0755
     curve = Curve.from_dir(keys)
     assert _mode(keys) == 0o700 and _mode(keys / "id.key_secret") == 0o600
     assert Curve.from_dir(keys).secret == curve.secret  # loads again unchanged
