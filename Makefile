@@ -19,13 +19,19 @@ ifeq ($(filter $(TORCH),cpu cuda),)
 $(error TORCH must be cpu or cuda, not '$(TORCH)')
 endif
 
-.PHONY: demo test docs docs-build clean
+.PHONY: demo test lint docs docs-build clean
 
 demo: $(VENV)/.installed-$(TORCH)
 	$(VENV)/bin/flotilla run $(CONFIG) $(ARGS)
 
 test: $(VENV)/.installed-$(TORCH)-dev
 	$(VENV)/bin/python -m pytest -q
+
+# ruff (lint and format) and the import-linter layer contracts of pyproject.toml.
+lint: $(VENV)/.installed-$(TORCH)-dev
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
 
 docs: $(VENV)/.installed-$(TORCH)-dev
 	$(VENV)/bin/mkdocs serve

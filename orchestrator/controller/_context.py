@@ -200,6 +200,17 @@ class RunContext:
                       error=d.error or ""):
                 pass
 
+    @property
+    def failure_limit(self) -> int:
+        """`[task] max_failed_in_a_row`, else 4 groups' worth of episodes beyond what can be
+        in flight at once: a sampler killed mid-run fails every episode it was serving, a
+        burst that must not pass for a broken environment."""
+        given = self.cfg.task.max_failed_in_a_row
+        if given is not None:
+            return given
+        in_flight = sum(p.capacity for p in self.cfg.pools)
+        return 4 * self.cfg.rollout.group_size + in_flight
+
     def episode_ended(self, error: str | None) -> None:
         """Count an episode's outcome (``error`` None: it succeeded). `max_failed_in_a_row`
         failures with no success between them stop the run: the step in progress finishes,
@@ -210,7 +221,7 @@ class RunContext:
             self.failed_in_a_row = 0
             return
         self.failed_in_a_row += 1
-        limit = self.cfg.task.max_failed_in_a_row or 4 * self.cfg.rollout.group_size
+        limit = self.failure_limit
         if self.failed_in_a_row >= limit and self.failure is None:
             last = _one_line(error)
             self.failure = (f"{self.failed_in_a_row} episodes failed in a row with none succeeding "

@@ -142,8 +142,9 @@ class TaskSection(_Section):
     max_failed_in_a_row: int | None = Field(default=None, ge=1)
     """Stop the run when this many episodes in a row failed (a crashing, hanging or
     reward-less environment or harness), naming the last error; None: 4 x
-    `[rollout] group_size`. An environment that fails only sometimes still trains: any
-    episode that succeeds resets the count."""
+    `[rollout] group_size` plus the rollouts the pools can run at once (a sampler killed
+    mid-run fails all it serves). An environment that fails only sometimes still trains:
+    any episode that succeeds resets the count."""
     modules: list[str] = Field(default_factory=list)
     """Modules that register tasks (`@register_task`): dotted names (`my_pkg.tasks`) or `.py`
     paths (`path/to/tasks.py`), imported in every environment process before its first

@@ -116,12 +116,13 @@ async def test_a_failing_environment_never_crashes_the_run(autojump_clock):
 
 async def test_an_environment_that_always_fails_stops_the_run_naming_its_error(autojump_clock):
     """Every episode fails: the run stops itself after `max_failed_in_a_row` failures (default
-    4 x group_size) instead of retrying forever, checkpoints and reports why."""
+    4 x group_size + what can be in flight) instead of retrying forever, and says why."""
     h = Harness(run_config(steps=6), envs=FakeEnvs(fail_rate=1.0))
     with trio.fail_after(60):   # trio's mock clock: a bound on simulated time, not wall time
         await h.controller.run()
     assert h.state.step == 0 and not h.trainer.batches
-    limit = 4 * h.cfg.rollout.group_size
+    limit = 4 * h.cfg.rollout.group_size + sum(p.capacity for p in h.cfg.pools)
+    assert h.controller.ctx.failure_limit == limit
     assert h.controller.failure is not None and f"{limit} episodes failed in a row" in h.controller.failure
     assert "ValueError: env exploded" in h.controller.failure and "\n" not in h.controller.failure
     assert h.metrics.rows == [] and h.controller.ctx.failed_in_a_row >= limit
