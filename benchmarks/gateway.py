@@ -106,6 +106,17 @@ class _RawClient:
         self.sock.close()
 
 
+_RAW_ROUTES = {   # probe kind: (route, request body from the messages and max tokens, reply text)
+    "raw": ("chat/completions", lambda m, k: {"model": "flotilla", "messages": m, "max_tokens": k},
+            lambda b: b["choices"][0]["message"]["content"] or ""),
+    # the whole input resent each turn, as chat resends its messages
+    "raw_responses": ("responses", lambda m, k: {"model": "flotilla", "input": m, "max_output_tokens": k},
+                      lambda b: b["output"][0]["content"][0]["text"]),
+    "raw_messages": ("messages", lambda m, k: {"model": "flotilla", "messages": m, "max_tokens": k},
+                     lambda b: "".join(x["text"] for x in b["content"] if x["type"] == "text")),
+}
+
+
 async def _client_main(spec: dict) -> dict:
     import httpx
     from openai import AsyncOpenAI, DefaultAsyncHttpxClient
@@ -149,23 +160,11 @@ async def _client_main(spec: dict) -> dict:
                             model="flotilla", messages=messages, max_tokens=spec["max_tokens"])
                         text = r.parse().choices[0].message.content or ""
                         header = r.headers["x-flotilla-sampler-ms"]
-                    elif kind == "raw_responses":   # the whole input resent, as chat resends it
-                        body, headers = raw_clients[kind].post(
-                            f"/s/{sids[kind]}/v1/responses",
-                            {"model": "flotilla", "input": messages, "max_output_tokens": spec["max_tokens"]})
-                        text = body["output"][0]["content"][0]["text"]
-                        header = headers["x-flotilla-sampler-ms"]
-                    elif kind == "raw_messages":
-                        body, headers = raw_clients[kind].post(
-                            f"/s/{sids[kind]}/v1/messages",
-                            {"model": "flotilla", "messages": messages, "max_tokens": spec["max_tokens"]})
-                        text = "".join(b["text"] for b in body["content"] if b["type"] == "text")
-                        header = headers["x-flotilla-sampler-ms"]
                     else:
-                        body, headers = raw_clients[kind].post(
-                            f"/s/{sids[kind]}/v1/chat/completions",
-                            {"model": "flotilla", "messages": messages, "max_tokens": spec["max_tokens"]})
-                        text = body["choices"][0]["message"]["content"] or ""
+                        path, body, text_of = _RAW_ROUTES.get(kind, _RAW_ROUTES["raw"])
+                        reply, headers = raw_clients[kind].post(f"/s/{sids[kind]}/v1/{path}",
+                                                                body(messages, spec["max_tokens"]))
+                        text = text_of(reply)
                         header = headers["x-flotilla-sampler-ms"]
                     out[kind][0].append(time.perf_counter() - t0)
                     out[kind][1].append(float(header) / 1e3)

@@ -1,7 +1,8 @@
 """One episode's conversation with the model: token capture, exact.
 
-A ``Session`` turns OpenAI requests into sampler requests and records what the
-sampler saw and generated, the way built-in episodes do (``EpisodeBuilder``):
+A ``Session`` turns chat requests (chat completions, and the Responses and Messages
+APIs translated into them) into sampler requests and records what the sampler saw and
+generated, the way built-in episodes do (``EpisodeBuilder``):
 
 * The running conversation is a ``Conversation`` (``actors.chat``): its ids are
   only ever appended to.  A request whose messages start with the messages the

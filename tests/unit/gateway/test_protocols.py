@@ -184,6 +184,16 @@ async def test_messages_stream_stop_sequences_tools_and_the_api_key_header(gatew
     assert last["content"] == [{"type": "text", "text": "The answer is 5"}]
     _extends(script.requests, [fmt.encode(t) for t in script.texts])
     assert len(s.segments) == 1
+    # A streamed tool_use block: its input JSON in input_json_delta pieces.
+    s2, _ = _open(gw, fmt, [TOOL])
+    events = _events((await c.post(f"/s/{s2.id}/v1/messages", json={"max_tokens": 32, "tools": tools, "stream": True,
+                                                                    "messages": msgs[:1]})).text)
+    start = next(e for e in events if e["type"] == "content_block_start")["content_block"]
+    assert start["type"] == "tool_use" and start["name"] == "add" and start["input"] == {}
+    pieces = [e["delta"] for e in events if e["type"] == "content_block_delta"]
+    assert pieces and all(p["type"] == "input_json_delta" for p in pieces)
+    assert json.loads("".join(p["partial_json"] for p in pieces)) == {"a": 2, "b": 3}
+    assert events[-2]["delta"]["stop_reason"] == "tool_use"
 
 
 async def test_messages_errors_are_anthropic_errors(gateway, fmt) -> None:
