@@ -8,6 +8,7 @@ import json
 import httpx
 import pytest
 import torch
+import trio
 
 from actors.chat import HFChatFormat
 from actors.gateway import Gateway, SessionLimits
@@ -221,3 +222,30 @@ async def test_messages_errors_are_anthropic_errors(gateway, fmt) -> None:
     assert script.requests == []
     r = await c.post(url, json=ok)
     assert r.status_code == 200 and r.json()["content"] == [{"type": "text", "text": "5"}]
+
+
+async def test_the_vendors_stream_helpers_accumulate_tool_calls(gateway, fmt) -> None:
+    """``client.responses.stream`` and ``client.messages.stream`` rebuild the reply from the
+    events: a function call's arguments and a tool_use block's input come out whole."""
+    openai = pytest.importorskip("openai")
+    anthropic = pytest.importorskip("anthropic")
+    gw, _ = gateway
+    s, _ = _open(gw, fmt, [TOOL])
+    s2, _ = _open(gw, fmt, [TOOL])
+
+    def play() -> tuple:
+        with openai.OpenAI(base_url=f"{gw.address}/s/{s.id}/v1", api_key="k", max_retries=0) as client, \
+                client.responses.stream(model="m", input="What is 2+3?", tools=[
+                    {"type": "function", "name": "add", "parameters": PARAMS}]) as stream:
+            response = stream.get_final_response()
+        with anthropic.Anthropic(base_url=gw.address, api_key=s2.id, max_retries=0) as client, \
+                client.messages.stream(model="m", max_tokens=32, messages=[{"role": "user", "content": "2+3?"}],
+                                       tools=[{"name": "add", "input_schema": PARAMS}]) as stream:
+            message = stream.get_final_message()
+        return response, message
+
+    response, message = await trio.to_thread.run_sync(play)
+    [call] = response.output
+    assert call.type == "function_call" and json.loads(call.arguments) == {"a": 2, "b": 3}
+    [use] = message.content
+    assert use.type == "tool_use" and use.input == {"a": 2, "b": 3} and message.stop_reason == "tool_use"
