@@ -7,8 +7,8 @@ running gateway (Starlette on hypercorn's trio worker, in this process) backed b
 * overhead: per turn, one request at a time, the latency minus the time the request
   waited on the sampler (the ``x-flotilla-sampler-ms`` header the gateway sets), p50/p99,
   measured side by side in one run -- the turns of an ``openai``-client session and of
-  two raw-HTTP sessions (one of them timing the app) interleave, so all see the
-  same machine:
+  four raw-HTTP sessions (one of them timing the app, two on the Responses and Messages
+  endpoints) interleave, so all see the same machine:
 
   - ``overhead_p50_ms`` (the target): a minimal HTTP/1.1 client (a blocking keep-alive
     socket with TCP_NODELAY: write the request, read the status line, headers and body,
@@ -19,6 +19,11 @@ running gateway (Starlette on hypercorn's trio worker, in this process) backed b
     then ``parse()``). It adds that library's request building and response parsing
     (httpx, pydantic models), which a harness pays whatever server it talks to: not
     the gateway's cost, reported so nobody has to guess it;
+  - ``chat_overhead_p50_ms`` (= ``overhead_p50_ms``), ``responses_overhead_p50_ms`` and
+    ``messages_overhead_p50_ms``: the same raw client on ``/v1/chat/completions``,
+    ``/v1/responses`` (the whole input resent each turn, as chat resends its messages)
+    and ``/v1/messages``, one session each, interleaved with the others: what each
+    protocol's translation costs over the chat path (the target: within 1.5x of chat);
   - ``app_overhead_p50_ms``: inside the ASGI app only (no HTTP parsing, no sockets),
     timed on a third interleaved raw-HTTP session served by a second server whose app is
     wrapped in a timer (the figures above run the app unwrapped); the rest of a turn is
@@ -101,6 +106,17 @@ class _RawClient:
         self.sock.close()
 
 
+_RAW_ROUTES = {   # probe kind: (route, request body from the messages and max tokens, reply text)
+    "raw": ("chat/completions", lambda m, k: {"model": "flotilla", "messages": m, "max_tokens": k},
+            lambda b: b["choices"][0]["message"]["content"] or ""),
+    # the whole input resent each turn, as chat resends its messages
+    "raw_responses": ("responses", lambda m, k: {"model": "flotilla", "input": m, "max_output_tokens": k},
+                      lambda b: b["output"][0]["content"][0]["text"]),
+    "raw_messages": ("messages", lambda m, k: {"model": "flotilla", "messages": m, "max_tokens": k},
+                     lambda b: "".join(x["text"] for x in b["content"] if x["type"] == "text")),
+}
+
+
 async def _client_main(spec: dict) -> dict:
     import httpx
     from openai import AsyncOpenAI, DefaultAsyncHttpxClient
@@ -145,10 +161,10 @@ async def _client_main(spec: dict) -> dict:
                         text = r.parse().choices[0].message.content or ""
                         header = r.headers["x-flotilla-sampler-ms"]
                     else:
-                        body, headers = raw_clients[kind].post(
-                            f"/s/{sids[kind]}/v1/chat/completions",
-                            {"model": "flotilla", "messages": messages, "max_tokens": spec["max_tokens"]})
-                        text = body["choices"][0]["message"]["content"] or ""
+                        path, body, text_of = _RAW_ROUTES.get(kind, _RAW_ROUTES["raw"])
+                        reply, headers = raw_clients[kind].post(f"/s/{sids[kind]}/v1/{path}",
+                                                                body(messages, spec["max_tokens"]))
+                        text = text_of(reply)
                         header = headers["x-flotilla-sampler-ms"]
                     out[kind][0].append(time.perf_counter() - t0)
                     out[kind][1].append(float(header) / 1e3)
@@ -282,7 +298,8 @@ async def _gateway_main(args) -> dict:
         # the other figures.
         gw.address = await nursery.start(serve_gateway, gw.app)
         timed = await nursery.start(serve_gateway, _timed_app(gw.app, app_times))
-        urls.update({"raw": gw.address, "openai": gw.address, "raw_timed": timed})
+        urls.update({"raw": gw.address, "openai": gw.address, "raw_timed": timed, "raw_responses": gw.address,
+                     "raw_messages": gw.address})
         for name in samplers:
             await phase(name, 2, 2, first_short, 4)   # warm-up (imports, first forwards)
         # Alternating, so that the machine's load drifts over both alike.
@@ -293,7 +310,7 @@ async def _gateway_main(args) -> dict:
         results["stats_off"] = await off[0].stats.call_one()
         app_times.clear()
         computes.clear()
-        kinds = ("raw", "openai", "raw_timed")
+        kinds = ("raw", "openai", "raw_timed", "raw_responses", "raw_messages")
         results["probe"] = await phase("sampler-on", len(kinds), args.probe_turns, first_short, 1,
                                        user_turn="higher", probe=kinds)
         results["app_times"] = list(app_times)
@@ -402,10 +419,12 @@ def main() -> None:
     def minus_wait(pair) -> list[float]:
         return [lat - w for lat, w in zip(*pair, strict=True)]
     raw, oai = minus_wait(probe["raw"]), minus_wait(probe["openai"])
+    resp, msgs = minus_wait(probe["raw_responses"]), minus_wait(probe["raw_messages"])
     conc = [lat - w for lat, w in zip(ov["latency"], ov["sampler"], strict=True)]
     app = r["app_times"]
-    waits = probe["raw"][1] + probe["openai"][1] + probe["raw_timed"][1]
-    probe_turns = len(raw) + len(oai) + len(probe["raw_timed"][0])
+    kinds = ("raw", "openai", "raw_timed", "raw_responses", "raw_messages")
+    waits = [w for k in kinds for w in probe[k][1]]
+    probe_turns = sum(len(probe[k][0]) for k in kinds)
     cpu_turn = probe["gateway_cpu"] / probe_turns
     ok = args.sessions - len(ov["failures"])
     on_wall = statistics.median(x["wall"] for x in r["multi_on"])
@@ -430,6 +449,10 @@ def main() -> None:
          f"of which computing {statistics.median(r['computes']) * 1e3:.2f} ms"),
         ("overhead p50 / p99 (raw HTTP)", ms(raw), f"{len(raw)} turns: latency - sampler wait"),
         ("  through the openai client", ms(oai), f"{len(oai)} turns, interleaved"),
+        ("  Responses API (raw HTTP)", ms(resp), (f"{len(resp)} turns, interleaved; "
+         f"{_pct(resp, 0.5) / _pct(raw, 0.5):.2f}x chat")),
+        ("  Messages API (raw HTTP)", ms(msgs), (f"{len(msgs)} turns, interleaved; "
+         f"{_pct(msgs, 0.5) / _pct(raw, 0.5):.2f}x chat")),
         ("  inside the ASGI app", ms(app), f"{len(app)} turns of a 3rd session: no HTTP, no sockets"),
         ("gateway CPU per turn", f"{cpu_turn * 1e3:.2f} ms", "process time / probe turns"),
         ("concurrent sessions ok", f"{ok}/{args.sessions}", f"{args.turns} turns each, openai client"),
@@ -463,6 +486,13 @@ def main() -> None:
         "overhead_p99_ms": round(_pct(raw, 0.99) * 1e3, 3),
         "overhead_measured_by": "raw HTTP/1.1 keep-alive client: latency - x-flotilla-sampler-ms",
         "server": "hypercorn",
+        "chat_overhead_p50_ms": round(_pct(raw, 0.5) * 1e3, 3),
+        "responses_overhead_p50_ms": round(_pct(resp, 0.5) * 1e3, 3),
+        "responses_overhead_p99_ms": round(_pct(resp, 0.99) * 1e3, 3),
+        "messages_overhead_p50_ms": round(_pct(msgs, 0.5) * 1e3, 3),
+        "messages_overhead_p99_ms": round(_pct(msgs, 0.99) * 1e3, 3),
+        "responses_vs_chat_overhead": round(_pct(resp, 0.5) / _pct(raw, 0.5), 2),
+        "messages_vs_chat_overhead": round(_pct(msgs, 0.5) / _pct(raw, 0.5), 2),
         "openai_overhead_p50_ms": round(_pct(oai, 0.5) * 1e3, 3),
         "openai_overhead_p99_ms": round(_pct(oai, 0.99) * 1e3, 3),
         "app_overhead_p50_ms": round(_pct(app, 0.5) * 1e3, 3),

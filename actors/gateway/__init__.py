@@ -1,6 +1,7 @@
 """The OpenAI-compatible gateway: an unmodified agent harness as the RL environment.
 
-``Gateway`` serves ``/v1/chat/completions``, ``/v1/completions`` and ``/v1/models``
+``Gateway`` serves ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``,
+OpenAI's Responses API (``/v1/responses``) and Anthropic's Messages API (``/v1/messages``)
 (a Starlette app served by hypercorn's trio worker, in the environment actor's trio loop); each
 episode gets a ``Session`` (its own base URL ``/s/<key>/v1``, or its key as the API
 key) that records every token exactly as the sampler saw and generated it.

@@ -4,16 +4,19 @@ Routes (each also under ``/s/{session}/...``, the per-episode base URL)::
 
     POST /v1/chat/completions     chat, tools, stream (SSE)
     POST /v1/completions          plain prompts
+    POST /v1/responses            OpenAI's Responses API (``actors.gateway._responses``)
+    POST /v1/messages             Anthropic's Messages API (``actors.gateway._messages``)
     GET  /v1/models               the served model
     POST /reward                  {"reward": x}: the episode's reward
 
-Without the ``/s/{session}`` prefix, the API key (``Authorization: Bearer <key>``)
-names the session.  Errors are OpenAI error JSON: 400 malformed or invalid
+Without the ``/s/{session}`` prefix, the API key (``Authorization: Bearer <key>``, or
+``x-api-key: <key>`` as Anthropic's clients send it) names the session.  Errors are
+OpenAI error JSON (Anthropic's on ``/v1/messages``): 400 malformed or invalid
 requests (naming the field), 401 no/unknown session key, 404 unknown route or
 session, 409 a closed session, 502 a sampler failure.  A handler's failure never
 stops the server: each request is its own task in hypercorn's nursery.
 
-Every chat response carries ``x-flotilla-sampler-ms``: how long the request waited on
+Every chat, responses and messages answer carries ``x-flotilla-sampler-ms``: how long the request waited on
 the sampler (the rest of its latency is the gateway's own).
 
 ``stream: true`` is answered in OpenAI's chunk format, but only once the reply is
@@ -42,6 +45,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from actors.gateway._messages import (
+    MessagesRequest,
+    anthropic_error,
+    message_events,
+    reply,
+)
+from actors.gateway._responses import ResponsesRequest, respond, response_events
 from actors.gateway._schemas import (
     ChatRequest,
     CompletionRequest,
@@ -76,14 +86,30 @@ async def _send_json(send: Send, payload: Any, status: int = 200,
     await send({"type": "http.response.body", "body": body})
 
 
+def _openai_error(e: GatewayError) -> dict[str, Any]:
+    return error_body(e.message, type=e.type, param=e.param, code=e.code)
+
+
+async def _send_events(send: Send, events: list[dict[str, Any]], timing: tuple[bytes, bytes]) -> None:
+    """Server-sent events ``event: <type>`` + ``data: <json>``, as the Responses and
+    Messages APIs stream (no ``[DONE]`` line)."""
+    await send({"type": "http.response.start", "status": 200, "headers": [
+        (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"), timing]})
+    body = b"".join(b"event: " + e["type"].encode() + b"\ndata: " + _encoder.encode(e).encode() + b"\n\n"
+                    for e in events)
+    await send({"type": "http.response.body", "body": body})
+
+
 class _Endpoint:
     """A route's ASGI app: ``handler(scope, body, send)`` answers a request whose body is
-    read whole; a ``GatewayError`` it raises (before answering) becomes OpenAI error JSON.
-    Starlette routes, answers 404/405 and catches what a handler fails with.
+    read whole; a ``GatewayError`` it raises (before answering) becomes error JSON
+    (``errors`` shapes it: OpenAI's by default). Starlette routes, answers 404/405 and
+    catches what a handler fails with.
     """
 
-    def __init__(self, handler: Callable[[dict[str, Any], bytes, Send], Awaitable[None]]) -> None:
-        self.handler = handler
+    def __init__(self, handler: Callable[[dict[str, Any], bytes, Send], Awaitable[None]],
+                 errors: Callable[[GatewayError], dict[str, Any]] = _openai_error) -> None:
+        self.handler, self.errors = handler, errors
 
     async def __call__(self, scope: dict[str, Any], receive: Callable[[], Awaitable[dict]], send: Send) -> None:
         chunks = []
@@ -97,7 +123,7 @@ class _Endpoint:
         try:
             await self.handler(scope, b"".join(chunks), send)
         except GatewayError as e:
-            await _send_json(send, error_body(e.message, type=e.type, param=e.param, code=e.code), e.status)
+            await _send_json(send, self.errors(e), e.status)
 
 
 def _validated(raw: bytes, model: type[BaseModel]) -> Any:
@@ -126,11 +152,14 @@ def build_app(lookup: Callable[[str], Session | None], model_name: str) -> Starl
     def session_of(scope: dict[str, Any]) -> Session:
         sid = scope.get("path_params", {}).get("session")
         if sid is None:
-            auth = next((v for k, v in scope["headers"] if k.lower() == b"authorization"), b"")
-            scheme, _, key = auth.decode("latin-1").partition(" ")
-            if scheme.lower() != "bearer" or not key.strip():
-                raise GatewayError(401, "no API key: send 'Authorization: Bearer <session key>' or use the "
-                                   "session's base URL", type="authentication_error", code="invalid_api_key")
+            headers = {k.lower(): v for k, v in scope["headers"]}
+            scheme, _, key = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
+            if scheme.lower() != "bearer":
+                key = headers.get(b"x-api-key", b"").decode("latin-1")
+            if not key.strip():
+                raise GatewayError(401, "no API key: send 'Authorization: Bearer <session key>' (or "
+                                   "'x-api-key: <session key>') or use the session's base URL",
+                                   type="authentication_error", code="invalid_api_key")
             sid = key.strip()
             session = lookup(sid)
             if session is None:
@@ -157,6 +186,24 @@ def build_app(lookup: Callable[[str], Session | None], model_name: str) -> Starl
             await send({"type": "http.response.body", "body": b"data: " + _encoder.encode(c).encode() + b"\n\n",
                         "more_body": True})
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+
+    async def responses(scope: dict[str, Any], body: bytes, send: Send) -> None:
+        session = session_of(scope)
+        req = _validated(body, ResponsesRequest)
+        response, turn = await respond(session, req)
+        timing = (b"x-flotilla-sampler-ms", f"{session.last_sampler_s * 1e3:.3f}".encode())
+        if not req.stream:
+            return await _send_json(send, response, headers=(timing,))
+        await _send_events(send, response_events(response, turn.pieces), timing)
+
+    async def messages(scope: dict[str, Any], body: bytes, send: Send) -> None:
+        session = session_of(scope)
+        req = _validated(body, MessagesRequest)
+        message, turn = await reply(session, req)
+        timing = (b"x-flotilla-sampler-ms", f"{session.last_sampler_s * 1e3:.3f}".encode())
+        if not req.stream:
+            return await _send_json(send, message, headers=(timing,))
+        await _send_events(send, message_events(message, turn.pieces), timing)
 
     async def completions(scope: dict[str, Any], body: bytes, send: Send) -> None:
         session = session_of(scope)
@@ -196,6 +243,8 @@ def build_app(lookup: Callable[[str], Session | None], model_name: str) -> Starl
         routes += [
             Route(prefix + "/v1/chat/completions", _Endpoint(chat), methods=["POST"]),
             Route(prefix + "/v1/completions", _Endpoint(completions), methods=["POST"]),
+            Route(prefix + "/v1/responses", _Endpoint(responses), methods=["POST"]),
+            Route(prefix + "/v1/messages", _Endpoint(messages, anthropic_error), methods=["POST"]),
             Route(prefix + "/v1/models", _Endpoint(models), methods=["GET"]),
             Route(prefix + "/reward", _Endpoint(reward), methods=["POST"]),
         ]

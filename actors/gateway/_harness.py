@@ -5,8 +5,10 @@
 * ``command`` -- a subprocess per episode (``python my_agent.py {task}``; ``{task}``
   becomes the task as JSON, one shell word: the task's params -- a dataset row --
   plus ``seed`` and ``prompt_id`` unless the params have those keys). It gets
-  ``OPENAI_BASE_URL`` (the session's base URL) and ``OPENAI_API_KEY`` (the
-  session's key) in its environment, plus ``FLOTILLA_TASK`` (the same JSON).
+  ``OPENAI_BASE_URL`` (the session's base URL, ending in ``/v1``) and
+  ``OPENAI_API_KEY`` (the session's key) in its environment, ``ANTHROPIC_BASE_URL``
+  (the same URL without ``/v1``: Anthropic's clients append ``/v1/messages``) and
+  ``ANTHROPIC_API_KEY`` (the key), plus ``FLOTILLA_TASK`` (the same JSON).
 * ``entrypoint`` -- ``"module:function"`` (or ``"path/file.py:function"``), an
   ``async def f(base_url, task)`` given the same task dict, run in the environment
   actor's own trio loop (no process start-up per episode).
@@ -144,6 +146,7 @@ async def _run_command(cfg: HarnessConfig, task: TaskSpec, base_url: str, key: s
     task_json = json.dumps(task_dict(task), sort_keys=True)
     argv = [a.replace("{task}", task_json) for a in shlex.split(cfg.command or "")]
     env = {**os.environ, **cfg.env, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": key,
+           "ANTHROPIC_BASE_URL": base_url.removesuffix("/v1"), "ANTHROPIC_API_KEY": key,
            "FLOTILLA_TASK": task_json}
     out, err = bytearray(), bytearray()
     # Its own session: a timeout kills the harness's whole process group (an agent's tools).

@@ -1,7 +1,8 @@
 """One episode's conversation with the model: token capture, exact.
 
-A ``Session`` turns OpenAI requests into sampler requests and records what the
-sampler saw and generated, the way built-in episodes do (``EpisodeBuilder``):
+A ``Session`` turns chat requests (chat completions, and the Responses and Messages
+APIs translated into them) into sampler requests and records what the sampler saw and
+generated, the way built-in episodes do (``EpisodeBuilder``):
 
 * The running conversation is a ``Conversation`` (``actors.chat``): its ids are
   only ever appended to.  A request whose messages start with the messages the
@@ -50,7 +51,7 @@ from actors.gateway._schemas import (
 from actors.sampler import GenerateRequest, GenerateResult
 from actors.types import SamplingParams, TaskSpec, Trajectory
 
-__all__ = ["Session", "SessionLimits"]
+__all__ = ["Session", "SessionLimits", "Turn"]
 
 
 @dataclass(frozen=True)
@@ -130,6 +131,25 @@ def _json(v: Any) -> Any:
     return json.dumps(v, sort_keys=True)
 
 
+@dataclass
+class Turn:
+    """One served chat turn, for a protocol module to answer in its own shape."""
+
+    reply: dict[str, Any]
+    """The parsed reply as the template reads it (text content, dict arguments)."""
+    message: dict[str, Any]
+    """The reply in OpenAI's shape (call ids, string arguments)."""
+    finish: str
+    """OpenAI's finish_reason: "stop", "length" or "tool_calls"."""
+    prompt_tokens: int
+    completion_tokens: int
+    pieces: list[str]
+    """The reply's text token by token (``token_pieces``; empty unless the request streams)."""
+    logprobs: list[dict[str, Any]] | None
+    stop: str | None
+    """The stop string that ended the reply, if one did."""
+
+
 class _TurnLock:
     """A session's lock: one request at a time. Uncontended (the usual case: a harness
     waits for each answer), taking it does not yield to trio's scheduler as
@@ -172,6 +192,9 @@ class Session:
     """Time spent waiting on the sampler (the rest of a request's latency is the gateway's)."""
     last_sampler_s: float = 0.0
     """The last request's wait on the sampler (sent as the ``x-flotilla-sampler-ms`` header)."""
+    responses: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    """Responses API: each response's conversation (input and output, instructions aside) by
+    its id, for ``previous_response_id``."""
     started: float = field(default_factory=time.perf_counter)
     _lock: _TurnLock = field(default_factory=lambda: _TurnLock())
 
@@ -183,25 +206,34 @@ class Session:
         fit the context, (409) when the session is closed, (502) when the sampler fails;
         the session is then unchanged.
         """
+        t = await self.turn(req)
+        return (chat_response(self.model, t.message, t.finish, t.prompt_tokens, t.completion_tokens,
+                              t.logprobs), t.pieces)
+
+    async def turn(self, req: ChatRequest) -> Turn:
+        """Serve one chat turn: the path every chat-shaped protocol takes (chat completions,
+        and the Responses and Messages APIs, translated into a ``ChatRequest``). Errors as
+        ``chat``."""
         tools = req.template_tools()
         async with self._lock:
             self.check_open()
             plan, messages = self._plan_chat(req.messages, tools)
-            result, kept, cut_text = await self._sample(plan.prompt(), req)
+            result, kept, cut = await self._sample(plan.prompt(), req)
             seg = plan.commit(self.segments)
             self._record(seg, result, kept)
             ids = result.token_ids[:kept]
-            reply = (self.fmt.parse_reply(ids) if cut_text is None
-                     else {"role": "assistant", "content": cut_text})
+            reply = (self.fmt.parse_reply(ids) if cut is None
+                     else {"role": "assistant", "content": cut[0]})
             seg.messages.append(reply)
             seg.last_reply = list(ids)
             message = openai_message(reply)
             finish = ("tool_calls" if message.get("tool_calls")
-                      else "stop" if cut_text is not None else result.finish_reason)
+                      else "stop" if cut is not None else result.finish_reason)
             self.transcript = [*messages, reply]
             pieces = token_pieces(self.fmt, ids) if req.stream else []
             logprobs = _logprobs(self.fmt, result, kept, req.top_logprobs or 0) if req.logprobs else None
-            return (chat_response(self.model, message, finish, len(seg.builder) - kept, kept, logprobs), pieces)
+            return Turn(reply, message, finish, len(seg.builder) - kept, kept, pieces, logprobs,
+                        None if cut is None else cut[1])
 
     def _plan_chat(self, sent: list[ChatMessage], tools: list[dict[str, Any]] | None
                    ) -> tuple[_Plan, list[dict[str, Any]]]:
@@ -259,16 +291,16 @@ class Session:
                 plan = _Plan(None, [], fresh=self._new_completion(self.fmt.encode(prompt), prompt))
             if not plan.prompt():
                 raise GatewayError(400, "prompt: empty", param="prompt")
-            result, kept, cut_text = await self._sample(plan.prompt(), req)
+            result, kept, cut = await self._sample(plan.prompt(), req)
             seg = plan.commit(self.segments)
             self._record(seg, result, kept)
             ids = result.token_ids[:kept]
-            text = cut_text if cut_text is not None else self.fmt.decode(ids)
+            text = cut[0] if cut is not None else self.fmt.decode(ids)
             if isinstance(prompt, str):
                 # The text the held ids stand for (a tokenizer that does not round-trip the
                 # harness's text just makes its next prompt start a new segment).
                 seg.text = self.fmt.decode(seg.builder.ids, skip_special=False)
-            finish = "stop" if cut_text is not None else result.finish_reason
+            finish = "stop" if cut is not None else result.finish_reason
             self.transcript = [{"role": "user", "content": prompt if isinstance(prompt, str)
                                 else self.fmt.decode(prompt)}, {"role": "assistant", "content": text}]
             return completion_response(self.model, text, finish, len(seg.builder) - kept, kept)
@@ -281,9 +313,10 @@ class Session:
 
     # ---------------------------------------------------------------- sample
     async def _sample(self, prompt: list[int], req: ChatRequest | CompletionRequest
-                      ) -> tuple[GenerateResult, int, str | None]:
+                      ) -> tuple[GenerateResult, int, tuple[str, str] | None]:
         """One generate call on ``prompt``.  Returns (result, ids to keep -- the reply is cut
-        after the token that completes a stop string --, text before the stop string or None)."""
+        after the token that completes a stop string --, (text before the stop string, that
+        stop string) or None)."""
         lim = self.limits
         room = lim.max_seq_len - len(prompt)
         limit = req.limit() if isinstance(req, ChatRequest) else req.max_tokens
@@ -317,8 +350,8 @@ class Session:
         self.turns += 1
         stops = req.stop_list()
         if stops:
-            kept, cut_text = _cut_at_stop(self.fmt, result.token_ids, stops)
-            return result, kept, cut_text
+            kept, cut = _cut_at_stop(self.fmt, result.token_ids, stops)
+            return result, kept, cut
         return result, len(result.token_ids), None
 
     def _record(self, seg: _Segment, result: GenerateResult, kept: int) -> None:
@@ -387,15 +420,16 @@ def _logprobs(fmt: ChatFormat, r: GenerateResult, kept: int, top: int) -> list[d
     return out
 
 
-def _cut_at_stop(fmt: ChatFormat, ids: list[int], stops: list[str]) -> tuple[int, str | None]:
-    """(ids to keep, text before the stop) for the first stop string in the decoded reply:
-    the reply keeps the token that completed the stop string and nothing after it."""
+def _cut_at_stop(fmt: ChatFormat, ids: list[int], stops: list[str]) -> tuple[int, tuple[str, str] | None]:
+    """(ids to keep, (text before the stop, the stop string)) for the first stop string in the
+    decoded reply: the reply keeps the token that completed the stop string and nothing after it."""
     full = fmt.decode(ids)
     if not any(s in full for s in stops):
         return len(ids), None
     for k in range(1, len(ids) + 1):
         text = fmt.decode(ids[:k])
-        hits = [text.index(s) for s in stops if s in text]
+        hits = [(text.index(s), s) for s in stops if s in text]
         if hits:
-            return k, text[:min(hits)]
+            at, stop = min(hits)
+            return k, (text[:at], stop)
     return len(ids), None
