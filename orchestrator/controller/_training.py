@@ -10,7 +10,8 @@ and re-queued (its weights are gone), and the trainer is restored from the last
 checkpoint, up to `[checkpoint] max_restarts` times; the steps since that checkpoint are
 trained again. Past the limit the loop raises `TrainerLost`, naming the actor. A death
 seen between steps, by a weight-sync call (`RunContext.report_trainer_death`), is
-restored the same way, without waiting for a batch that could not come.
+restored the same way, without waiting for a batch that could not come; so is a death
+during a checkpoint save (the previous complete checkpoint survives it).
 
 No step waits on a sampler: its counters are asked for with a deadline
 (`_liveness.refresh_stats`), and a rank that misses it is accounted at a later step.
@@ -82,7 +83,12 @@ async def _train_on(ctx: RunContext, groups: list[Group]) -> None:
     await _account(ctx, trajs, stale, result)
     ctx.notify()
     if _checkpoint_due(ctx):
-        await checkpoint(ctx)
+        try:
+            await checkpoint(ctx)
+        except ActorDied as e:
+            # The trainer died while saving: the replacement sequence keeps the previous
+            # complete checkpoint, and the trainer is restored from it like any death.
+            await restart_trainer(ctx, e)
 
 
 def _checkpoint_due(ctx: RunContext) -> bool:
