@@ -73,7 +73,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests.unit.gateway: the clients
 
 
 # ------------------------------------------------------------------------ client process
@@ -325,6 +324,17 @@ async def _gateway_main(args) -> dict:
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _module(path: Path):
+    """A module of the test suite by its file (the conformance clients and the tokenizer's
+    corpus live with the tests, which are not part of the installed package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"bench_{path.stem}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def _flotilla_run(config: Path, timeout: float) -> tuple[int, str, float]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     t0 = time.monotonic()
@@ -339,8 +349,8 @@ def _client_runs(steps: int) -> dict:
     import tempfile
 
     from actors.tiny import make_checkpoint, train_tokenizer
-    from tests.unit.gateway._actors import CORPUS
-    from tests.unit.gateway.clients import CLIENTS
+    CORPUS = _module(ROOT / "tests/unit/gateway/_actors.py").CORPUS
+    CLIENTS = _module(ROOT / "tests/unit/gateway/clients.py").CLIENTS
 
     names = sorted(CLIENTS)
     with tempfile.TemporaryDirectory() as tmp:
