@@ -7,13 +7,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from actors.chat import HFChatFormat
@@ -21,6 +17,7 @@ from actors.env import EnvActor, EnvConfig, TaskCheckError, check_task
 from actors.env.libs import LibraryMissing, require
 from actors.types import SamplingParams, TaskSpec
 from orchestrator.runtime import open_mesh
+from tests.unit.actors.openenv_server import serve_openenv
 from tests.unit.gateway._actors import ReplaySampler, tiny_tokenizer_dir
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -103,39 +100,11 @@ def test_a_missing_library_names_its_extra(monkeypatch) -> None:
 
 
 # ----------------------------------------------------------------------------- OpenEnv
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def openenv_server(tmp_path_factory):
     pytest.importorskip("openenv")
-    port = _free_port()
-    log = tmp_path_factory.mktemp("openenv") / "server.log"
-    with log.open("wb") as err:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", "--app-dir", str(ROOT / "examples/openenv"), "guess_env:app",
-             "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],
-            env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL, stderr=err)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(300):   # the server imports gradio and fastapi first
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None:
-                raise RuntimeError(f"the OpenEnv server exited: {log.read_text()[-2000:]}")
-            time.sleep(0.2)
-        else:
-            raise RuntimeError("the OpenEnv server did not answer /health within 60 s")
+    with serve_openenv(tmp_path_factory.mktemp("openenv") / "server.log") as url:
         yield url
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 async def test_openenv_episode_runs_over_the_environments_own_client(tok_dir, fmt, openenv_server) -> None:
@@ -145,7 +114,7 @@ async def test_openenv_episode_runs_over_the_environments_own_client(tok_dir, fm
     secret = random.Random(seed).randrange(8)
     wrong = (secret + 3) % 8
     replies = [f"{wrong}{END}", f"{secret}{END}"]
-    name = f"openenv:{ROOT / 'examples/openenv/guess_env.py'}:GuessClient"
+    name = f"openenv:{ROOT / 'examples/libraries/openenv_env.py'}:GuessClient"
     params = {"base_url": openenv_server}
     check_task(name, params)
     trajs, ids, seen = await _play(EnvConfig(model_path=str(tok_dir), max_seq_len=512), fmt, replies,
@@ -163,13 +132,13 @@ async def test_openenv_episode_runs_over_the_environments_own_client(tok_dir, fm
 
 def test_openenv_params_are_checked() -> None:
     pytest.importorskip("openenv")
-    name = f"openenv:{ROOT / 'examples/openenv/guess_env.py'}:GuessClient"
+    name = f"openenv:{ROOT / 'examples/libraries/openenv_env.py'}:GuessClient"
     with pytest.raises(TaskCheckError, match="base_url"):
         check_task(name, {})
     with pytest.raises(TaskCheckError, match="no field 'nope'"):
         check_task(name, {"base_url": "http://127.0.0.1:1", "action_field": "nope"})
     with pytest.raises(TaskCheckError, match="not an openenv.core.EnvClient"):
-        check_task(f"openenv:{ROOT / 'examples/openenv/guess_env.py'}:GuessAction", {"base_url": "x"})
+        check_task(f"openenv:{ROOT / 'examples/libraries/openenv_env.py'}:GuessAction", {"base_url": "x"})
 
 
 # ----------------------------------------------------------------------------- verifiers
@@ -227,3 +196,36 @@ async def test_verifiers_environment_by_id_and_a_failing_one(tok_dir, fmt, monke
                                _task("verifiers:vf_nope", 1, {})])
     assert not trajs[0].failed and trajs[0].reward == 1.0, trajs[0].error
     assert trajs[1].failed and "vf_nope" in trajs[1].error and trajs[1].reward == 0.0
+
+
+# ----------------------------------------------------------------------------- the run config
+POOL = {"name": "p", "gpu": "cpu", "device": "cpu"}
+
+
+def test_library_kinds_in_the_run_config_and_preflight(monkeypatch) -> None:
+    from orchestrator.config import ConfigError, check_runnable, load_config
+    from orchestrator.preflight import preflight
+
+    def cfg(task: dict):
+        return load_config(raw={"task": task, "pools": [POOL]})
+
+    with pytest.raises(ConfigError, match="task: .*kind = 'reasoning_gym' needs name"):
+        cfg({"kind": "reasoning_gym"})
+    with pytest.raises(ConfigError, match="command only apply to kind = 'harness'"):
+        cfg({"kind": "verifiers", "name": "x", "command": "python a.py"})
+    assert cfg({"kind": "openenv", "name": "m:C"}).task.task_name == "openenv:m:C"
+    assert cfg({"name": "arithmetic"}).task.task_name == "arithmetic"
+    if importlib.util.find_spec("reasoning_gym") is not None:
+        ok = cfg({"kind": "reasoning_gym", "name": "leg_counting", "params": {"max_animals": 3}})
+        check_runnable(ok)
+        preflight(ok)
+        with pytest.raises(ConfigError, match="rejected"):
+            preflight(cfg({"kind": "reasoning_gym", "name": "leg_counting", "params": {"nope": 1}}))
+    # A missing library stops the run before any actor starts, naming the extra.
+    for kind, module, extra in [("reasoning_gym", "reasoning_gym", "reasoning-gym"),
+                                ("openenv", "openenv", "openenv"), ("verifiers", "verifiers", "verifiers")]:
+        monkeypatch.setitem(sys.modules, module, None)
+        with pytest.raises(ConfigError, match=rf"task.kind '{kind}' needs the {extra} package.*\.\[{extra}\]"):
+            c = cfg({"kind": kind, "name": "leg_counting" if kind != "openenv" else "m:C"})
+            check_runnable(c)
+            preflight(c)

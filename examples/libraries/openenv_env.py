@@ -2,11 +2,11 @@
 
 What a team that keeps its tasks as OpenEnv environments has: typed Action/Observation
 models, a server-side ``Environment`` and an ``EnvClient`` subclass. Flotilla plays it over
-that client (``[task] kind = "openenv"``, ``name = ".../guess_env.py:GuessClient"``).
+that client (``[task] kind = "openenv"``, ``name = "examples/libraries/openenv_env.py:GuessClient"``).
 
 Serve it (one environment per WebSocket session) before the run:
 
-    python -m uvicorn --app-dir examples/openenv guess_env:app --port 8765
+    python -m uvicorn --app-dir examples/libraries openenv_env:app --port 8765
 
 The words are the built-in tiny model's vocabulary, so the example trains that model.
 """
