@@ -93,9 +93,12 @@ class ModelSection(_Section):
 
 class TaskSection(_Section):
     name: str = "guess_number"
-    """A registered task: `guess_number`, `arithmetic`, or one a user registered."""
+    """A registered task: `guess_number`, `arithmetic`, or one a user registered; for a
+    library `kind`, the library's own name (a reasoning-gym dataset, a verifiers environment
+    id or `module:function`, an OpenEnv client class `module:Class`)."""
     params: dict[str, Any] = Field(default_factory=dict)
-    """Task parameters (for guess_number: n, max_turns)."""
+    """Task parameters (for guess_number: n, max_turns; for a library kind: its generator's,
+    `load_environment`'s or the OpenEnv adapter's, see docs/harnesses.md)."""
     env_actors: int = Field(default=1, ge=1)
     """Environment actor processes; each runs many episodes concurrently."""
     episode_timeout_s: float = Field(default=60.0, gt=0)
@@ -143,6 +146,9 @@ class TaskSection(_Section):
             raise ValueError("kind = 'harness' needs exactly one of command or entrypoint")
         if self.kind != "harness" and given:
             raise ValueError(f"{', '.join(given)} only apply to kind = 'harness'")
+        if self.kind == "verifiers" and (self.dataset or self.eval_dataset):
+            raise ValueError("kind = 'verifiers' plays the environment's own dataset; remove "
+                             "dataset / eval_dataset")
         if self.kind not in ("env", "harness") and "name" not in self.model_fields_set:
             raise ValueError(f"kind = {self.kind!r} needs name (the library's dataset, "
                              f"environment id or client class)")

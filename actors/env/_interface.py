@@ -97,6 +97,10 @@ class Environment:
              action_ids: list[int]) -> StepOutcome | Awaitable[StepOutcome]:
         raise NotImplementedError(f"{type(self).__name__}.step")
 
+    def close(self) -> None | Awaitable[None]:
+        """Release what the episode held (a connection, a sandbox); called once the episode
+        has ended, however it ended, plain methods in a worker thread. Nothing by default."""
+
 
 EnvFactory = Callable[..., Environment]
 _REGISTRY: dict[str, EnvFactory] = {}

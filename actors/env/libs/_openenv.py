@@ -5,7 +5,8 @@
 the address of its running server (``uvicorn my_env.server.app:app``, a container, a Space).
 Each episode opens its own client session (a WebSocket: the server keeps one environment
 per session, so allow as many concurrent sessions as episodes run at once), calls
-``reset(seed=task.seed, **reset_args)``, then one ``step`` per assistant reply, and closes.
+``reset(seed=task.seed, **reset_args)``, then one ``step`` per assistant reply, and closes
+the session when the episode ends (``Environment.close``).
 
 Text in, text out: the reply becomes ``Action(**{action_field: reply})`` (the action class
 comes from the client's generic parameters, or ``params.action``; ``action_field`` defaults to
@@ -99,7 +100,8 @@ class OpenEnvTask(Environment):
             return next(iter(data.values()))
         return json.dumps(data, sort_keys=True, default=str)
 
-    def _close(self) -> None:
+    def close(self) -> None:
+        """End the client session (the episode runner calls this however the episode ended)."""
         if self.session is not None:
             session, self.session = self.session, None
             session.close()
@@ -113,13 +115,7 @@ class OpenEnvTask(Environment):
 
     def step(self, action_text: str, action_ids: list[int]) -> StepOutcome:
         self.turn += 1
-        try:
-            result = self.session.step(self.action_cls(**{self.action_field: action_text}))
-        except BaseException:
-            self._close()
-            raise
+        result = self.session.step(self.action_cls(**{self.action_field: action_text}))
         done = bool(result.done)
-        if done or self.turn >= self.max_turns:
-            self._close()
         return StepOutcome(observation=self._text(result.observation),
                            reward=float(result.reward or 0.0), done=done)

@@ -13,7 +13,15 @@ from pathlib import Path
 import pytest
 
 from actors.chat import HFChatFormat
-from actors.env import EnvActor, EnvConfig, TaskCheckError, check_task
+from actors.env import (
+    EnvActor,
+    EnvConfig,
+    Environment,
+    StepOutcome,
+    TaskCheckError,
+    check_task,
+    register_task,
+)
 from actors.env.libs import LibraryMissing, require
 from actors.types import SamplingParams, TaskSpec
 from orchestrator.runtime import open_mesh
@@ -213,6 +221,8 @@ def test_library_kinds_in_the_run_config_and_preflight(monkeypatch) -> None:
         cfg({"kind": "reasoning_gym"})
     with pytest.raises(ConfigError, match="command only apply to kind = 'harness'"):
         cfg({"kind": "verifiers", "name": "x", "command": "python a.py"})
+    with pytest.raises(ConfigError, match="plays the environment's own dataset"):
+        cfg({"kind": "verifiers", "name": "x", "dataset": "rows.jsonl"})
     assert cfg({"kind": "openenv", "name": "m:C"}).task.task_name == "openenv:m:C"
     assert cfg({"name": "arithmetic"}).task.task_name == "arithmetic"
     if importlib.util.find_spec("reasoning_gym") is not None:
@@ -229,3 +239,48 @@ def test_library_kinds_in_the_run_config_and_preflight(monkeypatch) -> None:
             c = cfg({"kind": kind, "name": "leg_counting" if kind != "openenv" else "m:C"})
             check_runnable(c)
             preflight(c)
+
+
+# ----------------------------------------------------------------------------- close()
+CLOSED: list[str] = []
+
+
+@register_task("test_closing")
+class Closing(Environment):
+    """Ends as ``how`` says: done at the first step, by running out of turns, or by raising."""
+
+    max_turns = 2
+
+    def __init__(self, how: str) -> None:
+        self.how = how
+
+    def reset(self, task: TaskSpec) -> str:
+        return "what is 1 + 1 ?"
+
+    def step(self, action_text: str, action_ids: list[int]) -> StepOutcome:
+        if self.how == "raise":
+            raise RuntimeError("boom")
+        return StepOutcome(observation="wrong", done=self.how == "done")
+
+    def close(self) -> None:
+        CLOSED.append(self.how)
+
+
+async def test_the_environment_is_closed_however_the_episode_ends() -> None:
+    from actors.chat import load_chat_format
+    from actors.env._episode import EnvCalls, EpisodeLimits, play_episode
+    from actors.env._threads import EnvThreads
+    from actors.sampler import GenerateRequest
+    from orchestrator.runtime import span
+    from tests.unit.actors.test_env_chat_episodes import _scripted
+
+    chat = load_chat_format(None, {})
+    CLOSED.clear()
+    for how in ("done", "turns", "raise"):
+        generate, _ = _scripted(chat, ["2", "3"])
+        traj = await play_episode(generate, GenerateRequest, _task("test_closing", 0, {"how": how}),
+                                  SamplingParams(max_new_tokens=1), 0, chat=chat,
+                                  limits=EpisodeLimits(5.0, 5.0, 64), request_prefix="c", span=span,
+                                  calls=EnvCalls(EnvThreads(2)))
+        assert traj.failed == (how == "raise") and traj.turns == {"done": 1, "turns": 2, "raise": 1}[how]
+    assert CLOSED == ["done", "turns", "raise"]
