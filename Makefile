@@ -17,7 +17,7 @@ ifeq ($(filter $(TORCH),cpu cuda),)
 $(error TORCH must be cpu or cuda, not '$(TORCH)')
 endif
 
-.PHONY: demo test clean
+.PHONY: demo test test-verifiers clean
 
 demo: $(VENV)/.installed-$(TORCH)
 	$(VENV)/bin/flotilla run $(CONFIG) $(ARGS)
@@ -25,8 +25,22 @@ demo: $(VENV)/.installed-$(TORCH)
 test: $(VENV)/.installed-$(TORCH)-dev
 	$(VENV)/bin/python -m pytest -q
 
+# verifiers cannot share the dev extra's environment (pyproject.toml says why): its tests
+# (skipped by `make test`) run here, in a venv of their own.
+VENV_VF := .venv-verifiers
+test-verifiers: $(VENV_VF)/.installed-$(TORCH)
+	$(VENV_VF)/bin/python -m pytest -q tests/unit/actors/test_env_libraries.py \
+		tests/integration/test_env_libraries_run.py -k verifiers
+
+$(VENV_VF)/.installed-$(TORCH): pyproject.toml
+	$(PYTHON) -m venv $(VENV_VF)
+	$(VENV_VF)/bin/pip install --quiet --upgrade pip
+	$(if $(TORCH_PIN_$(TORCH)),$(VENV_VF)/bin/pip install --quiet $(TORCH_PIN_$(TORCH)))
+	$(VENV_VF)/bin/pip install --quiet -e '.[verifiers]' "pytest>=8" "pytest-trio>=0.8" "pytest-timeout>=2.3"
+	touch $@
+
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) $(VENV_VF) runs
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)

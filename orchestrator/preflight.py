@@ -12,6 +12,8 @@
 * the task: `[task] modules` import (dotted names or `.py` paths), `[task] name` is
   registered, and the task accepts its parameters (`actors.env.check_task` with
   `[task] params` merged with the first row of each dataset);
+* a library kind (`actors.env.libs`): its extra is installed (else one line naming it), and
+  its dataset, client class or verifiers environment loads with `[task] params`;
 * the datasets load.
 
 GPU memory is not checked here (this check sees host memory only): a CUDA trainer or
@@ -150,14 +152,17 @@ def _check_task(cfg: RunConfig, dataset: Any, eval_dataset: Any) -> list[str]:
 def _check_verifiers(cfg: RunConfig, modules: list[str]) -> None:
     """verifiers is installed, the task modules import, and the environment loads with its
     args and has a dataset to play."""
-    from actors.env import TaskCheckError, check_task
+    from actors.env import TaskModuleError, import_task_modules
     from actors.env.libs import LibraryMissing
     from actors.env.libs._verifiers import check_environment
 
     try:
-        check_task("guess_number", {}, modules)  # imports the modules (an env may live there)
+        import_task_modules(modules)   # the environment may live in one of them
+    except TaskModuleError as e:
+        raise ConfigError(f"task.modules: {e}") from None
+    try:
         check_environment(cfg.task.name, cfg.task.params)
-    except (LibraryMissing, TaskCheckError) as e:
+    except LibraryMissing as e:
         raise ConfigError(str(e)) from None
     except Exception as e:  # noqa: BLE001 - whatever loading the user's environment raises
         msg = str(e).strip().splitlines()[0] if str(e).strip() else ""

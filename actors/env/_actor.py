@@ -99,8 +99,8 @@ class EnvActor(Actor):
             self.config.harness = HarnessConfig.model_validate(self.config.harness)
 
     async def on_start(self, nursery: trio.Nursery) -> None:
-        """Start the event-loop watchdog and, with a harness configured, the gateway (both
-        stop with the actor)."""
+        """Start the event-loop watchdog; with a harness or ``gateway`` the gateway, and with
+        ``gateway`` the asyncio loop verifiers rollouts run on (all stop with the actor)."""
         await nursery.start(self.watchdog.run)
         if self.config.harness is not None or self.config.gateway:
             from actors.gateway import Gateway
