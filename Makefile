@@ -19,7 +19,7 @@ ifeq ($(filter $(TORCH),cpu cuda),)
 $(error TORCH must be cpu or cuda, not '$(TORCH)')
 endif
 
-.PHONY: demo test lint docs docs-build clean
+.PHONY: demo test test-verifiers lint docs docs-build clean
 
 demo: $(VENV)/.installed-$(TORCH)
 	$(VENV)/bin/flotilla run $(CONFIG) $(ARGS)
@@ -39,8 +39,23 @@ docs: $(VENV)/.installed-$(TORCH)-dev
 docs-build: $(VENV)/.installed-$(TORCH)-dev
 	$(VENV)/bin/mkdocs build --strict
 
+
+# verifiers cannot share the dev extra's environment (pyproject.toml says why): its tests
+# (skipped by `make test`) run here, in a venv of their own.
+VENV_VF := .venv-verifiers
+test-verifiers: $(VENV_VF)/.installed-$(TORCH)
+	$(VENV_VF)/bin/python -m pytest -q tests/unit/actors/test_env_libraries.py \
+		tests/integration/test_env_libraries_run.py -k verifiers
+
+$(VENV_VF)/.installed-$(TORCH): pyproject.toml
+	$(PYTHON) -m venv $(VENV_VF)
+	$(VENV_VF)/bin/pip install --quiet --upgrade pip
+	$(if $(TORCH_PIN_$(TORCH)),$(VENV_VF)/bin/pip install --quiet $(TORCH_PIN_$(TORCH)))
+	$(VENV_VF)/bin/pip install --quiet -e '.[verifiers]' "pytest>=8" "pytest-trio>=0.8" "pytest-timeout>=2.3"
+	touch $@
+
 clean:
-	rm -rf $(VENV) runs site
+	rm -rf $(VENV) $(VENV_VF) runs site
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)

@@ -61,6 +61,9 @@ class EnvConfig(BaseModel):
     """``actors.gateway.HarnessConfig``: every episode runs this harness against the actor's
     OpenAI-compatible gateway instead of a registered environment (None: no gateway); the
     gateway renders with ``model_path``'s chat template."""
+    gateway: bool = False
+    """Serve the gateway without a harness: ``verifiers:<env>`` tasks (``actors.env.libs``)
+    run their environment's own rollout against a session of it."""
 
 
 class EnvActor(Actor):
@@ -89,20 +92,26 @@ class EnvActor(Actor):
         self.failed = 0
         self.running = 0
         self.gateway: Any = None
+        self.asyncio_loop: Any = None
         if self.config.harness is not None:
             from actors.gateway import HarnessConfig
 
             self.config.harness = HarnessConfig.model_validate(self.config.harness)
 
     async def on_start(self, nursery: trio.Nursery) -> None:
-        """Start the event-loop watchdog and, with a harness configured, the gateway (both
-        stop with the actor)."""
+        """Start the event-loop watchdog; with a harness or ``gateway`` the gateway, and with
+        ``gateway`` the asyncio loop verifiers rollouts run on (all stop with the actor)."""
         await nursery.start(self.watchdog.run)
-        if self.config.harness is not None:
+        if self.config.harness is not None or self.config.gateway:
             from actors.gateway import Gateway
 
             self.gateway = Gateway(self.chat)
             await nursery.start(self.gateway.serve)
+        if self.config.gateway:   # verifiers rollouts run on asyncio
+            from actors.env.libs._verifiers import AsyncioLoop
+
+            self.asyncio_loop = AsyncioLoop()
+            await nursery.start(self.asyncio_loop.serve)
 
     @endpoint
     async def run_episode(self, sampler: ActorRef | Mesh, task: TaskSpec,
@@ -121,8 +130,10 @@ class EnvActor(Actor):
 
         self.running += 1
         try:
-            if self.gateway is not None:
+            if self.config.harness is not None:
                 traj = await self._harness_episode(sampler, generate, task, sampling, min_version)
+            elif task.task.startswith("verifiers:"):
+                traj = await self._verifiers_episode(sampler, task, sampling, min_version)
             else:
                 traj = await play_episode(
                     generate, GenerateRequest, task, sampling, min_version,
@@ -154,6 +165,35 @@ class EnvActor(Actor):
         with span("rollout", task=task.task, prompt_id=task.prompt_id, group_id=task.group_id,
                   kind="harness") as sp:
             traj, stats = await play_harness_episode(self.gateway, cfg, task, gen, limits, min_version, end)
+            for k, v in {"pool": traj.pool, "turn": traj.turns, "reward": traj.reward, "failed": traj.failed,
+                         "tokens": int(traj.tokens.numel()), "generated": traj.num_generated, **stats}.items():
+                sp.set_attribute(k, v)
+        return traj
+
+    async def _verifiers_episode(self, sampler: ActorRef | Mesh, task: TaskSpec,
+                                 sampling: SamplingParams, min_version: int) -> Trajectory:
+        """One rollout of a verifiers environment against a new gateway session, on one
+        sampler rank (as a harness episode)."""
+        from actors.env.libs._verifiers import play_verifiers_episode
+        from actors.gateway import SessionLimits
+
+        if self.gateway is None:
+            raise RuntimeError("verifiers tasks need EnvConfig(gateway=True)")
+        ref = sampler[random.randrange(len(sampler))] if isinstance(sampler, Mesh) else sampler
+
+        async def gen(req: GenerateRequest) -> GenerateResult:
+            return await ref.generate.call_one(req)
+
+        async def end(session_id: str) -> Any:
+            return await ref.end_session.call_one(session_id)
+
+        limits = SessionLimits(sampling, self.config.max_seq_len, sampling.max_new_tokens, False)
+        with span("rollout", task=task.task, prompt_id=task.prompt_id, group_id=task.group_id,
+                  kind="verifiers") as sp:
+            traj, stats = await play_verifiers_episode(
+                self.gateway, self.asyncio_loop, task.task.partition(":")[2], task, gen, limits,
+                min_version, end,
+                timeout_s=self.config.step_timeout_s, max_new_tokens=sampling.max_new_tokens)
             for k, v in {"pool": traj.pool, "turn": traj.turns, "reward": traj.reward, "failed": traj.failed,
                          "tokens": int(traj.tokens.numel()), "generated": traj.num_generated, **stats}.items():
                 sp.set_attribute(k, v)

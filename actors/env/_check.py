@@ -15,6 +15,7 @@ from typing import Any
 
 from actors.env._interface import registered_tasks, task_factory
 from actors.env._modules import TaskModuleError, import_task_module
+from actors.env.libs import LibraryMissing
 
 __all__ = ["TaskCheckError", "check_task"]
 
@@ -39,7 +40,10 @@ def check_task(name: str, params: dict[str, Any] | None = None, modules: Iterabl
             cause = e.__cause__
             raise TaskCheckError(f"task.modules: cannot import {module!r}: "
                                  f"{type(cause).__name__}: {_first_line(cause)}") from None
-    factory = task_factory(name)
+    try:
+        factory = task_factory(name)
+    except LibraryMissing as e:
+        raise TaskCheckError(str(e)) from None
     if factory is None:
         raise TaskCheckError(f"task.name: unknown task {name!r} (registered: {', '.join(registered_tasks())})")
     validate = getattr(factory, "validate_params", None)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import logging
 import time
 import traceback
 from contextlib import nullcontext
@@ -31,6 +32,8 @@ from actors.env._watchdog import LoopWatchdog
 from actors.types import SamplingParams, TaskSpec, Trajectory
 
 __all__ = ["EnvCalls", "EpisodeBuilder", "EpisodeLimits", "play_episode"]
+
+log = logging.getLogger(__name__)
 
 
 class EpisodeTimeout(Exception):
@@ -186,6 +189,9 @@ async def play_episode(
     the rollout span also carries the generated tokens of earlier segments, not trained
     on, as ``dropped_generated``).
 
+    The environment's ``close()`` runs once the episode has ended, however it ended (but
+    not when the caller cancels it); its failure is logged, the trajectory stands.
+
     Errors: an exception from the environment or the sampler, or a timeout, ends
     the episode as ``failed=True`` with the error text, the tail of its traceback
     and reward 0 (the tokens so far are kept for inspection). Cancellation of the
@@ -195,6 +201,7 @@ async def play_episode(
     builder = EpisodeBuilder([])
     reward, turns, pool = 0.0, 0, ""
     segments, dropped = 1, 0   # segments played; generated tokens of the earlier ones
+    env: Any = None
     with span("rollout", task=task.task, prompt_id=task.prompt_id, group_id=task.group_id) as sp:
         try:
             env = await _call_env(calls, None, task.task, make_env, task, timeout=limits.step_timeout_s,
@@ -267,6 +274,12 @@ async def play_episode(
             traj = builder.build(task=task, pool=pool, reward=0.0, turns=turns,
                                  seconds=time.perf_counter() - t0, failed=True, error=error,
                                  error_traceback=tail)
+        if isinstance(env, Environment) and type(env).close is not Environment.close:
+            try:
+                await _call_env(calls, env, task.task, env.close, timeout=limits.step_timeout_s,
+                                what="close")
+            except Exception as exc:  # noqa: BLE001 - the trajectory stands; the close failed
+                log.warning("task %r: environment close failed: %s: %s", task.task, type(exc).__name__, exc)
         traj.segments = segments
         _set(sp, pool=traj.pool, turn=traj.turns, reward=traj.reward, failed=traj.failed,
              tokens=int(traj.tokens.numel()), generated=traj.num_generated, segments=segments,

@@ -97,6 +97,10 @@ class Environment:
              action_ids: list[int]) -> StepOutcome | Awaitable[StepOutcome]:
         raise NotImplementedError(f"{type(self).__name__}.step")
 
+    def close(self) -> None | Awaitable[None]:
+        """Release what the episode held (a connection, a sandbox); called once the episode
+        has ended, however it ended, plain methods in a worker thread. Nothing by default."""
+
 
 EnvFactory = Callable[..., Environment]
 _REGISTRY: dict[str, EnvFactory] = {}
@@ -128,8 +132,16 @@ def registered_tasks() -> list[str]:
 
 
 def task_factory(name: str) -> EnvFactory | None:
-    """The factory registered under ``name``, or None."""
-    return _REGISTRY.get(name)
+    """The factory registered under ``name``, or None. A library task's name
+    (``"reasoning_gym:<dataset>"``, ``"openenv:<client>"``: ``actors.env.libs``) resolves
+    to its adapter, which raises ``LibraryMissing`` naming the extra when the library is
+    not installed."""
+    factory = _REGISTRY.get(name)
+    if factory is None and ":" in name:
+        from actors.env.libs import library_factory
+
+        factory = library_factory(name)
+    return factory
 
 
 def make_env(task: TaskSpec) -> Environment:
@@ -138,7 +150,7 @@ def make_env(task: TaskSpec) -> Environment:
     Raises KeyError naming the task when it is not registered, TypeError naming the
     parameters when the factory rejects them.
     """
-    factory = _REGISTRY.get(task.task)
+    factory = task_factory(task.task)
     if factory is None:
         raise KeyError(f"unknown task {task.task!r}; registered: {registered_tasks()}")
     try:

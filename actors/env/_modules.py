@@ -13,12 +13,16 @@ import hashlib
 import importlib
 import importlib.util
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 __all__ = ["TaskModuleError", "import_task_module", "import_task_modules", "resolve_callable"]
+
+
+_FILE_IMPORT = threading.RLock()
 
 
 class TaskModuleError(ImportError):
@@ -42,19 +46,22 @@ def import_task_module(entry: str) -> ModuleType:
         if not path.is_file():
             raise FileNotFoundError(f"no such file {path}")
         name = f"flotilla_tasks_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
-        if name in sys.modules:
-            return sys.modules[name]
-        spec = importlib.util.spec_from_file_location(name, path)
-        if spec is None or spec.loader is None:
-            raise ImportError(f"cannot load {path} as a module")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        try:
-            spec.loader.exec_module(module)
-        except BaseException:
-            del sys.modules[name]
-            raise
-        return module
+        # Environments' worker threads may import the same file at once: one runs it, the
+        # others wait (a module in sys.modules before it has finished running is half made).
+        with _FILE_IMPORT:
+            if name in sys.modules:
+                return sys.modules[name]
+            spec = importlib.util.spec_from_file_location(name, path)
+            if spec is None or spec.loader is None:
+                raise ImportError(f"cannot load {path} as a module")
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module
+            try:
+                spec.loader.exec_module(module)
+            except BaseException:
+                del sys.modules[name]
+                raise
+            return module
     except Exception as e:  # noqa: BLE001 - any failure of user code becomes one line
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise TaskModuleError(f"task module {entry!r} failed to import: "

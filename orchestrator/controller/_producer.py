@@ -35,7 +35,7 @@ def task_for(ctx: RunContext, i: int) -> TaskSpec:
     params = dict(cfg.task.params)
     if ctx.dataset is not None:
         params.update(ctx.dataset.params(i, cfg.seed))
-    return TaskSpec(task=cfg.task.name, prompt_id=f"p{i}", group_id=f"g{i}",
+    return TaskSpec(task=cfg.task.task_name, prompt_id=f"p{i}", group_id=f"g{i}",
                     seed=cfg.seed * 1_000_003 + i, params=params)
 
 

@@ -44,7 +44,7 @@ def eval_tasks(cfg: Any, dataset: TaskDataset | None, episodes: int) -> list[Any
         params = dict(cfg.task.params)
         if dataset is not None:
             params.update(dataset.rows[i % len(dataset)])
-        out.append(TaskSpec(task=cfg.task.name, prompt_id=f"eval{i}", group_id=f"eval{i}",
+        out.append(TaskSpec(task=cfg.task.task_name, prompt_id=f"eval{i}", group_id=f"eval{i}",
                             seed=EVAL_SEED_OFFSET + cfg.seed * 1_000_003 + i, params=params))
     return out
 

@@ -12,6 +12,8 @@
 * the task: `[task] modules` import (dotted names or `.py` paths), `[task] name` is
   registered, and the task accepts its parameters (`actors.env.check_task` with
   `[task] params` merged with the first row of each dataset);
+* a library kind (`actors.env.libs`): its extra is installed (else one line naming it), and
+  its dataset, client class or verifiers environment loads with `[task] params`;
 * the datasets load.
 
 GPU memory is not checked here (this check sees host memory only): a CUDA trainer or
@@ -130,6 +132,9 @@ def _check_task(cfg: RunConfig, dataset: Any, eval_dataset: Any) -> list[str]:
     if cfg.task.kind == "harness":   # no registered environment: the harness is the task
         _check_harness(cfg)
         return modules
+    if cfg.task.kind == "verifiers":   # played via the gateway: load the environment once
+        _check_verifiers(cfg, modules)
+        return modules
     if cfg.eval.every and dataset is not None and eval_dataset is None:
         raise ConfigError("eval: task.dataset is set but task.eval_dataset is not (evaluation "
                           "plays held-out rows)")
@@ -138,10 +143,31 @@ def _check_task(cfg: RunConfig, dataset: Any, eval_dataset: Any) -> list[str]:
         samples.insert(0, ({}, ""))
     for row, where in samples:
         try:
-            check_task(cfg.task.name, {**cfg.task.params, **row}, modules)
+            check_task(cfg.task.task_name, {**cfg.task.params, **row}, modules)
         except TaskCheckError as e:
             raise ConfigError(f"{e} (with {where})" if where else str(e)) from None
     return modules
+
+
+def _check_verifiers(cfg: RunConfig, modules: list[str]) -> None:
+    """verifiers is installed, the task modules import, and the environment loads with its
+    args and has a dataset to play."""
+    from actors.env import TaskModuleError, import_task_modules
+    from actors.env.libs import LibraryMissing
+    from actors.env.libs._verifiers import check_environment
+
+    try:
+        import_task_modules(modules)   # the environment may live in one of them
+    except TaskModuleError as e:
+        raise ConfigError(f"task.modules: {e}") from None
+    try:
+        check_environment(cfg.task.name, cfg.task.params)
+    except LibraryMissing as e:
+        raise ConfigError(str(e)) from None
+    except Exception as e:  # noqa: BLE001 - whatever loading the user's environment raises
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ConfigError(f"task.name: verifiers environment {cfg.task.name!r} with params "
+                          f"{cfg.task.params} failed to load: {type(e).__name__}: {msg}") from None
 
 
 def _check_harness(cfg: RunConfig) -> None:

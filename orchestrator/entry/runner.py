@@ -286,7 +286,10 @@ async def _run_async(cfg: RunConfig, *, resume: bool, progress: Progress | None,
 
 
 def _env_config(cfg: RunConfig, env_config: Any) -> Any:
-    """`[task] kind = "harness"` gives the environment actors the gateway's harness."""
+    """`[task] kind = "harness"` gives the environment actors the gateway's harness;
+    `kind = "verifiers"` the gateway alone (each rollout opens a session of it)."""
+    if cfg.task.kind == "verifiers":
+        return env_config.model_copy(update={"gateway": True})
     if cfg.task.kind != "harness":
         return env_config
     from actors.gateway import HarnessConfig

@@ -130,9 +130,12 @@ class ModelSection(_Section):
 
 class TaskSection(_Section):
     name: str = "guess_number"
-    """A registered task: `guess_number`, `arithmetic`, or one a user registered."""
+    """A registered task: `guess_number`, `arithmetic`, or one a user registered; for a
+    library `kind`, the library's own name (a reasoning-gym dataset, a verifiers environment
+    id or `module:function`, an OpenEnv client class `module:Class`)."""
     params: dict[str, Any] = Field(default_factory=dict)
-    """Task parameters (for guess_number: n, max_turns)."""
+    """Task parameters (for guess_number: n, max_turns; for a library kind: its generator's,
+    `load_environment`'s or the OpenEnv adapter's, see docs/harnesses.md)."""
     env_actors: int = Field(default=1, ge=1)
     """Environment actor processes; each runs many episodes concurrently."""
     episode_timeout_s: float = Field(default=60.0, gt=0)
@@ -154,11 +157,16 @@ class TaskSection(_Section):
     `params` (rows shuffled per epoch with the run's seed)."""
     eval_dataset: str | None = None
     """Held-out rows for `[eval]` (never trained on); None: fresh seeds of the task."""
-    kind: Literal["env", "harness"] = "env"
+    kind: Literal["env", "harness", "reasoning_gym", "verifiers", "openenv"] = "env"
     """`env`: episodes of the registered environment `name`. `harness`: every episode runs an
     agent harness against an OpenAI-compatible gateway session (actors.gateway); give
     `command` or `entrypoint`; `episode_timeout_s` bounds the harness; dataset rows become
-    the harness's tasks."""
+    the harness's tasks. Environment libraries (actors.env.libs; each an optional extra):
+    `reasoning_gym` (`name` a dataset, `params` its generator's config, rewarded by its
+    scorer), `verifiers` (`name` an installed environment id or `module:function`, `params`
+    its `load_environment` args, rewarded by its rubric, played via a gateway session),
+    `openenv` (`name` the environment's client class `module:Class`, `params.base_url` its
+    server)."""
     command: str | None = None
     """Harness: a command run once per episode (`python my_agent.py {task}`, `{task}` = the
     task's params as JSON), with OPENAI_BASE_URL and OPENAI_API_KEY set for its session."""
@@ -174,9 +182,21 @@ class TaskSection(_Section):
         given = [f for f in ("command", "entrypoint", "grader") if getattr(self, f) is not None]
         if self.kind == "harness" and (self.command is None) == (self.entrypoint is None):
             raise ValueError("kind = 'harness' needs exactly one of command or entrypoint")
-        if self.kind == "env" and given:
+        if self.kind != "harness" and given:
             raise ValueError(f"{', '.join(given)} only apply to kind = 'harness'")
+        if self.kind == "verifiers" and (self.dataset or self.eval_dataset):
+            raise ValueError("kind = 'verifiers' plays the environment's own dataset; remove "
+                             "dataset / eval_dataset")
+        if self.kind not in ("env", "harness") and "name" not in self.model_fields_set:
+            raise ValueError(f"kind = {self.kind!r} needs name (the library's dataset, "
+                             f"environment id or client class)")
         return self
+
+    @property
+    def task_name(self) -> str:
+        """The name episodes carry (`TaskSpec.task`): `name`, or `"<kind>:<name>"` for a
+        library kind (`actors.env.libs` resolves it)."""
+        return self.name if self.kind in ("env", "harness") else f"{self.kind}:{self.name}"
 
 
 class RolloutSection(_Section):
@@ -398,11 +418,12 @@ def check_runnable(cfg: RunConfig) -> None:
         raise ConfigError(str(e)) from None
     if cfg.trainer.device == "cuda" and cuda == 0:
         raise ConfigError("trainer.device: 'cuda' but this machine has no CUDA GPU; use \"cpu\"")
-    if cfg.task.dataset is not None or cfg.task.kind == "harness":
+    if cfg.task.dataset is not None or cfg.task.kind in ("harness", "verifiers"):
         # Rows complete the params / a harness is no registered task: orchestrator.entry.preflight
-        # checks the task on its rows, and the harness's entrypoint, grader and command.
+        # checks the task on its rows, the harness's entrypoint, grader and command, and a
+        # verifiers environment.
         return
     try:
-        check_task(cfg.task.name, cfg.task.params, cfg.task.modules)
+        check_task(cfg.task.task_name, cfg.task.params, cfg.task.modules)
     except TaskCheckError as e:
         raise ConfigError(str(e)) from None
