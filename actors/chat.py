@@ -33,6 +33,7 @@ JSON reply.
 
 Importing this module does not import ``transformers`` or torch.
 """
+
 from __future__ import annotations
 
 import json
@@ -89,9 +90,15 @@ class ChatFormat(Protocol):
         """Text of ``ids``; special tokens dropped unless ``skip_special`` is False."""
         ...
 
-    def render_new(self, history: Sequence[Message], new: Sequence[Message], *,
-                   generated: Sequence[int] | None, tools: Sequence[dict] | None,
-                   turn: int) -> list[int]:
+    def render_new(
+        self,
+        history: Sequence[Message],
+        new: Sequence[Message],
+        *,
+        generated: Sequence[int] | None,
+        tools: Sequence[dict] | None,
+        turn: int,
+    ) -> list[int]:
         """Ids to append so that ``history + new`` ends with the assistant's generation prompt.
 
         ``generated`` is the ids of the last assistant reply when ``history`` ends with
@@ -120,7 +127,7 @@ class Conversation:
         self.tools = list(tools) if tools else None
         self.messages: list[Message] = []
         self.ids: list[int] = []
-        self._generated: list[int] | None = None   # ids of the reply that ends `messages`
+        self._generated: list[int] | None = None  # ids of the reply that ends `messages`
 
     def add(self, messages: Message | Sequence[Message] | str) -> list[int]:
         """Append user/system/tool turns; return the new ids (ending with the generation prompt).
@@ -132,10 +139,13 @@ class Conversation:
         new = _as_messages(messages)
         for i, m in enumerate(new):
             if m.get("role") == "assistant":
-                raise ValueError(f"turn {len(self.messages) + i}: assistant turns are added with "
-                                 "add_reply (their ids come from the sampler)")
-        ids = self.fmt.render_new(self.messages, new, generated=self._generated,
-                                  tools=self.tools, turn=len(self.messages))
+                raise ValueError(
+                    f"turn {len(self.messages) + i}: assistant turns are added with "
+                    "add_reply (their ids come from the sampler)"
+                )
+        ids = self.fmt.render_new(
+            self.messages, new, generated=self._generated, tools=self.tools, turn=len(self.messages)
+        )
         self.messages += new
         self.ids += ids
         self._generated = None
@@ -151,8 +161,9 @@ class Conversation:
         return msg
 
     @classmethod
-    def from_messages(cls, fmt: ChatFormat, messages: Sequence[Message],
-                      tools: Sequence[dict] | None = None) -> Conversation:
+    def from_messages(
+        cls, fmt: ChatFormat, messages: Sequence[Message], tools: Sequence[dict] | None = None
+    ) -> Conversation:
         """A conversation holding ``messages`` as context, ending with the generation prompt.
 
         For a history the running conversation cannot be extended to (a template that
@@ -168,8 +179,9 @@ class Conversation:
             conv.add(list(messages))
             return conv
         if messages[-1].get("role") == "assistant":
-            raise ValueError(f"messages[{len(messages) - 1}]: the last message is an assistant turn; "
-                             "there is nothing to answer")
+            raise ValueError(
+                f"messages[{len(messages) - 1}]: the last message is an assistant turn; there is nothing to answer"
+            )
         if isinstance(fmt, HFChatFormat):
             conv.ids = fmt.encode(fmt.render(messages, generation_prompt=True, tools=tools))
             conv.messages = [dict(m) for m in messages]
@@ -187,8 +199,7 @@ class Conversation:
                 conv.add_reply(fmt.encode(str(m.get("content") or "")))
             conv.add(pending)
             return conv
-        raise ValueError(f"{type(fmt).__name__} cannot render a history with assistant turns it did not "
-                         "generate")
+        raise ValueError(f"{type(fmt).__name__} cannot render a history with assistant turns it did not generate")
 
 
 def _as_messages(messages: Message | Sequence[Message] | str) -> list[Message]:
@@ -228,6 +239,7 @@ def parse_tool_calls(text: str, style: str) -> tuple[str, list[dict[str, Any]]]:
     """
     calls: list[dict[str, Any]] = []
     if style == "hermes":
+
         def take(m: re.Match[str]) -> str:
             try:
                 obj = json.loads(m.group(1))
@@ -235,6 +247,7 @@ def parse_tool_calls(text: str, style: str) -> tuple[str, list[dict[str, Any]]]:
                 return ""
             except (ValueError, AttributeError):
                 return m.group(0)
+
         content = _HERMES.sub(take, text)
         return (content.strip() if calls else content), calls
     if style == "mistral" and "[TOOL_CALLS]" in text:
@@ -270,6 +283,7 @@ def _tool_style(template: str) -> str:
 
 # ---------------------------------------------------------------------------- HF tokenizer
 
+
 class HFChatFormat:
     """A Hugging Face tokenizer and its chat template (see the module docstring).
 
@@ -280,8 +294,7 @@ class HFChatFormat:
     Raises ValueError when the tokenizer has no chat template.
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase,
-                 template_kwargs: dict[str, Any] | None = None) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, template_kwargs: dict[str, Any] | None = None) -> None:
         template = tokenizer.chat_template
         if not template:
             raise ValueError(f"tokenizer {tokenizer.name_or_path!r} has no chat_template")
@@ -298,8 +311,9 @@ class HFChatFormat:
         if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in stops:
             stops.append(tokenizer.eos_token_id)
         if not stops:
-            raise ValueError(f"tokenizer {tokenizer.name_or_path!r} has no eos token "
-                             "(an assistant turn could never end)")
+            raise ValueError(
+                f"tokenizer {tokenizer.name_or_path!r} has no eos token (an assistant turn could never end)"
+            )
         self._stop_ids = stops
 
     @classmethod
@@ -321,22 +335,34 @@ class HFChatFormat:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def decode(self, ids: Sequence[int], *, skip_special: bool = True) -> str:
-        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special,
-                                     clean_up_tokenization_spaces=False)
+        return self.tokenizer.decode(
+            [int(i) for i in ids], skip_special_tokens=skip_special, clean_up_tokenization_spaces=False
+        )
 
-    def render(self, messages: Sequence[Message], *, generation_prompt: bool,
-               tools: Sequence[dict] | None = None) -> str:
+    def render(
+        self, messages: Sequence[Message], *, generation_prompt: bool, tools: Sequence[dict] | None = None
+    ) -> str:
         """The template's text for ``messages`` (with the assistant generation prompt or not)."""
         out = self.tokenizer.apply_chat_template(
-            [_text_content(m, self) for m in messages], tools=list(tools) if tools else None, tokenize=False,
-            add_generation_prompt=generation_prompt, **self.template_kwargs)
+            [_text_content(m, self) for m in messages],
+            tools=list(tools) if tools else None,
+            tokenize=False,
+            add_generation_prompt=generation_prompt,
+            **self.template_kwargs,
+        )
         if not isinstance(out, str):
             raise TypeError(f"apply_chat_template returned {type(out).__name__}, expected str")
         return out
 
-    def render_new(self, history: Sequence[Message], new: Sequence[Message], *,
-                   generated: Sequence[int] | None, tools: Sequence[dict] | None,
-                   turn: int) -> list[int]:
+    def render_new(
+        self,
+        history: Sequence[Message],
+        new: Sequence[Message],
+        *,
+        generated: Sequence[int] | None,
+        tools: Sequence[dict] | None,
+        turn: int,
+    ) -> list[int]:
         if not new:
             raise ValueError(f"turn {turn}: no new messages to add")
         after = self.render([*history, *new], generation_prompt=True, tools=tools)
@@ -350,11 +376,18 @@ class HFChatFormat:
             raise ChatTemplateError(
                 f"turn {turn} ({new[0].get('role')}): the chat template is not prefix-preserving "
                 f"(rendering with the new turn rewrites earlier text at character {at}: "
-                f"{before[at:][:40]!r} became {after[at:][:40]!r})")
-        return self.encode(closing + after[len(before):])
+                f"{before[at:][:40]!r} became {after[at:][:40]!r})"
+            )
+        return self.encode(closing + after[len(before) :])
 
-    def _closing(self, history: Sequence[Message], with_reply: str, generated: Sequence[int],
-                 tools: Sequence[dict] | None, turn: int) -> str:
+    def _closing(
+        self,
+        history: Sequence[Message],
+        with_reply: str,
+        generated: Sequence[int],
+        tools: Sequence[dict] | None,
+        turn: int,
+    ) -> str:
         """The template's text that closes the reply held as ``generated`` (the last message
         of ``history``, whose rendering is ``with_reply``).
 
@@ -366,25 +399,28 @@ class HFChatFormat:
         follows the held ids.
         """
         prompt = self.render(history[:-1], generation_prompt=True, tools=tools)
-        marked = self.render([*history[:-1], {"role": "assistant", "content": _MARK}],
-                             generation_prompt=False, tools=tools)
+        marked = self.render(
+            [*history[:-1], {"role": "assistant", "content": _MARK}], generation_prompt=False, tools=tools
+        )
         for rendering in (marked, with_reply):
             if not rendering.startswith(prompt):
                 at = _diverge(prompt, rendering)
                 raise ChatTemplateError(
                     f"turn {turn} (assistant): the chat template is not prefix-preserving (the "
                     f"text before the reply changes once the reply is rendered, at character {at}: "
-                    f"{prompt[at:][:40]!r} became {rendering[at:][:40]!r})")
+                    f"{prompt[at:][:40]!r} became {rendering[at:][:40]!r})"
+                )
         if marked.count(_MARK) != 1:
             raise ChatTemplateError(
                 f"turn {turn} (assistant): the chat template does not render an assistant "
-                "message's content once, as it is (the end of the reply cannot be placed)")
-        closing = marked[marked.index(_MARK) + len(_MARK):]
+                "message's content once, as it is (the end of the reply cannot be placed)"
+            )
+        closing = marked[marked.index(_MARK) + len(_MARK) :]
         if generated and int(generated[-1]) in self._stop_ids:
             stop_text = self.decode([int(generated[-1])], skip_special=False)
             at = closing.find(stop_text) if stop_text else -1
             if at >= 0:
-                return closing[at + len(stop_text):]
+                return closing[at + len(stop_text) :]
         return closing
 
     def parse_reply(self, generated: Sequence[int]) -> Message:
@@ -428,6 +464,7 @@ def _diverge(a: str, b: str) -> int:
 
 # ---------------------------------------------------------------------------- word tokenizer
 
+
 class WordChatFormat:
     """The built-in word tokenizer's chat layout as a ``ChatFormat`` (the CPU demo's).
 
@@ -454,19 +491,28 @@ class WordChatFormat:
     def decode(self, ids: Sequence[int], *, skip_special: bool = True) -> str:
         return self.chat.decode(ids, skip_special=skip_special)
 
-    def render_new(self, history: Sequence[Message], new: Sequence[Message], *,
-                   generated: Sequence[int] | None, tools: Sequence[dict] | None,
-                   turn: int) -> list[int]:
+    def render_new(
+        self,
+        history: Sequence[Message],
+        new: Sequence[Message],
+        *,
+        generated: Sequence[int] | None,
+        tools: Sequence[dict] | None,
+        turn: int,
+    ) -> list[int]:
         if tools:
-            raise ValueError("the built-in word tokenizer has no tool-call format; "
-                             "use a model directory with a chat template")
+            raise ValueError(
+                "the built-in word tokenizer has no tool-call format; use a model directory with a chat template"
+            )
         ids: list[int] = [] if history else [self.chat.bos_id]
         if generated is not None:
             ids += self.chat.close_assistant(generated)
         for i, m in enumerate(new):
             if m.get("role") != "user":
-                raise ValueError(f"turn {turn + i}: the built-in word tokenizer has only user and "
-                                 f"assistant turns, got role {m.get('role')!r}")
+                raise ValueError(
+                    f"turn {turn + i}: the built-in word tokenizer has only user and "
+                    f"assistant turns, got role {m.get('role')!r}"
+                )
             content = m.get("content", "")
             ids += self.chat.user_turn(content if isinstance(content, (str, list)) else str(content))
         return ids
@@ -475,8 +521,7 @@ class WordChatFormat:
         return {"role": "assistant", "content": self.chat.decode(generated)}
 
 
-def load_chat_format(model_path: str | Path | None,
-                     template_kwargs: dict[str, Any] | None = None) -> ChatFormat:
+def load_chat_format(model_path: str | Path | None, template_kwargs: dict[str, Any] | None = None) -> ChatFormat:
     """The chat format of a run: the checkpoint's tokenizer when ``model_path`` holds one,
     else the built-in word tokenizer. ``template_kwargs`` go to the chat template (e.g.
     ``{"enable_thinking": False}`` for Qwen3).

@@ -102,8 +102,7 @@ def load_model_config(config: dict[str, Any] | str | Path) -> PretrainedConfig:
     model_type = fields.pop("model_type", "qwen3")
     if model_type not in SUPPORTED_MODEL_TYPES:
         supported = ", ".join(f"{k} ({v})" for k, v in SUPPORTED_MODEL_TYPES.items())
-        raise ValueError(f"model config: model_type {model_type!r} is not supported; "
-                         f"supported: {supported}")
+        raise ValueError(f"model config: model_type {model_type!r} is not supported; supported: {supported}")
     # Saved configs carry bookkeeping keys that the strict config init refuses.
     for key in ("transformers_version", "_name_or_path", "dtype", "torch_dtype"):
         fields.pop(key, None)
@@ -185,17 +184,20 @@ def _load_checkpoint(model: PreTrainedModel, directory: Path) -> None:
     missing = sorted(set(expected) - set(state))
     unknown = sorted(set(state) - set(expected))
     if missing or unknown:
-        raise CheckpointError(f"checkpoint {directory}: missing tensors {missing[:5]}, "
-                              f"unknown tensors {unknown[:5]}"
-                              + (f" ({len(missing) + len(unknown)} in all)" if len(missing) + len(unknown) > 10 else ""))
+        raise CheckpointError(
+            f"checkpoint {directory}: missing tensors {missing[:5]}, "
+            f"unknown tensors {unknown[:5]}"
+            + (f" ({len(missing) + len(unknown)} in all)" if len(missing) + len(unknown) > 10 else "")
+        )
     for name, tensor in state.items():
         if tuple(tensor.shape) != tuple(expected[name].shape):
             raise CheckpointError(
                 f"{where[name]}: tensor {name} has shape {tuple(tensor.shape)}, "
                 f"model expects {tuple(expected[name].shape)}"
             )
-    model.load_state_dict({k: v.to(torch.float32) for k, v in state.items()},
-                          strict=not model.config.tie_word_embeddings)
+    model.load_state_dict(
+        {k: v.to(torch.float32) for k, v in state.items()}, strict=not model.config.tie_word_embeddings
+    )
 
 
 def checkpoint_params(directory: str | Path) -> tuple[int, int]:

@@ -8,6 +8,7 @@ library on a few texts, ``make_checkpoint`` saves a model of a family (``qwen3``
 
 torch and transformers are imported inside the functions.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -53,24 +54,48 @@ CHATML_TEMPLATE = """\
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>")
 
 _BASE: dict[str, Any] = {
-    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-    "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "hidden_act": "silu",
-    "initializer_range": 0.02, "tie_word_embeddings": False,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6,
+    "hidden_act": "silu",
+    "initializer_range": 0.02,
+    "tie_word_embeddings": False,
 }
 
 FAMILIES: dict[str, dict[str, Any]] = {
-    "qwen3": {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"],
-              "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
-    "qwen2": {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"],
-              "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
-    "llama": {"model_type": "llama", "architectures": ["LlamaForCausalLM"],
-              "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                                  "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                  "original_max_position_embeddings": 64}},
-    "mistral": {"model_type": "mistral", "architectures": ["MistralForCausalLM"],
-                "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
-                "sliding_window": None},
+    "qwen3": {
+        "model_type": "qwen3",
+        "architectures": ["Qwen3ForCausalLM"],
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    },
+    "qwen2": {
+        "model_type": "qwen2",
+        "architectures": ["Qwen2ForCausalLM"],
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    },
+    "llama": {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "rope_parameters": {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    },
+    "mistral": {
+        "model_type": "mistral",
+        "architectures": ["MistralForCausalLM"],
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        "sliding_window": None,
+    },
 }
 """Per-family config fields on top of the tiny shape (Llama 3 with its rope scaling)."""
 
@@ -83,8 +108,9 @@ def family_config(family: str, vocab_size: int, **overrides: Any) -> dict[str, A
     return {**_BASE, **FAMILIES[family], "vocab_size": vocab, **overrides}
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int = 400,
-                    chat_template: str = CHATML_TEMPLATE) -> PreTrainedTokenizerFast:
+def train_tokenizer(
+    texts: Iterable[str], vocab_size: int = 400, chat_template: str = CHATML_TEMPLATE
+) -> PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer trained on ``texts`` here, with ChatML specials and template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -92,20 +118,33 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 400,
     core = Tokenizer(models.BPE())
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     core.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIALS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIALS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     core.train_from_iterator(list(texts), trainer)
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>",
-                                  pad_token="<|endoftext|>",
-                                  additional_special_tokens=["<|im_start|>", "<tool_call>", "</tool_call>"])
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>", "<tool_call>", "</tool_call>"],
+    )
     tok.chat_template = chat_template
     return tok
 
 
-def make_checkpoint(out: str | Path, family: str = "qwen3", *, texts: Iterable[str] = (),
-                    seed: int = 0, tokenizer: PreTrainedTokenizerFast | None = None,
-                    shard_size: str | None = None, **overrides: Any) -> Path:
+def make_checkpoint(
+    out: str | Path,
+    family: str = "qwen3",
+    *,
+    texts: Iterable[str] = (),
+    seed: int = 0,
+    tokenizer: PreTrainedTokenizerFast | None = None,
+    shard_size: str | None = None,
+    **overrides: Any,
+) -> Path:
     """Save a tiny random-init ``family`` model with a locally trained tokenizer to ``out``.
 
     ``shard_size`` (e.g. ``"20KB"``) splits the safetensors into shards as large
@@ -115,8 +154,11 @@ def make_checkpoint(out: str | Path, family: str = "qwen3", *, texts: Iterable[s
     from transformers import AutoConfig, AutoModelForCausalLM
 
     out = Path(out)
-    tok = tokenizer if tokenizer is not None else train_tokenizer(
-        list(texts) or ["hello world, this is a tiny corpus of words and 0123456789 digits."])
+    tok = (
+        tokenizer
+        if tokenizer is not None
+        else train_tokenizer(list(texts) or ["hello world, this is a tiny corpus of words and 0123456789 digits."])
+    )
     fields = family_config(family, len(tok), **overrides)
     fields["bos_token_id"] = None
     fields["eos_token_id"] = tok.eos_token_id

@@ -16,6 +16,7 @@ so the ids the trainer sees are exactly the ids the sampler was conditioned on.
 
 Importing this module does not import ``transformers``; building the tokenizer does.
 """
+
 from __future__ import annotations
 
 import functools
@@ -38,8 +39,7 @@ __all__ = [
     "default_chat_tokens",
 ]
 
-PAD, BOS, EOS, USER, ASSISTANT, END = (
-    "<pad>", "<bos>", "<eos>", "<|user|>", "<|assistant|>", "<|end|>")
+PAD, BOS, EOS, USER, ASSISTANT, END = ("<pad>", "<bos>", "<eos>", "<|user|>", "<|assistant|>", "<|end|>")
 SPECIAL_TOKENS: tuple[str, ...] = (PAD, BOS, EOS, USER, ASSISTANT, END)
 UNK_TOKEN = "<unk>"
 MAX_INT = 63
@@ -47,17 +47,41 @@ MAX_INT = 63
 
 TASK_WORDS: tuple[str, ...] = (
     # guess_number
-    "guess", "the", "number", "from", "to", "in", "turns", "turn",
-    "higher", "lower", "correct", "invalid", "wrong", "left",
+    "guess",
+    "the",
+    "number",
+    "from",
+    "to",
+    "in",
+    "turns",
+    "turn",
+    "higher",
+    "lower",
+    "correct",
+    "invalid",
+    "wrong",
+    "left",
     # arithmetic
-    "what", "is", "+", "-", "=", "?",
+    "what",
+    "is",
+    "+",
+    "-",
+    "=",
+    "?",
     # generic
-    ".", ",", "yes", "no", "answer", "a", "and", "you", "have",
+    ".",
+    ",",
+    "yes",
+    "no",
+    "answer",
+    "a",
+    "and",
+    "you",
+    "have",
 )
 """Words the built-in tasks use; kept short so the vocabulary stays < 128."""
 
-VOCAB: tuple[str, ...] = (
-    SPECIAL_TOKENS + (UNK_TOKEN,) + tuple(str(i) for i in range(MAX_INT + 1)) + TASK_WORDS)
+VOCAB: tuple[str, ...] = SPECIAL_TOKENS + (UNK_TOKEN,) + tuple(str(i) for i in range(MAX_INT + 1)) + TASK_WORDS
 """The default vocabulary in id order: specials, <unk>, integers 0..63, words."""
 VOCAB_SIZE = len(VOCAB)
 """Number of tokens in the default vocabulary (the model rounds it up to a multiple of 8)."""
@@ -101,7 +125,10 @@ def build_tokenizer(extra_words: Sequence[str] = ()) -> PreTrainedTokenizerFast:
     core.pre_tokenizer = WhitespaceSplit()
     tok = PreTrainedTokenizerFast(
         tokenizer_object=core,
-        pad_token=PAD, bos_token=BOS, eos_token=EOS, unk_token=UNK_TOKEN,
+        pad_token=PAD,
+        bos_token=BOS,
+        eos_token=EOS,
+        unk_token=UNK_TOKEN,
         additional_special_tokens=[USER, ASSISTANT, END],
     )
     tok.chat_template = WORD_CHAT_TEMPLATE
@@ -117,8 +144,7 @@ class ChatTokens:
     ``transformers`` wrapper is only built when ``.tokenizer`` is first read.
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerFast | None = None,
-                 extra_words: Sequence[str] = ()) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerFast | None = None, extra_words: Sequence[str] = ()) -> None:
         if tokenizer is not None and extra_words:
             raise ValueError("pass either a tokenizer or extra_words, not both")
         self._hf = tokenizer
@@ -195,8 +221,9 @@ class ChatTokens:
         ids = [int(i) for i in content]
         for pos, i in enumerate(ids):
             if not 0 <= i < self.vocab_size:
-                raise ValueError(f"observation token {i} at position {pos} is outside the "
-                                 f"vocabulary (size {self.vocab_size})")
+                raise ValueError(
+                    f"observation token {i} at position {pos} is outside the vocabulary (size {self.vocab_size})"
+                )
         return ids
 
     def user_turn(self, content: str | Sequence[int]) -> list[int]:

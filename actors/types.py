@@ -6,6 +6,7 @@ model saw it, which tokens the sampler generated (the loss mask), the support
 record of every generated token and the policy version that produced it.
 All are pydantic models, so they travel on the runtime's wire as they are.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -124,19 +125,22 @@ class Trajectory(BaseModel):
         if self.loss_mask.numel() != L:
             raise ValueError(f"Trajectory.loss_mask has {self.loss_mask.numel()} entries, tokens {L}")
         if self.support_offsets.numel() != n + 1:
-            raise ValueError(f"Trajectory.support_offsets has {self.support_offsets.numel()} entries; "
-                             f"expected {n + 1} (one row per generated token + 1)")
+            raise ValueError(
+                f"Trajectory.support_offsets has {self.support_offsets.numel()} entries; "
+                f"expected {n + 1} (one row per generated token + 1)"
+            )
         if self.versions.numel() != n:
-            raise ValueError(f"Trajectory.versions has {self.versions.numel()} entries; "
-                             f"expected {n} (one per generated token)")
+            raise ValueError(
+                f"Trajectory.versions has {self.versions.numel()} entries; expected {n} (one per generated token)"
+            )
         nnz = self.support_ids.numel()
         if self.support_logq.numel() != nnz:
-            raise ValueError(f"Trajectory.support_logq has {self.support_logq.numel()} entries, "
-                             f"support_ids {nnz}")
+            raise ValueError(f"Trajectory.support_logq has {self.support_logq.numel()} entries, support_ids {nnz}")
         off = self.support_offsets
         if int(off[0]) != 0 or int(off[-1]) != nnz or bool((off[1:] < off[:-1]).any()):
-            raise ValueError(f"Trajectory.support_offsets must start at 0, be non-decreasing and "
-                             f"end at len(support_ids)={nnz}")
+            raise ValueError(
+                f"Trajectory.support_offsets must start at 0, be non-decreasing and end at len(support_ids)={nnz}"
+            )
         return self
 
     @property

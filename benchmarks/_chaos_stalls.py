@@ -80,8 +80,11 @@ class ConsoleTap:
 
     def max_per_minute(self, windows: list[tuple[float, float]]) -> int:
         """The most log lines (progress lines excepted) in any 60 s inside `windows`."""
-        times = sorted(t for t, ln in self.lines if ln.strip() and not ln.startswith(STEP_LINE)
-                       and any(a <= t <= b for a, b in windows))
+        times = sorted(
+            t
+            for t, ln in self.lines
+            if ln.strip() and not ln.startswith(STEP_LINE) and any(a <= t <= b for a, b in windows)
+        )
         best, lo = 0, 0
         for hi, t in enumerate(times):
             while t - times[lo] > 60.0:
@@ -102,9 +105,12 @@ def _fresh_env() -> dict[str, str]:
 
 def _start_host(keys: Path, bind: str) -> tuple[subprocess.Popen[bytes], str]:
     env = _fresh_env()
-    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.entry.cli", "host", "--bind", bind,
-                             "--keys", str(keys)], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                            env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator.entry.cli", "host", "--bind", bind, "--keys", str(keys)],
+        stdout=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        env=env,
+    )
     assert proc.stdout is not None
     lines = [proc.stdout.readline().decode() for _ in range(2)]
     if not lines[1]:
@@ -133,9 +139,19 @@ def _longest_gap(steps: list[float], lo: float, hi: float) -> float:
 class StallSchedule:
     """The faults of the stall phase, run from inside the run (`run_async(observer=...)`)."""
 
-    def __init__(self, tap: ConsoleTap, host: list[Any], host_keys: Path, address: str, *,
-                 warm: int, normal: int, freeze_s: float, host_down_s: float,
-                 reattach_wait_s: float) -> None:
+    def __init__(
+        self,
+        tap: ConsoleTap,
+        host: list[Any],
+        host_keys: Path,
+        address: str,
+        *,
+        warm: int,
+        normal: int,
+        freeze_s: float,
+        host_down_s: float,
+        reattach_wait_s: float,
+    ) -> None:
         self.tap, self.host, self.host_keys, self.address = tap, host, host_keys, address
         self.warm, self.normal, self.freeze_s, self.host_down_s = warm, normal, freeze_s, host_down_s
         self.reattach_wait_s = reattach_wait_s
@@ -196,8 +212,12 @@ class StallSchedule:
         back = self.tap.first("sampler h100-fp8/0 is back", m["restart"])
         windows = [(m["freeze"], m["kill"]), (m["kill"], m["end"])]
         if os.environ.get("FLOTILLA_STALLS_DEBUG"):
-            print("DEBUG", {k: round(v - m["freeze"], 2) for k, v in m.items()},
-                  [round(t - m["freeze"], 2) for t in st], file=sys.stderr)
+            print(
+                "DEBUG",
+                {k: round(v - m["freeze"], 2) for k, v in m.items()},
+                [round(t - m["freeze"], 2) for t in st],
+                file=sys.stderr,
+            )
         return {
             "normal_step_s": round(statistics.median(normal), 3),
             "frozen_sampler_stall_s": round(_longest_gap(st, m["freeze"], m["thaw"]), 3),
@@ -215,9 +235,9 @@ def run_stalls(quick: bool, unresponsive_after_s: float | None = None) -> dict[s
     `unresponsive_after_s`: the run's `[faults]` setting (None: its default)."""
     import trio
 
+    from orchestrator.entry.runner import run_async
     from orchestrator.state.config import load_config
     from orchestrator.state.progress import Progress
-    from orchestrator.entry.runner import run_async
 
     tmp = Path(tempfile.mkdtemp(prefix="flotilla-stalls-"))
     host_keys, keys = _keys(tmp)
@@ -234,10 +254,17 @@ def run_stalls(quick: bool, unresponsive_after_s: float | None = None) -> dict[s
                 raw["faults"] = {"unresponsive_after_s": unresponsive_after_s}
             raw["pools"][1].update(hosts=[address], keys=str(keys))
             cfg = load_config(raw=raw)
-            schedule = StallSchedule(tap, host, host_keys, address, warm=3, normal=6 if quick else 15,
-                                     freeze_s=8.0 if quick else 60.0,
-                                     host_down_s=6.0 if quick else 30.0,
-                                     reattach_wait_s=30.0 if quick else 120.0)
+            schedule = StallSchedule(
+                tap,
+                host,
+                host_keys,
+                address,
+                warm=3,
+                normal=6 if quick else 15,
+                freeze_s=8.0 if quick else 60.0,
+                host_down_s=6.0 if quick else 30.0,
+                reattach_wait_s=30.0 if quick else 120.0,
+            )
             trio.run(lambda: run_async(cfg, progress=Progress(cfg.steps), observer=schedule))
     finally:
         if host[0] is not None:

@@ -49,7 +49,7 @@ def _xor_middle(path: Path) -> None:
 def _nan_middle(path: Path) -> None:
     data = bytearray(path.read_bytes())
     mid = len(data) // 2
-    data[mid:mid + 64] = b"\xff" * 64
+    data[mid : mid + 64] = b"\xff" * 64
     path.write_bytes(bytes(data))
 
 
@@ -75,8 +75,12 @@ def _bump_seq(ckpt: Path) -> None:
 
 
 _MODEL, _OPT = "model/model.safetensors", "optimizer.safetensors"
-_DAMAGE = {"xor_model": (_MODEL, _xor_middle), "nan_model": (_MODEL, _nan_middle),
-           "nan_optimizer": (_OPT, _nan_middle), "bad_header": (_MODEL, _bad_header)}
+_DAMAGE = {
+    "xor_model": (_MODEL, _xor_middle),
+    "nan_model": (_MODEL, _nan_middle),
+    "nan_optimizer": (_OPT, _nan_middle),
+    "bad_header": (_MODEL, _bad_header),
+}
 
 
 def _try_resume(run_dir: Path) -> tuple[Path | None, str]:
@@ -154,8 +158,11 @@ def corrupt_checkpoint_cases(checkpoint: Path, work: Path) -> dict[str, Any]:
     chosen, said = _try_resume(run_dir)
     loaded += chosen is not None
     cases["all_corrupted"] = "loaded" if chosen is not None else f"refused: {said}"
-    return {"corrupt_checkpoints_loaded": loaded, "corrupt_checkpoint_cases": len(cases),
-            "corrupt_checkpoint_outcomes": {k: v[:200] for k, v in cases.items()}}
+    return {
+        "corrupt_checkpoints_loaded": loaded,
+        "corrupt_checkpoint_cases": len(cases),
+        "corrupt_checkpoint_outcomes": {k: v[:200] for k, v in cases.items()},
+    }
 
 
 # -- the console of a live run --------------------------------------------------------------

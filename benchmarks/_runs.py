@@ -26,8 +26,17 @@ ROOT = Path(__file__).resolve().parents[1]
 
 DEMO = ROOT / "examples" / "guess_number.toml"
 
-__all__ = ["DEMO", "ROOT", "CpuWatch", "RunOutput", "demo_raw", "intervals_union", "load_average", "run_raw",
-           "run_variants"]
+__all__ = [
+    "DEMO",
+    "ROOT",
+    "CpuWatch",
+    "RunOutput",
+    "demo_raw",
+    "intervals_union",
+    "load_average",
+    "run_raw",
+    "run_variants",
+]
 
 
 def demo_raw() -> dict[str, Any]:
@@ -209,15 +218,25 @@ class CpuWatch:
             wait[key[0]] = wait.get(key[0], 0.0) + (w - w0) / 1e9
         machine_busy = (last[1] - first[1]) / 1e9
         ours = sum(cpu.values())
-        return {"seconds": (last[0] - first[0]) / 1e9, "cpu_s": cpu, "wait_s": wait,
-                "machine_busy_s": machine_busy, "steal_s": (last[2] - first[2]) / 1e9,
-                "others_cpu_s": max(0.0, machine_busy - ours)}
+        return {
+            "seconds": (last[0] - first[0]) / 1e9,
+            "cpu_s": cpu,
+            "wait_s": wait,
+            "machine_busy_s": machine_busy,
+            "steal_s": (last[2] - first[2]) / 1e9,
+            "others_cpu_s": max(0.0, machine_busy - ours),
+        }
 
 
-def run_variants(names: list[str], n_seeds: int, steps: int,
-                 build: Callable[[str, int], dict[str, Any]],
-                 figures: Callable[[list[dict[str, Any]]], dict[str, float]],
-                 record: Path | None = None, run: bool = True) -> dict[str, list[dict[str, float]]]:
+def run_variants(
+    names: list[str],
+    n_seeds: int,
+    steps: int,
+    build: Callable[[str, int], dict[str, Any]],
+    figures: Callable[[list[dict[str, Any]]], dict[str, float]],
+    record: Path | None = None,
+    run: bool = True,
+) -> dict[str, list[dict[str, float]]]:
     """Run every variant in `names` over seeds 0..n_seeds-1 (`build(name, seed)` gives the
     raw config), one after another, seed by seed (every variant's seed 0 first, so a run
     stopped early still compares all variants); each run's `figures(metrics)`, per variant,
@@ -250,6 +269,11 @@ def run_variants(names: list[str], n_seeds: int, steps: int,
             if record is not None:
                 with record.open("a") as f:
                     f.write(json.dumps({"variant": name, "seed": seed, "steps": steps, "figures": figs}) + "\n")
-            print(f"  {name} seed {seed}: " + ", ".join(f"{k} {v:.4g}" for k, v in figs.items())
-                  + f" ({result.total_s:.0f}s, load {load_average()})", file=sys.stderr, flush=True)
+            print(
+                f"  {name} seed {seed}: "
+                + ", ".join(f"{k} {v:.4g}" for k, v in figs.items())
+                + f" ({result.total_s:.0f}s, load {load_average()})",
+                file=sys.stderr,
+                flush=True,
+            )
     return {name: per_seed for name, per_seed in out.items() if per_seed}

@@ -40,7 +40,7 @@ import statistics
 import time
 from typing import Any
 
-from _runs import demo_raw, load_average, run_variants  # noqa: E402
+from _runs import demo_raw, load_average, run_variants
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "full": {"mask_replay": True, "importance": "mis", "score_centering": True},
@@ -103,8 +103,7 @@ def main() -> None:
     args = p.parse_args()
     steps = args.steps or (6 if args.quick else 30)
     n_seeds = args.seeds or (1 if args.quick else 3)
-    names = (args.variants.split(",") if args.variants else
-             ["full", "plain_grpo"] if args.quick else list(VARIANTS))
+    names = args.variants.split(",") if args.variants else ["full", "plain_grpo"] if args.quick else list(VARIANTS)
     unknown = [v for v in names if v not in VARIANTS]
     if unknown:
         p.error(f"--variants: unknown {unknown}; choose from {list(VARIANTS)}")
@@ -115,32 +114,58 @@ def main() -> None:
     torch.set_num_threads(1)
     load_before = load_average()
     t0 = time.monotonic()
-    runs = run_variants(names, n_seeds, steps, lambda name, seed: build_raw(name, seed, steps, args.with_bf16),
-                        lambda metrics: run_figures(metrics, last))
-    results: dict[str, dict[str, Any]] = {name: {**VARIANTS[name], **summarize(per_seed)}
-                                          for name, per_seed in runs.items()}
+    runs = run_variants(
+        names,
+        n_seeds,
+        steps,
+        lambda name, seed: build_raw(name, seed, steps, args.with_bf16),
+        lambda metrics: run_figures(metrics, last),
+    )
+    results: dict[str, dict[str, Any]] = {
+        name: {**VARIANTS[name], **summarize(per_seed)} for name, per_seed in runs.items()
+    }
     total = time.monotonic() - t0
     load_after = load_average()
 
     demo = demo_raw()
     pools = f"FP8 pool (staleness budget {FP8_BUDGET})" + (" + BF16 pool (budget 2)" if args.with_bf16 else "")
-    print(f"\nguess_number {demo['task'].get('params')}, {demo['rollout']['prompts_per_step']} prompts x "
-          f"{demo['rollout']['group_size']} rollouts per step, lr {demo['trainer']['lr']}, async, {pools}; "
-          f"{steps} steps, {n_seeds} seed(s) per variant; final = mean reward of the last {last} steps, "
-          f"AUC = mean reward over all steps; means over seeds (max grad norm: max over seeds)")
+    print(
+        f"\nguess_number {demo['task'].get('params')}, {demo['rollout']['prompts_per_step']} prompts x "
+        f"{demo['rollout']['group_size']} rollouts per step, lr {demo['trainer']['lr']}, async, {pools}; "
+        f"{steps} steps, {n_seeds} seed(s) per variant; final = mean reward of the last {last} steps, "
+        f"AUC = mean reward over all steps; means over seeds (max grad norm: max over seeds)"
+    )
     print(f"load average before {load_before}, after {load_after}; {total:.0f}s\n")
     cols = ("final_reward", "auc_reward", "max_grad_norm", "mismatch_kl", "masked_fraction", "staleness_mean")
-    print("| variant | replay | IS | centering | final reward (min..max) | AUC | max grad norm | mismatch KL "
-          "| masked | staleness |")
+    print(
+        "| variant | replay | IS | centering | final reward (min..max) | AUC | max grad norm | mismatch KL "
+        "| masked | staleness |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
-        print(f"| {name} | {r['mask_replay']} | {r['importance']} | {r['score_centering']} | "
-              f"{r['final_reward']:.3f} ({r['final_reward_min']:.3f}..{r['final_reward_max']:.3f}) | "
-              + " | ".join(f"{r[c]:.4g}" for c in cols[1:]) + " |")
-    print(json.dumps({"benchmark": "ablation", "quick": args.quick, "steps": steps, "seeds": n_seeds,
-                      "final_last_steps": last, "pools": pools, "variants_run": names,
-                      "load_avg_before": load_before, "load_avg_after": load_after,
-                      "total_s": round(total, 1), "variants": results}))
+        print(
+            f"| {name} | {r['mask_replay']} | {r['importance']} | {r['score_centering']} | "
+            f"{r['final_reward']:.3f} ({r['final_reward_min']:.3f}..{r['final_reward_max']:.3f}) | "
+            + " | ".join(f"{r[c]:.4g}" for c in cols[1:])
+            + " |"
+        )
+    print(
+        json.dumps(
+            {
+                "benchmark": "ablation",
+                "quick": args.quick,
+                "steps": steps,
+                "seeds": n_seeds,
+                "final_last_steps": last,
+                "pools": pools,
+                "variants_run": names,
+                "load_avg_before": load_before,
+                "load_avg_after": load_after,
+                "total_s": round(total, 1),
+                "variants": results,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -60,8 +60,12 @@ def _pct(samples: list[float], q: float) -> float:
 
 
 def _sizes(quick: bool) -> dict[str, int]:
-    return {"rtt": 3000 if quick else 10000, "conc_rounds": 3 if quick else 7,
-            "echo16": 3 if quick else 7, "echo256": 1 if quick else 3}
+    return {
+        "rtt": 3000 if quick else 10000,
+        "conc_rounds": 3 if quick else 7,
+        "echo16": 3 if quick else 7,
+        "echo256": 1 if quick else 3,
+    }
 
 
 def _tensor(nbytes: int) -> Any:
@@ -107,10 +111,9 @@ async def _flotilla(quick: bool, rtt_only: bool = False) -> dict[str, float]:
                     nursery.start_soon(one, i)
             rates.append(1000 / (time.perf_counter() - t))
         out["calls_per_s"] = statistics.median(rates)
-        for key, size, reps in (("echo16_gbps", 16 * MB, n["echo16"]),
-                                ("echo256_gbps", 256 * MB, n["echo256"])):
+        for key, size, reps in (("echo16_gbps", 16 * MB, n["echo16"]), ("echo256_gbps", 256 * MB, n["echo256"])):
             x = _tensor(size)
-            await ep.call_one(x[: 1024])  # the actor imports torch on its first tensor
+            await ep.call_one(x[:1024])  # the actor imports torch on its first tensor
             # The first transfer of a size also allocates its shared-memory segments on both
             # sides; it is reported apart, the figure is the steady state that reuses them.
             t = time.perf_counter()
@@ -160,9 +163,11 @@ def _monarch(quick: bool) -> dict[str, float]:
                 t = time.perf_counter()
                 await actor.echo.call_one(x)
                 speeds.append(2 * 16 * MB / (time.perf_counter() - t) / 1e9)
-            return {"monarch_rtt_p50_us": _pct(rtts, 0.5) * 1e6,
-                    "monarch_rtt_p99_us": _pct(rtts, 0.99) * 1e6,
-                    "monarch_echo16_gbps": statistics.median(speeds)}
+            return {
+                "monarch_rtt_p50_us": _pct(rtts, 0.5) * 1e6,
+                "monarch_rtt_p99_us": _pct(rtts, 0.99) * 1e6,
+                "monarch_echo16_gbps": statistics.median(speeds),
+            }
         finally:
             await procs.stop()
 
@@ -176,6 +181,7 @@ def _ray(quick: bool) -> dict[str, float]:
     n = _sizes(quick)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
+
         @ray.remote
         class RayEcho:
             def echo(self, x: Any) -> Any:
@@ -196,8 +202,11 @@ def _ray(quick: bool) -> dict[str, float]:
             t = time.perf_counter()
             ray.get(actor.echo.remote(x))
             speeds.append(2 * 16 * MB / (time.perf_counter() - t) / 1e9)
-        return {"ray_rtt_p50_us": _pct(rtts, 0.5) * 1e6, "ray_rtt_p99_us": _pct(rtts, 0.99) * 1e6,
-                "ray_echo16_gbps": statistics.median(speeds)}
+        return {
+            "ray_rtt_p50_us": _pct(rtts, 0.5) * 1e6,
+            "ray_rtt_p99_us": _pct(rtts, 0.99) * 1e6,
+            "ray_echo16_gbps": statistics.median(speeds),
+        }
     finally:
         ray.shutdown()
 
@@ -206,10 +215,18 @@ def _run_peer(peer: str, quick: bool) -> dict[str, float]:
     """Run one peer in a subprocess so its runtime cannot disturb ours (or crash the run)."""
     cmd = [sys.executable, __file__, "--peer", peer] + (["--quick"] if quick else [])
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=25 if quick else 180,
-                              check=False,
-                              env={**os.environ, "RAY_DISABLE_USAGE_STATS": "1",
-                                   **({"FLOTILLA_SHM": "0"} if peer == "zmq" else {"FLOTILLA_SPIN_US": "0"})})
+        proc = subprocess.run(
+            cmd,
+            capture_output=True,
+            text=True,
+            timeout=25 if quick else 180,
+            check=False,
+            env={
+                **os.environ,
+                "RAY_DISABLE_USAGE_STATS": "1",
+                **({"FLOTILLA_SHM": "0"} if peer == "zmq" else {"FLOTILLA_SPIN_US": "0"}),
+            },
+        )
     except subprocess.TimeoutExpired:
         print(f"{peer}: timed out, reported absent", file=sys.stderr)
         return {}
@@ -247,17 +264,19 @@ def main() -> None:
     result: dict[str, Any] = trio.run(_flotilla, args.quick)
     result.update(_run_peer("park", args.quick))
     result.update(_run_peer("zmq", args.quick))
-    print(f"flotilla: rtt p50 {result['rtt_p50_us']:.0f} us, p99 {result['rtt_p99_us']:.0f} us, "
-          f"{result['calls_per_s']:.0f} calls/s, echo 16 MB {result['echo16_gbps']:.2f} GB/s, "
-          f"256 MB {result['echo256_gbps']:.2f} GB/s (through ZeroMQ instead of /dev/shm: "
-          f"{result.get('zmq_echo16_gbps', float('nan')):.2f}, "
-          f"{result.get('zmq_echo256_gbps', float('nan')):.2f})", file=sys.stderr)
+    print(
+        f"flotilla: rtt p50 {result['rtt_p50_us']:.0f} us, p99 {result['rtt_p99_us']:.0f} us, "
+        f"{result['calls_per_s']:.0f} calls/s, echo 16 MB {result['echo16_gbps']:.2f} GB/s, "
+        f"256 MB {result['echo256_gbps']:.2f} GB/s (through ZeroMQ instead of /dev/shm: "
+        f"{result.get('zmq_echo16_gbps', float('nan')):.2f}, "
+        f"{result.get('zmq_echo256_gbps', float('nan')):.2f})",
+        file=sys.stderr,
+    )
     if not args.no_peers:
         for peer in ("monarch", "ray"):
             figures = _run_peer(peer, args.quick)
             if figures:
-                print(f"{peer}: " + ", ".join(f"{k} {v:.2f}" for k, v in figures.items()),
-                      file=sys.stderr)
+                print(f"{peer}: " + ", ".join(f"{k} {v:.2f}" for k, v in figures.items()), file=sys.stderr)
             result.update(figures)
     if "monarch_rtt_p50_us" in result:
         result["rtt_speedup_vs_monarch"] = result["monarch_rtt_p50_us"] / result["rtt_p50_us"]

@@ -52,6 +52,7 @@ async_s, speedup, ideal_speedup, efficiency, t_gen, t_train, steps (and the rest
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -59,26 +60,28 @@ import sys
 import time
 from typing import Any
 
-from _runs import RunOutput, demo_raw, intervals_union, load_average, run_raw  # noqa: E402
+from _runs import RunOutput, demo_raw, intervals_union, load_average, run_raw
 
 
 def build_raw(args: argparse.Namespace, mode: str) -> dict[str, Any]:
     raw = demo_raw()
     raw.update(name=f"async-vs-sync-{mode}", mode=mode, steps=args.steps, seed=args.seed)
     raw["pools"] = raw["pools"][:1]  # one sampler "device"
-    raw["model"] = {"seed": args.seed, "overrides": {
-        "hidden_size": args.hidden, "intermediate_size": args.intermediate}}
+    raw["model"] = {
+        "seed": args.seed,
+        "overrides": {"hidden_size": args.hidden, "intermediate_size": args.intermediate},
+    }
     raw["task"]["params"] = {**raw["task"].get("params", {}), "max_turns": args.max_turns}
-    raw["rollout"].update(prompts_per_step=args.prompts, group_size=args.group,
-                          max_buffered_groups=args.prompts)  # at most one batch ahead
+    raw["rollout"].update(
+        prompts_per_step=args.prompts, group_size=args.group, max_buffered_groups=args.prompts
+    )  # at most one batch ahead
     raw.setdefault("trainer", {})["lr"] = args.lr
     raw["placement"] = {"trainer_cpus": [0], "sampler_cpus": [1], "threads_per_actor": 1}
     return raw
 
 
 def _spans(out: RunOutput, name: str, service: str = "controller") -> list[dict[str, Any]]:
-    return sorted((s for s in out.spans if s["name"] == name and s["service"] == service),
-                  key=lambda s: s["start_ns"])
+    return sorted((s for s in out.spans if s["name"] == name and s["service"] == service), key=lambda s: s["start_ns"])
 
 
 def _dur(s: dict[str, Any]) -> float:
@@ -105,8 +108,12 @@ def sync_phases(out: RunOutput) -> dict[str, float]:
         synced = [a["end_ns"] for a in applies if lo <= a["start_ns"] < first_rollout]
         if synced:
             sync.append((max(synced) - lo) / 1e9)
-    return {"t_gen": _mean(gen), "t_train_step": _mean(train), "t_sync": _mean(sync),
-            "t_train": _mean(train) + (_mean(sync) if sync else 0.0)}
+    return {
+        "t_gen": _mean(gen),
+        "t_train_step": _mean(train),
+        "t_sync": _mean(sync),
+        "t_train": _mean(train) + (_mean(sync) if sync else 0.0),
+    }
 
 
 def _phase_s(out: RunOutput) -> float:
@@ -118,9 +125,16 @@ def _roles(out: RunOutput) -> dict[int, str]:
     roles = {os.getpid(): "controller"}
     for s in out.spans:
         svc = s["service"]
-        roles.setdefault(s["pid"], "trainer" if svc.startswith("trainer") else
-                         "sampler" if svc.startswith("sampler") else
-                         "env" if svc.startswith("env") else svc)
+        roles.setdefault(
+            s["pid"],
+            "trainer"
+            if svc.startswith("trainer")
+            else "sampler"
+            if svc.startswith("sampler")
+            else "env"
+            if svc.startswith("env")
+            else svc,
+        )
     return roles
 
 
@@ -133,10 +147,14 @@ def cpu_figures(out: RunOutput) -> dict[str, float]:
     if not w:
         return {}
     roles = _roles(out)
-    fig: dict[str, float] = {"window_s": w["seconds"], "others_cpu_s": w["others_cpu_s"],
-                             "steal_s": w["steal_s"]}
-    for key, group in (("trainer", {"trainer"}), ("core1", {"controller", "sampler", "env"}),
-                       ("controller", {"controller"}), ("sampler", {"sampler"}), ("env", {"env"})):
+    fig: dict[str, float] = {"window_s": w["seconds"], "others_cpu_s": w["others_cpu_s"], "steal_s": w["steal_s"]}
+    for key, group in (
+        ("trainer", {"trainer"}),
+        ("core1", {"controller", "sampler", "env"}),
+        ("controller", {"controller"}),
+        ("sampler", {"sampler"}),
+        ("env", {"env"}),
+    ):
         fig[f"{key}_cpu_s"] = sum(v for p, v in w["cpu_s"].items() if roles.get(p) in group)
         fig[f"{key}_wait_s"] = sum(v for p, v in w["wait_s"].items() if roles.get(p) in group)
     return {k: round(v, 3) for k, v in fig.items()}
@@ -155,10 +173,17 @@ def cpu_projection(cpu: dict[str, dict[str, float]], steps: int) -> dict[str, fl
     aa, ab = a["trainer_cpu_s"] / steps, a["core1_cpu_s"] / steps
     speedup = (sa + sb) / max(aa, ab)
     ideal = (sa + sb) / max(sa, sb)
-    return {"sync_trainer_cpu_per_step": sa, "sync_core1_cpu_per_step": sb,
-            "async_trainer_cpu_per_step": aa, "async_core1_cpu_per_step": ab,
-            "sync_step_s": sa + sb, "async_step_s": max(aa, ab), "speedup": speedup,
-            "ideal_speedup": ideal, "efficiency": speedup / ideal}
+    return {
+        "sync_trainer_cpu_per_step": sa,
+        "sync_core1_cpu_per_step": sb,
+        "async_trainer_cpu_per_step": aa,
+        "async_core1_cpu_per_step": ab,
+        "sync_step_s": sa + sb,
+        "async_step_s": max(aa, ab),
+        "speedup": speedup,
+        "ideal_speedup": ideal,
+        "efficiency": speedup / ideal,
+    }
 
 
 def async_figures(out: RunOutput) -> dict[str, float]:
@@ -166,7 +191,7 @@ def async_figures(out: RunOutput) -> dict[str, float]:
     lo, hi = trains[0]["end_ns"], trains[-1]["end_ns"]
     window = (hi - lo) / 1e9
     steps = trains[1:]
-    gaps = [(b["start_ns"] - a["end_ns"]) / 1e9 for a, b in zip(trains, trains[1:])]
+    gaps = [(b["start_ns"] - a["end_ns"]) / 1e9 for a, b in itertools.pairwise(trains)]
     applies = [a for a in _spans(out, "weights.apply") if lo <= a["start_ns"] < hi]
     rollouts = [r for r in _spans(out, "rollout") if lo <= r["end_ns"] < hi]
     m = out.metrics
@@ -189,9 +214,16 @@ def pair_figures(runs: dict[str, RunOutput]) -> dict[str, Any]:
     ph = sync_phases(runs["sync"])
     sync_s, async_s = _phase_s(runs["sync"]), _phase_s(runs["async"])
     ideal = (ph["t_gen"] + ph["t_train"]) / max(ph["t_gen"], ph["t_train"])
-    return {"sync_s": sync_s, "async_s": async_s, "phases": ph, "async": async_figures(runs["async"]),
-            "cpu": {mode: cpu_figures(out) for mode, out in runs.items()},
-            "speedup": sync_s / async_s, "ideal_speedup": ideal, "efficiency": sync_s / async_s / ideal}
+    return {
+        "sync_s": sync_s,
+        "async_s": async_s,
+        "phases": ph,
+        "async": async_figures(runs["async"]),
+        "cpu": {mode: cpu_figures(out) for mode, out in runs.items()},
+        "speedup": sync_s / async_s,
+        "ideal_speedup": ideal,
+        "efficiency": sync_s / async_s / ideal,
+    }
 
 
 def _fmt(x: float) -> str:
@@ -209,8 +241,9 @@ def main() -> None:
     p.add_argument("--prompts", type=int, help="prompts (GRPO groups) per step (default 16; quick 8)")
     p.add_argument("--group", type=int, default=8, help="rollouts per prompt")
     p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--repeats", type=int, default=1,
-                   help="sync/async pairs, run alternately; their timed steps are pooled")
+    p.add_argument(
+        "--repeats", type=int, default=1, help="sync/async pairs, run alternately; their timed steps are pooled"
+    )
     args = p.parse_args()
     args.steps = args.steps or (4 if args.quick else 16)
     args.hidden = args.hidden or (256 if args.quick else 640)
@@ -249,61 +282,109 @@ def main() -> None:
     efficiency = speedup / ideal
     sync_step, async_step = sync_s / (n * args.repeats), async_s / (n * args.repeats)
     af = {k: statistics.fmean(f["async"][k] for f in pairs) for k in pairs[0]["async"]}
-    cpu = {mode: {k: round(sum(f["cpu"][mode].get(k, 0.0) for f in pairs), 3) for k in pairs[0]["cpu"][mode]}
-           for mode in ("sync", "async")}
+    cpu = {
+        mode: {k: round(sum(f["cpu"][mode].get(k, 0.0) for f in pairs), 3) for k in pairs[0]["cpu"][mode]}
+        for mode in ("sync", "async")
+    }
     proj = {k: round(v, 3) for k, v in cpu_projection(cpu, n * args.repeats).items()}
     params = _param_count(args)
 
-    print(f"\nconfig: guess_number n={demo_raw()['task']['params'].get('n')} max_turns={args.max_turns}, "
-          f"{args.prompts} prompts x {args.group} rollouts per step, model hidden {args.hidden} / "
-          f"intermediate {args.intermediate} ({params / 1e6:.1f} M params), lr {args.lr}, one BF16 pool "
-          f"(staleness budget {build_raw(args, 'async')['pools'][0]['staleness_budget']}), trainer on "
-          f"core 0, sampler+env+controller on core 1, 1 thread each; {args.steps} steps, steps 2..{args.steps} timed, "
-          f"{args.repeats} sync/async pair(s)")
+    print(
+        f"\nconfig: guess_number n={demo_raw()['task']['params'].get('n')} max_turns={args.max_turns}, "
+        f"{args.prompts} prompts x {args.group} rollouts per step, model hidden {args.hidden} / "
+        f"intermediate {args.intermediate} ({params / 1e6:.1f} M params), lr {args.lr}, one BF16 pool "
+        f"(staleness budget {build_raw(args, 'async')['pools'][0]['staleness_budget']}), trainer on "
+        f"core 0, sampler+env+controller on core 1, 1 thread each; {args.steps} steps, steps 2..{args.steps} timed, "
+        f"{args.repeats} sync/async pair(s)"
+    )
     print(f"load average before {load_before}, after {load_after}\n")
     print("| phase (sync run, per step) | seconds |\n|---|---|")
     for k in ("t_gen", "t_train_step", "t_sync", "t_train"):
         print(f"| {k} | {ph[k]:.3f} |")
     print(f"| overhead (step − t_gen − t_train) | {sync_step - t_gen - t_train:.3f} |")
-    print("\n| mode | timed s | s/step | trainer cpu s | trainer wait s | core-1 cpu s | core-1 wait s | others' cpu s |")
+    print(
+        "\n| mode | timed s | s/step | trainer cpu s | trainer wait s | core-1 cpu s | core-1 wait s | others' cpu s |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for mode, secs in (("sync", sync_s), ("async", async_s)):
         c = cpu[mode]
-        print(f"| {mode} | {secs:.2f} | {secs / (n * args.repeats):.3f} | {c.get('trainer_cpu_s', '-')} | {c.get('trainer_wait_s', '-')} "
-              f"| {c.get('core1_cpu_s', '-')} | {c.get('core1_wait_s', '-')} | {c.get('others_cpu_s', '-')} |")
+        print(
+            f"| {mode} | {secs:.2f} | {secs / (n * args.repeats):.3f} | {c.get('trainer_cpu_s', '-')} | {c.get('trainer_wait_s', '-')} "
+            f"| {c.get('core1_cpu_s', '-')} | {c.get('core1_wait_s', '-')} | {c.get('others_cpu_s', '-')} |"
+        )
     print("\nasync run: " + ", ".join(f"{k} {_fmt(v)}" for k, v in af.items()))
     bound = "generation" if af["trainer_busy_frac"] < 0.9 else "training"
-    print(f"speedup {speedup:.3f}, ideal {ideal:.3f}, efficiency {efficiency:.3f}; async step "
-          f"{async_step:.3f}s vs max(t_gen, t_train) {max(t_gen, t_train):.3f}s; the async trainer was busy "
-          f"{af['trainer_busy_frac']:.0%} of the time ({bound}-bound); its step took "
-          f"{af['train_step_s']:.3f}s vs {ph['t_train_step']:.3f}s in the sync run")
+    print(
+        f"speedup {speedup:.3f}, ideal {ideal:.3f}, efficiency {efficiency:.3f}; async step "
+        f"{async_step:.3f}s vs max(t_gen, t_train) {max(t_gen, t_train):.3f}s; the async trainer was busy "
+        f"{af['trainer_busy_frac']:.0%} of the time ({bound}-bound); its step took "
+        f"{af['train_step_s']:.3f}s vs {ph['t_train_step']:.3f}s in the sync run"
+    )
     if args.repeats > 1:
         for i, f in enumerate(pairs):
-            print(f"repeat {i + 1}: sync {f['sync_s']:.2f}s, async {f['async_s']:.2f}s, speedup {f['speedup']:.3f}, "
-                  f"ideal {f['ideal_speedup']:.3f}, efficiency {f['efficiency']:.3f}; others' cpu s: sync "
-                  f"{f['cpu']['sync'].get('others_cpu_s', '-')}, async {f['cpu']['async'].get('others_cpu_s', '-')}")
+            print(
+                f"repeat {i + 1}: sync {f['sync_s']:.2f}s, async {f['async_s']:.2f}s, speedup {f['speedup']:.3f}, "
+                f"ideal {f['ideal_speedup']:.3f}, efficiency {f['efficiency']:.3f}; others' cpu s: sync "
+                f"{f['cpu']['sync'].get('others_cpu_s', '-')}, async {f['cpu']['async'].get('others_cpu_s', '-')}"
+            )
     if proj:
-        print(f"CPU-time projection without other load (each device busy only with its own work): "
-              f"sync {proj['sync_step_s']:.3f}s/step, async {proj['async_step_s']:.3f}s/step, speedup "
-              f"{proj['speedup']:.3f}, ideal {proj['ideal_speedup']:.3f}, efficiency {proj['efficiency']:.3f}")
+        print(
+            f"CPU-time projection without other load (each device busy only with its own work): "
+            f"sync {proj['sync_step_s']:.3f}s/step, async {proj['async_step_s']:.3f}s/step, speedup "
+            f"{proj['speedup']:.3f}, ideal {proj['ideal_speedup']:.3f}, efficiency {proj['efficiency']:.3f}"
+        )
     print(f"total wall {total:.1f}s (start-up and shutdown included)", file=sys.stderr)
-    print(json.dumps({
-        "benchmark": "async_vs_sync", "quick": args.quick, "steps": args.steps, "timed_steps": n,
-        "repeats": args.repeats,
-        "sync_s": round(sync_s, 3), "async_s": round(async_s, 3), "speedup": round(speedup, 3),
-        "ideal_speedup": round(ideal, 3), "efficiency": round(efficiency, 3),
-        "t_gen": round(t_gen, 3), "t_train": round(t_train, 3), "t_train_step": round(ph["t_train_step"], 3),
-        "t_sync": round(ph["t_sync"], 3), "sync_step_s": round(sync_step, 3), "async_step_s": round(async_step, 3),
-        "async": {k: round(v, 3) if isinstance(v, float) else v for k, v in af.items()},
-        "per_repeat": [{**{k: round(f[k], 3) for k in ("sync_s", "async_s", "speedup", "ideal_speedup", "efficiency")},
-                        "others_cpu_s": {m: f["cpu"][m].get("others_cpu_s") for m in ("sync", "async")}}
-                       for f in pairs] if args.repeats > 1 else None,
-        "cpu": cpu, "cpu_projection": proj, "load_avg_before": load_before, "load_avg_after": load_after, "total_s": round(total, 1),
-        "config": {"hidden_size": args.hidden, "intermediate_size": args.intermediate, "params": params,
-                   "max_turns": args.max_turns, "prompts_per_step": args.prompts, "group_size": args.group,
-                   "lr": args.lr, "seed": args.seed, "pools": 1, "trainer_cpus": [0], "sampler_cpus": [1],
-                   "threads_per_actor": 1},
-    }))
+    print(
+        json.dumps(
+            {
+                "benchmark": "async_vs_sync",
+                "quick": args.quick,
+                "steps": args.steps,
+                "timed_steps": n,
+                "repeats": args.repeats,
+                "sync_s": round(sync_s, 3),
+                "async_s": round(async_s, 3),
+                "speedup": round(speedup, 3),
+                "ideal_speedup": round(ideal, 3),
+                "efficiency": round(efficiency, 3),
+                "t_gen": round(t_gen, 3),
+                "t_train": round(t_train, 3),
+                "t_train_step": round(ph["t_train_step"], 3),
+                "t_sync": round(ph["t_sync"], 3),
+                "sync_step_s": round(sync_step, 3),
+                "async_step_s": round(async_step, 3),
+                "async": {k: round(v, 3) if isinstance(v, float) else v for k, v in af.items()},
+                "per_repeat": [
+                    {
+                        **{k: round(f[k], 3) for k in ("sync_s", "async_s", "speedup", "ideal_speedup", "efficiency")},
+                        "others_cpu_s": {m: f["cpu"][m].get("others_cpu_s") for m in ("sync", "async")},
+                    }
+                    for f in pairs
+                ]
+                if args.repeats > 1
+                else None,
+                "cpu": cpu,
+                "cpu_projection": proj,
+                "load_avg_before": load_before,
+                "load_avg_after": load_after,
+                "total_s": round(total, 1),
+                "config": {
+                    "hidden_size": args.hidden,
+                    "intermediate_size": args.intermediate,
+                    "params": params,
+                    "max_turns": args.max_turns,
+                    "prompts_per_step": args.prompts,
+                    "group_size": args.group,
+                    "lr": args.lr,
+                    "seed": args.seed,
+                    "pools": 1,
+                    "trainer_cpus": [0],
+                    "sampler_cpus": [1],
+                    "threads_per_actor": 1,
+                },
+            }
+        )
+    )
 
 
 def _param_count(args: argparse.Namespace) -> int:

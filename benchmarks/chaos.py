@@ -54,7 +54,9 @@ from _chaos_stalls import run_stalls, run_stalls_apart
 from _runs import ROOT, demo_raw, load_average
 
 
-def _forgeries(keyframe: list[bytes], current: list[bytes], rng: random.Random, n: int) -> list[tuple[str, list[bytes]]]:
+def _forgeries(
+    keyframe: list[bytes], current: list[bytes], rng: random.Random, n: int
+) -> list[tuple[str, list[bytes]]]:
     """`n` bad messages: a byte flipped in a payload chunk, a forged version in the
     metadata, or the old keyframe replayed as it was."""
     out = []
@@ -81,8 +83,14 @@ class Schedule:
 
     def __init__(self, steps: int, rng: random.Random, every_steps: int) -> None:
         pools_at = sorted(rng.sample(range(4, steps // 2), 2))
-        self.kills = sorted([(pools_at[0], "pool0"), (pools_at[1], "pool1"), (steps // 4 + 1, "env"),
-                             (every_steps * 2 + every_steps // 2, "trainer")])
+        self.kills = sorted(
+            [
+                (pools_at[0], "pool0"),
+                (pools_at[1], "pool1"),
+                (steps // 4 + 1, "env"),
+                (every_steps * 2 + every_steps // 2, "trainer"),
+            ]
+        )
         self.inject_at = steps // 3
         self.stop_at = (steps * 2) // 3
         self.rng = rng
@@ -108,8 +116,13 @@ class Schedule:
                 self.keyframe = await meshes["trainer"][0].keyframe.call_one("bf16")
             if self.kills and step >= self.kills[0][0]:
                 what = self.kills.pop(0)[1]
-                mesh = meshes["trainer"] if what == "trainer" else meshes["env"] if what == "env" \
+                mesh = (
+                    meshes["trainer"]
+                    if what == "trainer"
+                    else meshes["env"]
+                    if what == "env"
                     else meshes[pools[int(what[-1]) % len(pools)]]
+                )
                 pid = mesh.pids[0]
                 t0, cpu0 = time.monotonic(), time.process_time()
                 os.kill(pid, signal.SIGKILL)
@@ -149,6 +162,7 @@ class Schedule:
 # Self-contained (benchmarks/_integrity.py): an observer that floods the env actor, run
 # beside the fault schedule; the corruption cases on a copy of the first run's checkpoint.
 
+
 class Flood:
     """Observer: once the run has trained `at_step` steps, floods the env actor's address
     with malformed messages; `window` is when (monotonic seconds), for the console count."""
@@ -183,17 +197,20 @@ class Flood:
 
 def both(*observers: Any) -> Any:
     """One `run_async` observer running several side by side (each may return early)."""
+
     async def observe(run: Any) -> None:
         import trio
 
         async with trio.open_nursery() as n:
             for o in observers:
                 n.start_soon(o, run)
+
     return observe
 
 
-def integrity_results(console: Any, run_span: tuple[float, float], flood_obs: Flood, checkpoint: Path,
-                      work: Path) -> dict[str, Any]:
+def integrity_results(
+    console: Any, run_span: tuple[float, float], flood_obs: Flood, checkpoint: Path, work: Path
+) -> dict[str, Any]:
     """`log_lines_per_minute_max`: the higher of the flood's rate and the busiest minute of
     the whole faulted run (console lines but the per-step progress line); then the
     corruption cases on `checkpoint`."""
@@ -215,6 +232,7 @@ def integrity_results(console: Any, run_span: tuple[float, float], flood_obs: Fl
     out["corrupt_checkpoint_cases_s"] = round(time.monotonic() - t0, 1)
     return out
 
+
 # -- end of corrupted checkpoints and log floods ------------------------------------------------
 
 
@@ -224,14 +242,27 @@ def main() -> None:
     ap.add_argument("--steps", type=int)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--only-stalls", action="store_true", help="only the frozen-sampler and host-loss run")
-    ap.add_argument("--unresponsive-after-s", type=float, default=None,
-                    help="the stall run's [faults] unresponsive_after_s (default: the config's)")
+    ap.add_argument(
+        "--unresponsive-after-s",
+        type=float,
+        default=None,
+        help="the stall run's [faults] unresponsive_after_s (default: the config's)",
+    )
     args = ap.parse_args()
     if args.only_stalls:
         t0 = time.monotonic()
         stalls = run_stalls(args.quick, args.unresponsive_after_s)
-        print(json.dumps({"benchmark": "chaos", "quick": args.quick, **stalls,
-                          "wall_s": round(time.monotonic() - t0, 1), "load_average": load_average()}))
+        print(
+            json.dumps(
+                {
+                    "benchmark": "chaos",
+                    "quick": args.quick,
+                    **stalls,
+                    "wall_s": round(time.monotonic() - t0, 1),
+                    "load_average": load_average(),
+                }
+            )
+        )
         return
     steps = args.steps or (40 if args.quick else 120)
     every = 5 if args.quick else 10
@@ -269,7 +300,10 @@ def main() -> None:
     c = second.counts
     lost = c["groups_in"] - c["groups_trained"] - c["groups_buffered"] - c["groups_skipped"]
     result = {
-        "benchmark": "chaos", "quick": args.quick, "steps": steps, "every_steps": every,
+        "benchmark": "chaos",
+        "quick": args.quick,
+        "steps": steps,
+        "every_steps": every,
         "run_completed": second.steps_done == steps and [r["step"] for r in rows] == list(range(1, steps + 1)),
         "interrupted_at": first.steps_done,
         "prompts_lost": lost,
@@ -282,7 +316,8 @@ def main() -> None:
         "bad_weight_messages_sent": schedule.bad_sent,
         "bad_weight_messages_accepted": schedule.bad_accepted,
         "controller_cpu_while_trainer_dead": round(schedule.cpu_while_dead, 3)
-        if schedule.cpu_while_dead is not None else None,
+        if schedule.cpu_while_dead is not None
+        else None,
         **integrity,
         "final_reward_10": round(sum(r["reward_mean"] for r in rows[-10:]) / min(10, len(rows)), 3),
         **run_stalls_apart(args.quick, args.unresponsive_after_s),

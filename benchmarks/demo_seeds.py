@@ -36,7 +36,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from _runs import load_average, run_raw  # noqa: E402
+from _runs import load_average, run_raw
 
 TARGET = 0.8
 WINDOW = 10
@@ -58,8 +58,10 @@ def reward_figures(metrics: list[dict[str, Any]], target: float = TARGET, window
         "step_to_target": first_step,
         "wall_to_target_s": first_wall,
         "final": statistics.fmean(rewards[-window:]),
-        "peak": max((statistics.fmean(rewards[i - window + 1 : i + 1]) for i in range(window - 1, len(rewards))),
-                    default=statistics.fmean(rewards)),
+        "peak": max(
+            (statistics.fmean(rewards[i - window + 1 : i + 1]) for i in range(window - 1, len(rewards))),
+            default=statistics.fmean(rewards),
+        ),
         "final_entropy": metrics[-1].get("entropy"),
     }
 
@@ -128,8 +130,9 @@ def main() -> None:
     p.add_argument("--seeds", help="comma-separated seeds (default 0,1,2,3,4)")
     p.add_argument("--steps", type=int, help="override the config's steps")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
-    p.add_argument("--jobs", type=int, default=1,
-                   help="seeds run at once (default 1; more inflates each seed's wall time)")
+    p.add_argument(
+        "--jobs", type=int, default=1, help="seeds run at once (default 1; more inflates each seed's wall time)"
+    )
     args = p.parse_args()
     try:
         with open(args.config, "rb") as f:
@@ -156,28 +159,47 @@ def main() -> None:
     for seed, fig in zip(seeds, results, strict=True):
         rows[seed] = fig
         total, cpu = fig["total_s"], fig["cpu_s"]
-        reach = (f"step {fig['step_to_target']} at {fig['wall_to_target_s']:.0f} s "
-                 f"(+{fig['startup_and_shutdown_s']:.0f} s start-up/shutdown)"
-                 if fig["step_to_target"] is not None else "never")
+        reach = (
+            f"step {fig['step_to_target']} at {fig['wall_to_target_s']:.0f} s "
+            f"(+{fig['startup_and_shutdown_s']:.0f} s start-up/shutdown)"
+            if fig["step_to_target"] is not None
+            else "never"
+        )
         ent = fig["final_entropy"]
-        print(f"seed {seed}: 10-step mean >= {TARGET}: {reach}; final 10-step mean {fig['final']:.3f} "
-              f"(peak {fig['peak']:.3f}); final entropy {ent if ent is None else round(ent, 3)}; "
-              f"{fig['steps']} steps in {total:.0f} s ({cpu:.0f} CPU-s); load {fig['load_avg']}", flush=True)
+        print(
+            f"seed {seed}: 10-step mean >= {TARGET}: {reach}; final 10-step mean {fig['final']:.3f} "
+            f"(peak {fig['peak']:.3f}); final entropy {ent if ent is None else round(ent, 3)}; "
+            f"{fig['steps']} steps in {total:.0f} s ({cpu:.0f} CPU-s); load {fig['load_avg']}",
+            flush=True,
+        )
     load_after = load_average()
     reached = [s for s, r in rows.items() if r["step_to_target"] is not None]
     times = [rows[s]["wall_to_target_s"] for s in seeds]
-    with_startup = [None if t is None else t + rows[s]["startup_and_shutdown_s"] for s, t in zip(seeds, times)]
-    print(json.dumps({
-        "benchmark": "demo_seeds", "config": str(args.config), "quick": args.quick,
-        "overrides": args.set, "steps": steps or base.get("steps"),
-        "seeds": seeds, "seeds_reaching": len(reached),
-        "worst_time_to_0_8_s": None if None in times else max(times),
-        "worst_time_to_0_8_with_startup_s": None if None in with_startup else round(max(with_startup), 1),
-        "worst_final": round(min(r["final"] for r in rows.values()), 4),
-        "per_seed": {s: {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}
-                     for s, r in rows.items()},
-        "jobs": args.jobs, "load_avg_before": load_before, "load_avg_after": load_after,
-    }))
+    with_startup = [
+        None if t is None else t + rows[s]["startup_and_shutdown_s"] for s, t in zip(seeds, times, strict=False)
+    ]
+    print(
+        json.dumps(
+            {
+                "benchmark": "demo_seeds",
+                "config": str(args.config),
+                "quick": args.quick,
+                "overrides": args.set,
+                "steps": steps or base.get("steps"),
+                "seeds": seeds,
+                "seeds_reaching": len(reached),
+                "worst_time_to_0_8_s": None if None in times else max(times),
+                "worst_time_to_0_8_with_startup_s": None if None in with_startup else round(max(with_startup), 1),
+                "worst_final": round(min(r["final"] for r in rows.values()), 4),
+                "per_seed": {
+                    s: {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()} for s, r in rows.items()
+                },
+                "jobs": args.jobs,
+                "load_avg_before": load_before,
+                "load_avg_after": load_after,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

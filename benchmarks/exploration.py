@@ -59,8 +59,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
-def train(variant: dict[str, Any], top_p: float, seed: int, steps: int, prompts: int, group: int,
-          lr: float) -> dict[str, float]:
+def train(
+    variant: dict[str, Any], top_p: float, seed: int, steps: int, prompts: int, group: int, lr: float
+) -> dict[str, float]:
     """Train one tabular policy; its reward curve figures."""
     import torch
 
@@ -73,8 +74,12 @@ def train(variant: dict[str, Any], top_p: float, seed: int, steps: int, prompts:
         sample_with_support,
     )
 
-    cfg = RecipeConfig(top_p=top_p, min_keep=variant["min_keep"], entropy_coef=variant.get("entropy_coef", 0.0),
-                       entropy_floor=variant.get("entropy_floor"))
+    cfg = RecipeConfig(
+        top_p=top_p,
+        min_keep=variant["min_keep"],
+        entropy_coef=variant.get("entropy_coef", 0.0),
+        entropy_floor=variant.get("entropy_floor"),
+    )
     gen = torch.Generator().manual_seed(seed)
     table = torch.nn.Parameter(torch.randn(4096, VOCAB, generator=gen))
     opt = torch.optim.AdamW([table], lr=lr, betas=(0.9, 0.99), weight_decay=0.0)
@@ -103,8 +108,14 @@ def train(variant: dict[str, Any], top_p: float, seed: int, steps: int, prompts:
                 break
             r = [row(history[i]) for i in live]
             with torch.no_grad():
-                tok, sup = sample_with_support(table[r].detach(), temperature=cfg.temperature, top_k=cfg.top_k,
-                                               top_p=cfg.top_p, min_keep=cfg.min_keep, generator=rng)
+                tok, sup = sample_with_support(
+                    table[r].detach(),
+                    temperature=cfg.temperature,
+                    top_k=cfg.top_k,
+                    top_p=cfg.top_p,
+                    min_keep=cfg.min_keep,
+                    generator=rng,
+                )
             rows += r
             tokens.append(tok)
             supports.append(sup)
@@ -166,7 +177,8 @@ def main() -> None:
             runs = [train(variant, top_p, s, steps, args.prompts, args.group, args.lr) for s in range(seeds)]
             finals = [r["final"] for r in runs]
             results[f"{name}@{top_p}"] = {
-                "top_p": top_p, **variant,
+                "top_p": top_p,
+                **variant,
                 "final_mean": round(statistics.fmean(finals), 4),
                 "final_min": round(min(finals), 4),
                 "seeds_final_ge_0_8": sum(f >= 0.8 for f in finals),
@@ -177,20 +189,37 @@ def main() -> None:
             }
             print(f"{name}@{top_p}: " + json.dumps(results[f'{name}@{top_p}']), file=sys.stderr, flush=True)
     total = time.monotonic() - t0
-    print(f"\ntabular guess_number (n={N}, {TURNS} turns), {args.prompts} prompts x {args.group} rollouts per step, "
-          f"AdamW lr {args.lr}, on-policy; {steps} steps, {seeds} seeds per variant; final = mean reward of the "
-          f"last {WINDOW} steps; one-token = fraction of supports with one id over the last {WINDOW} steps")
+    print(
+        f"\ntabular guess_number (n={N}, {TURNS} turns), {args.prompts} prompts x {args.group} rollouts per step, "
+        f"AdamW lr {args.lr}, on-policy; {steps} steps, {seeds} seeds per variant; final = mean reward of the "
+        f"last {WINDOW} steps; one-token = fraction of supports with one id over the last {WINDOW} steps"
+    )
     print(f"load average before {load_before}, after {load_average()}; {total:.0f}s\n")
-    print("| variant | top_p | final reward (mean, min) | seeds >= 0.8 | seeds >= 0.95 | AUC | one-token supports "
-          "| zero-gradient steps |")
+    print(
+        "| variant | top_p | final reward (mean, min) | seeds >= 0.8 | seeds >= 0.95 | AUC | one-token supports "
+        "| zero-gradient steps |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for key, r in results.items():
-        print(f"| {key.split('@')[0]} | {r['top_p']} | {r['final_mean']:.3f}, {r['final_min']:.3f} | "
-              f"{r['seeds_final_ge_0_8']}/{seeds} | {r['seeds_final_ge_0_95']}/{seeds} | {r['auc']:.3f} | "
-              f"{r['one_token_fraction']:.3f} | {r['zero_grad_steps']:.1f} |")
-    print(json.dumps({"benchmark": "exploration", "quick": args.quick, "seeds": seeds, "steps": steps,
-                      "lr": args.lr, "total_s": round(total, 1), "load_avg_before": load_before,
-                      "variants": results}))
+        print(
+            f"| {key.split('@')[0]} | {r['top_p']} | {r['final_mean']:.3f}, {r['final_min']:.3f} | "
+            f"{r['seeds_final_ge_0_8']}/{seeds} | {r['seeds_final_ge_0_95']}/{seeds} | {r['auc']:.3f} | "
+            f"{r['one_token_fraction']:.3f} | {r['zero_grad_steps']:.1f} |"
+        )
+    print(
+        json.dumps(
+            {
+                "benchmark": "exploration",
+                "quick": args.quick,
+                "seeds": seeds,
+                "steps": steps,
+                "lr": args.lr,
+                "total_s": round(total, 1),
+                "load_avg_before": load_before,
+                "variants": results,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -61,6 +61,7 @@ How:  python benchmarks/gateway.py            (64 sessions x 4 turns; 8 x 8 turn
 The machine's load average is printed with the figures (other processes inflate them).
 The last line printed is one JSON object with the figures.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -72,7 +73,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-
 
 
 # ------------------------------------------------------------------------ client process
@@ -89,8 +89,11 @@ class _RawClient:
 
     def post(self, path: str, body: dict) -> tuple[dict, dict[str, str]]:
         data = json.dumps(body).encode()
-        self.sock.sendall(f"POST {path} HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
-                          f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+        self.sock.sendall(
+            f"POST {path} HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\n\r\n".encode()
+            + data
+        )
         status = self.file.readline()
         if b" 200 " not in status:
             raise RuntimeError(f"raw client: {status!r}")
@@ -105,14 +108,23 @@ class _RawClient:
         self.sock.close()
 
 
-_RAW_ROUTES = {   # probe kind: (route, request body from the messages and max tokens, reply text)
-    "raw": ("chat/completions", lambda m, k: {"model": "flotilla", "messages": m, "max_tokens": k},
-            lambda b: b["choices"][0]["message"]["content"] or ""),
+_RAW_ROUTES = {  # probe kind: (route, request body from the messages and max tokens, reply text)
+    "raw": (
+        "chat/completions",
+        lambda m, k: {"model": "flotilla", "messages": m, "max_tokens": k},
+        lambda b: b["choices"][0]["message"]["content"] or "",
+    ),
     # the whole input resent each turn, as chat resends its messages
-    "raw_responses": ("responses", lambda m, k: {"model": "flotilla", "input": m, "max_output_tokens": k},
-                      lambda b: b["output"][0]["content"][0]["text"]),
-    "raw_messages": ("messages", lambda m, k: {"model": "flotilla", "messages": m, "max_tokens": k},
-                     lambda b: "".join(x["text"] for x in b["content"] if x["type"] == "text")),
+    "raw_responses": (
+        "responses",
+        lambda m, k: {"model": "flotilla", "input": m, "max_output_tokens": k},
+        lambda b: b["output"][0]["content"][0]["text"],
+    ),
+    "raw_messages": (
+        "messages",
+        lambda m, k: {"model": "flotilla", "messages": m, "max_tokens": k},
+        lambda b: "".join(x["text"] for x in b["content"] if x["type"] == "text"),
+    ),
 }
 
 
@@ -128,41 +140,50 @@ async def _client_main(spec: dict) -> dict:
         client = AsyncOpenAI(base_url=f"{spec['url']}/s/{sid}/v1", api_key=sid, max_retries=0, http_client=http)
         messages = [{"role": "user", "content": first}]
         try:
-            for t in range(spec["turns"]):
+            for _ in range(spec["turns"]):
                 t0 = time.perf_counter()
                 raw = await client.chat.completions.with_raw_response.create(
-                    model="flotilla", messages=messages, max_tokens=spec["max_tokens"])
+                    model="flotilla", messages=messages, max_tokens=spec["max_tokens"]
+                )
                 reply = raw.parse()
                 lat.append(time.perf_counter() - t0)
                 waits.append(float(raw.headers["x-flotilla-sampler-ms"]) / 1e3)
-                messages += [{"role": "assistant", "content": reply.choices[0].message.content or ""},
-                             {"role": "user", "content": spec["user"]}]
-        except Exception as e:  # noqa: BLE001 - counted and reported
+                messages += [
+                    {"role": "assistant", "content": reply.choices[0].message.content or ""},
+                    {"role": "user", "content": spec["user"]},
+                ]
+        except Exception as e:
             failures.append(f"{type(e).__name__}: {e}")
 
     async def probe(sids: dict[str, str]) -> dict:
         """One session per kind -- raw HTTP to each server, the openai client to the
         default one -- their turns interleaved (the order rotating every turn)."""
         kinds = list(sids)
-        client = AsyncOpenAI(base_url=f"{spec['urls']['openai']}/s/{sids['openai']}/v1", api_key=sids["openai"],
-                             max_retries=0, http_client=http)
+        client = AsyncOpenAI(
+            base_url=f"{spec['urls']['openai']}/s/{sids['openai']}/v1",
+            api_key=sids["openai"],
+            max_retries=0,
+            http_client=http,
+        )
         raw_clients = {k: _RawClient(spec["urls"][k]) for k in kinds if k != "openai"}
         out: dict = {k: ([], []) for k in kinds}
         chats = {k: [{"role": "user", "content": spec["first"]}] for k in kinds}
         try:
             for t in range(spec["turns"]):
-                for kind in kinds[t % len(kinds):] + kinds[:t % len(kinds)]:
+                for kind in kinds[t % len(kinds) :] + kinds[: t % len(kinds)]:
                     messages = chats[kind]
                     t0 = time.perf_counter()
                     if kind == "openai":
                         r = await client.chat.completions.with_raw_response.create(
-                            model="flotilla", messages=messages, max_tokens=spec["max_tokens"])
+                            model="flotilla", messages=messages, max_tokens=spec["max_tokens"]
+                        )
                         text = r.parse().choices[0].message.content or ""
                         header = r.headers["x-flotilla-sampler-ms"]
                     else:
                         path, body, text_of = _RAW_ROUTES.get(kind, _RAW_ROUTES["raw"])
-                        reply, headers = raw_clients[kind].post(f"/s/{sids[kind]}/v1/{path}",
-                                                                body(messages, spec["max_tokens"]))
+                        reply, headers = raw_clients[kind].post(
+                            f"/s/{sids[kind]}/v1/{path}", body(messages, spec["max_tokens"])
+                        )
                         text = text_of(reply)
                         header = headers["x-flotilla-sampler-ms"]
                     out[kind][0].append(time.perf_counter() - t0)
@@ -186,8 +207,14 @@ async def _client_main(spec: dict) -> dict:
 
 def _client(spec: dict) -> dict:
     """Run one phase's sessions in a fresh client process."""
-    proc = subprocess.run([sys.executable, __file__, "--client"], input=json.dumps(spec), text=True,
-                          capture_output=True, check=False, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        [sys.executable, __file__, "--client"],
+        input=json.dumps(spec),
+        text=True,
+        capture_output=True,
+        check=False,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"client process failed: {proc.stderr[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -196,6 +223,7 @@ def _client(spec: dict) -> dict:
 # ------------------------------------------------------------------------ gateway process
 def _timed_app(app, out: list):
     """ASGI wrapper: per request, the app's own time minus its sampler wait."""
+
     async def wrapped(scope, receive, send):
         if scope["type"] != "http":
             return await app(scope, receive, send)
@@ -210,7 +238,9 @@ def _timed_app(app, out: list):
             if msg["type"] == "http.response.body" and not msg.get("more_body"):
                 out.append(time.perf_counter() - t0 - wait[0])
             await send(msg)
+
         await app(scope, receive, send_)
+
     return wrapped
 
 
@@ -222,8 +252,11 @@ def _actor_cpu(name: str) -> float:
     for d in Path("/proc").iterdir():
         try:
             argv = (d / "cmdline").read_bytes().split(b"\0")
-            if b"--name" in argv and argv[argv.index(b"--name") + 1] == name.encode() \
-                    and argv[argv.index(b"--parent-pid") + 1] == me.encode():
+            if (
+                b"--name" in argv
+                and argv[argv.index(b"--name") + 1] == name.encode()
+                and argv[argv.index(b"--parent-pid") + 1] == me.encode()
+            ):
                 fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
                 return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
         except (OSError, ValueError, IndexError):
@@ -254,7 +287,7 @@ async def _gateway_main(args) -> dict:
     limits = SessionLimits(SamplingParams(), cfg["max_position_embeddings"], 64)
     first_short = "guess the number from 0 to 63 in 4 turns"
     first_long = " ".join(str(i % 64) for i in range(args.system))
-    user = " ".join(["higher"] + [str(i % 64) for i in range(22)])   # 24 tokens with the turn markers
+    user = " ".join(["higher"] + [str(i % 64) for i in range(22)])  # 24 tokens with the turn markers
     app_times: list[float] = []
     computes: list[float] = []
     results: dict = {"multi_on": [], "multi_off": []}
@@ -264,17 +297,27 @@ async def _gateway_main(args) -> dict:
     samplers: dict = {}
     urls: dict[str, str] = {}
 
-    async def phase(name: str, n: int, turns: int, first: str, max_tokens: int, user_turn: str = user,
-                    probe: tuple[str, ...] = ()) -> dict:
+    async def phase(
+        name: str, n: int, turns: int, first: str, max_tokens: int, user_turn: str = user, probe: tuple[str, ...] = ()
+    ) -> dict:
         sampler = samplers[name]
 
         async def gen(req):
             res = await sampler.generate.call_one(req)
             computes.append(res.seconds)
             return res
+
         sessions = [gw.open_session(task, gen, limits, 0) for _ in range(n)]
-        spec = {"url": gw.address, "urls": urls, "sessions": [s.id for s in sessions], "turns": turns, "probe": probe,
-                "max_tokens": max_tokens, "first": first, "user": user_turn}
+        spec = {
+            "url": gw.address,
+            "urls": urls,
+            "sessions": [s.id for s in sessions],
+            "turns": turns,
+            "probe": probe,
+            "max_tokens": max_tokens,
+            "first": first,
+            "user": user_turn,
+        }
         cpu0 = _actor_cpu(name)
         own0 = time.process_time()
         out = await trio.to_thread.run_sync(_client, spec)
@@ -287,8 +330,19 @@ async def _gateway_main(args) -> dict:
         return out
 
     def sampler_mesh(cache: bool):
-        return open_mesh(SamplerActor, "bench", "fp32", cfg, "cpu", init_seed=0, max_batch=args.sessions,
-                         prefix_cache=cache, procs=1, name="sampler-on" if cache else "sampler-off", env=env)
+        return open_mesh(
+            SamplerActor,
+            "bench",
+            "fp32",
+            cfg,
+            "cpu",
+            init_seed=0,
+            max_batch=args.sessions,
+            prefix_cache=cache,
+            procs=1,
+            name="sampler-on" if cache else "sampler-off",
+            env=env,
+        )
 
     async with trio.open_nursery() as nursery, sampler_mesh(True) as on, sampler_mesh(False) as off:
         samplers.update({"sampler-on": on[0], "sampler-off": off[0]})
@@ -297,10 +351,17 @@ async def _gateway_main(args) -> dict:
         # the other figures.
         gw.address = await nursery.start(serve_gateway, gw.app)
         timed = await nursery.start(serve_gateway, _timed_app(gw.app, app_times))
-        urls.update({"raw": gw.address, "openai": gw.address, "raw_timed": timed, "raw_responses": gw.address,
-                     "raw_messages": gw.address})
+        urls.update(
+            {
+                "raw": gw.address,
+                "openai": gw.address,
+                "raw_timed": timed,
+                "raw_responses": gw.address,
+                "raw_messages": gw.address,
+            }
+        )
         for name in samplers:
-            await phase(name, 2, 2, first_short, 4)   # warm-up (imports, first forwards)
+            await phase(name, 2, 2, first_short, 4)  # warm-up (imports, first forwards)
         # Alternating, so that the machine's load drifts over both alike.
         for _ in range(args.multi_reps):
             for key, name in (("multi_on", "sampler-on"), ("multi_off", "sampler-off")):
@@ -310,8 +371,9 @@ async def _gateway_main(args) -> dict:
         app_times.clear()
         computes.clear()
         kinds = ("raw", "openai", "raw_timed", "raw_responses", "raw_messages")
-        results["probe"] = await phase("sampler-on", len(kinds), args.probe_turns, first_short, 1,
-                                       user_turn="higher", probe=kinds)
+        results["probe"] = await phase(
+            "sampler-on", len(kinds), args.probe_turns, first_short, 1, user_turn="higher", probe=kinds
+        )
         results["app_times"] = list(app_times)
         results["computes"] = list(computes)
         results["overhead"] = await phase("sampler-on", args.sessions, args.turns, first_short, 4)
@@ -338,8 +400,15 @@ def _module(path: Path):
 def _flotilla_run(config: Path, timeout: float) -> tuple[int, str, float]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     t0 = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "orchestrator", "run", str(config), "--quiet"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout, check=False)
+    done = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "run", str(config), "--quiet"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
     return done.returncode, done.stderr, time.monotonic() - t0
 
 
@@ -349,13 +418,19 @@ def _client_runs(steps: int) -> dict:
     import tempfile
 
     from actors.tiny import make_checkpoint, train_tokenizer
+
     CORPUS = _module(ROOT / "tests/unit/gateway/_actors.py").CORPUS
     CLIENTS = _module(ROOT / "tests/unit/gateway/clients.py").CLIENTS
 
     names = sorted(CLIENTS)
     with tempfile.TemporaryDirectory() as tmp:
-        model = make_checkpoint(Path(tmp) / "model", "qwen2", tokenizer=train_tokenizer(CORPUS, vocab_size=400),
-                                seed=0, max_position_embeddings=1024)
+        model = make_checkpoint(
+            Path(tmp) / "model",
+            "qwen2",
+            tokenizer=train_tokenizer(CORPUS, vocab_size=400),
+            seed=0,
+            max_position_embeddings=1024,
+        )
         config = Path(tmp) / "clients.toml"
         config.write_text(f"""name = "clients"\nrun_root = "{tmp}"\nsteps = {steps}
 [model]\npath = "{model}"\nmax_seq_len = 1024
@@ -373,8 +448,8 @@ max_new_tokens = 16\nepisode_timeout_s = 120
             span = json.loads(line)
             a = span.get("attributes", {})
             if span.get("name") != "rollout" or "failed" not in a:
-                continue   # cancelled at the run's end: no outcome
-            name = names[(int(a["prompt_id"][1:])) % len(names)]   # seed = 1_000_003 * 0 + i
+                continue  # cancelled at the run's end: no outcome
+            name = names[(int(a["prompt_id"][1:])) % len(names)]  # seed = 1_000_003 * 0 + i
             episodes[name] += 1
             failed[name] += bool(a["failed"])
     return {"episodes": episodes, "failed": failed, "ok": [k for k in names if episodes[k] and not failed[k]]}
@@ -400,8 +475,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sessions", type=int, default=64, help="concurrent sessions (overhead phase)")
     ap.add_argument("--turns", type=int, default=4, help="turns per concurrent session")
-    ap.add_argument("--probe-turns", type=int, default=50,
-                    help="turns of each probe session (raw HTTP to each server, openai client; overhead)")
+    ap.add_argument(
+        "--probe-turns",
+        type=int,
+        default=50,
+        help="turns of each probe session (raw HTTP to each server, openai client; overhead)",
+    )
     ap.add_argument("--multi-sessions", type=int, default=8, help="concurrent 8-turn sessions (multi-turn)")
     ap.add_argument("--multi-reps", type=int, default=3, help="multi-turn runs per sampler (alternating)")
     ap.add_argument("--system", type=int, default=1024, help="multi-turn: tokens of the first prompt")
@@ -428,6 +507,7 @@ def main() -> None:
 
     def minus_wait(pair) -> list[float]:
         return [lat - w for lat, w in zip(*pair, strict=True)]
+
     raw, oai = minus_wait(probe["raw"]), minus_wait(probe["openai"])
     resp, msgs = minus_wait(probe["raw_responses"]), minus_wait(probe["raw_messages"])
     conc = [lat - w for lat, w in zip(ov["latency"], ov["sampler"], strict=True)]
@@ -453,33 +533,52 @@ def main() -> None:
 
     def ms(xs: list[float]) -> str:
         return f"{_pct(xs, 0.5) * 1e3:.2f} / {_pct(xs, 0.99) * 1e3:.2f} ms"
+
     n_on = len(r["multi_on"])
     rows = [
-        ("sampler wait p50", f"{statistics.median(waits) * 1e3:.2f} ms",
-         f"of which computing {statistics.median(r['computes']) * 1e3:.2f} ms"),
+        (
+            "sampler wait p50",
+            f"{statistics.median(waits) * 1e3:.2f} ms",
+            f"of which computing {statistics.median(r['computes']) * 1e3:.2f} ms",
+        ),
         ("overhead p50 / p99 (raw HTTP)", ms(raw), f"{len(raw)} turns: latency - sampler wait"),
         ("  through the openai client", ms(oai), f"{len(oai)} turns, interleaved"),
-        ("  Responses API (raw HTTP)", ms(resp), (f"{len(resp)} turns, interleaved; "
-         f"{_pct(resp, 0.5) / _pct(raw, 0.5):.2f}x chat")),
-        ("  Messages API (raw HTTP)", ms(msgs), (f"{len(msgs)} turns, interleaved; "
-         f"{_pct(msgs, 0.5) / _pct(raw, 0.5):.2f}x chat")),
+        (
+            "  Responses API (raw HTTP)",
+            ms(resp),
+            (f"{len(resp)} turns, interleaved; {_pct(resp, 0.5) / _pct(raw, 0.5):.2f}x chat"),
+        ),
+        (
+            "  Messages API (raw HTTP)",
+            ms(msgs),
+            (f"{len(msgs)} turns, interleaved; {_pct(msgs, 0.5) / _pct(raw, 0.5):.2f}x chat"),
+        ),
         ("  inside the ASGI app", ms(app), f"{len(app)} turns of a 3rd session: no HTTP, no sockets"),
         ("gateway CPU per turn", f"{cpu_turn * 1e3:.2f} ms", "process time / probe turns"),
         ("concurrent sessions ok", f"{ok}/{args.sessions}", f"{args.turns} turns each, openai client"),
         ("  their overhead p50 / p99", ms(conc), f"{args.sessions} requests in flight"),
-        ("  gateway CPU per turn", f"{ov['gateway_cpu'] / max(1, len(conc)) * 1e3:.2f} ms",
-         "queued turns wait for each other's"),
-        ("8 turns, prefix cache on", f"{on_wall:.2f} s",
-         f"median of {n_on}; {r['stats_on']['prompt_tokens']} prompt tokens in all"),
+        (
+            "  gateway CPU per turn",
+            f"{ov['gateway_cpu'] / max(1, len(conc)) * 1e3:.2f} ms",
+            "queued turns wait for each other's",
+        ),
+        (
+            "8 turns, prefix cache on",
+            f"{on_wall:.2f} s",
+            f"median of {n_on}; {r['stats_on']['prompt_tokens']} prompt tokens in all",
+        ),
         ("8 turns, prefix cache off", f"{off_wall:.2f} s", f"{r['stats_off']['prompt_tokens']} prompt tokens"),
         ("multi-turn speedup", f"{speedup:.2f}x", f"{args.multi_sessions} sessions, {args.system}-token prompt"),
         ("  in sampler wait alone", f"{sampler_speedup:.2f}x", "sum of the requests' sampler waits"),
         ("  in sampler CPU time", f"{cpu_speedup:.2f}x", "the samplers' processes"),
         ("8 turns, cache on, later", f"{after:.2f} s", f"after {args.sessions} sessions on that sampler"),
         ("  sampler CPU: first / later", f"{on_cpu:.2f} / {after_cpu:.2f} s", "the cache-on sampler's process"),
-        ("clients trained, 0 failed", f"{len(clients['ok'])}/{len(clients['episodes'])}",
-         ", ".join(f"{k} {clients['failed'][k]}/{n}" for k, n in sorted(clients["episodes"].items()))
-         + " failed/episodes"),
+        (
+            "clients trained, 0 failed",
+            f"{len(clients['ok'])}/{len(clients['episodes'])}",
+            ", ".join(f"{k} {clients['failed'][k]}/{n}" for k, n in sorted(clients["episodes"].items()))
+            + " failed/episodes",
+        ),
         ("failing harness: run stops", f"{stop['seconds']:.1f} s", f"exit {stop['rc']}: {stop['line'][:60]}"),
         ("load average (1 min)", f"{load:.1f}", f"{os.cpu_count()} cores"),
     ]
@@ -487,64 +586,68 @@ def main() -> None:
         print(f"{name:30s} {value:>20s}   {note}")
     if ov["failures"]:
         print("failures:", ov["failures"][:3])
-    print(json.dumps({
-        "benchmark": "gateway",
-        "sessions": args.sessions,
-        "sessions_ok": ok,
-        "turns": args.turns,
-        "overhead_p50_ms": round(_pct(raw, 0.5) * 1e3, 3),
-        "overhead_p99_ms": round(_pct(raw, 0.99) * 1e3, 3),
-        "overhead_measured_by": "raw HTTP/1.1 keep-alive client: latency - x-flotilla-sampler-ms",
-        "server": "hypercorn",
-        "chat_overhead_p50_ms": round(_pct(raw, 0.5) * 1e3, 3),
-        "responses_overhead_p50_ms": round(_pct(resp, 0.5) * 1e3, 3),
-        "responses_overhead_p99_ms": round(_pct(resp, 0.99) * 1e3, 3),
-        "messages_overhead_p50_ms": round(_pct(msgs, 0.5) * 1e3, 3),
-        "messages_overhead_p99_ms": round(_pct(msgs, 0.99) * 1e3, 3),
-        "responses_vs_chat_overhead": round(_pct(resp, 0.5) / _pct(raw, 0.5), 2),
-        "messages_vs_chat_overhead": round(_pct(msgs, 0.5) / _pct(raw, 0.5), 2),
-        "openai_overhead_p50_ms": round(_pct(oai, 0.5) * 1e3, 3),
-        "openai_overhead_p99_ms": round(_pct(oai, 0.99) * 1e3, 3),
-        "app_overhead_p50_ms": round(_pct(app, 0.5) * 1e3, 3),
-        "app_overhead_p99_ms": round(_pct(app, 0.99) * 1e3, 3),
-        "gateway_cpu_per_turn_ms": round(cpu_turn * 1e3, 3),
-        "probe_turns": args.probe_turns,
-        "raw_latency_p50_ms": round(statistics.median(probe["raw"][0]) * 1e3, 3),
-        "openai_latency_p50_ms": round(statistics.median(probe["openai"][0]) * 1e3, 3),
-        "sampler_wait_p50_ms": round(statistics.median(waits) * 1e3, 3),
-        "sampler_compute_p50_ms": round(statistics.median(r["computes"]) * 1e3, 3),
-        "concurrent_overhead_p50_ms": round(_pct(conc, 0.5) * 1e3, 3),
-        "concurrent_overhead_p99_ms": round(_pct(conc, 0.99) * 1e3, 3),
-        # Where a concurrent turn's time goes: the gateway's own CPU per turn, times the
-        # requests queued ahead of it on the one event loop, plus the sampler batching them.
-        "concurrent_gateway_cpu_per_turn_ms": round(ov["gateway_cpu"] / max(1, len(conc)) * 1e3, 3),
-        "concurrent_sampler_wait_p50_ms": round(_pct(ov["sampler"], 0.5) * 1e3, 3),
-        "multiturn_sessions": args.multi_sessions,
-        "multiturn_system_tokens": args.system,
-        "multiturn_reps": n_on,
-        "multiturn_reuse_s": round(on_wall, 3),
-        "multiturn_recompute_s": round(off_wall, 3),
-        "multiturn_speedup": round(speedup, 2),
-        "multiturn_sampler_wait_speedup": round(sampler_speedup, 2),
-        "multiturn_reuse_after_many_s": round(after, 3),
-        "multiturn_reuse_sampler_wait_s": round(on_wait, 3),
-        "multiturn_reuse_after_many_sampler_wait_s": round(sum(r["multi_on_after"]["sampler"]), 3),
-        "multiturn_reuse_gateway_cpu_s": round(statistics.median(x["gateway_cpu"] for x in r["multi_on"]), 3),
-        "multiturn_reuse_after_many_gateway_cpu_s": round(r["multi_on_after"]["gateway_cpu"], 3),
-        "multiturn_reuse_sampler_cpu_s": round(on_cpu, 3),
-        "multiturn_reuse_after_many_sampler_cpu_s": round(after_cpu, 3),
-        "multiturn_recompute_sampler_cpu_s": round(off_cpu, 3),
-        "multiturn_sampler_cpu_speedup": round(cpu_speedup, 2),
-        "prefix_hits": r["stats_on"]["prefix_hits"],
-        "segments_per_session": round(r["multi_on"][0]["segments"] / args.multi_sessions, 2),
-        "conformance_clients": sorted(clients["episodes"]),
-        "conformance_clients_ok": len(clients["ok"]),
-        "conformance_episodes": sum(clients["episodes"].values()),
-        "conformance_episodes_failed": sum(clients["failed"].values()),
-        "failing_harness_stop_s": round(stop["seconds"], 1),
-        "failing_harness_exit": stop["rc"],
-        "load_avg_1m": round(load, 2),
-    }))
+    print(
+        json.dumps(
+            {
+                "benchmark": "gateway",
+                "sessions": args.sessions,
+                "sessions_ok": ok,
+                "turns": args.turns,
+                "overhead_p50_ms": round(_pct(raw, 0.5) * 1e3, 3),
+                "overhead_p99_ms": round(_pct(raw, 0.99) * 1e3, 3),
+                "overhead_measured_by": "raw HTTP/1.1 keep-alive client: latency - x-flotilla-sampler-ms",
+                "server": "hypercorn",
+                "chat_overhead_p50_ms": round(_pct(raw, 0.5) * 1e3, 3),
+                "responses_overhead_p50_ms": round(_pct(resp, 0.5) * 1e3, 3),
+                "responses_overhead_p99_ms": round(_pct(resp, 0.99) * 1e3, 3),
+                "messages_overhead_p50_ms": round(_pct(msgs, 0.5) * 1e3, 3),
+                "messages_overhead_p99_ms": round(_pct(msgs, 0.99) * 1e3, 3),
+                "responses_vs_chat_overhead": round(_pct(resp, 0.5) / _pct(raw, 0.5), 2),
+                "messages_vs_chat_overhead": round(_pct(msgs, 0.5) / _pct(raw, 0.5), 2),
+                "openai_overhead_p50_ms": round(_pct(oai, 0.5) * 1e3, 3),
+                "openai_overhead_p99_ms": round(_pct(oai, 0.99) * 1e3, 3),
+                "app_overhead_p50_ms": round(_pct(app, 0.5) * 1e3, 3),
+                "app_overhead_p99_ms": round(_pct(app, 0.99) * 1e3, 3),
+                "gateway_cpu_per_turn_ms": round(cpu_turn * 1e3, 3),
+                "probe_turns": args.probe_turns,
+                "raw_latency_p50_ms": round(statistics.median(probe["raw"][0]) * 1e3, 3),
+                "openai_latency_p50_ms": round(statistics.median(probe["openai"][0]) * 1e3, 3),
+                "sampler_wait_p50_ms": round(statistics.median(waits) * 1e3, 3),
+                "sampler_compute_p50_ms": round(statistics.median(r["computes"]) * 1e3, 3),
+                "concurrent_overhead_p50_ms": round(_pct(conc, 0.5) * 1e3, 3),
+                "concurrent_overhead_p99_ms": round(_pct(conc, 0.99) * 1e3, 3),
+                # Where a concurrent turn's time goes: the gateway's own CPU per turn, times the
+                # requests queued ahead of it on the one event loop, plus the sampler batching them.
+                "concurrent_gateway_cpu_per_turn_ms": round(ov["gateway_cpu"] / max(1, len(conc)) * 1e3, 3),
+                "concurrent_sampler_wait_p50_ms": round(_pct(ov["sampler"], 0.5) * 1e3, 3),
+                "multiturn_sessions": args.multi_sessions,
+                "multiturn_system_tokens": args.system,
+                "multiturn_reps": n_on,
+                "multiturn_reuse_s": round(on_wall, 3),
+                "multiturn_recompute_s": round(off_wall, 3),
+                "multiturn_speedup": round(speedup, 2),
+                "multiturn_sampler_wait_speedup": round(sampler_speedup, 2),
+                "multiturn_reuse_after_many_s": round(after, 3),
+                "multiturn_reuse_sampler_wait_s": round(on_wait, 3),
+                "multiturn_reuse_after_many_sampler_wait_s": round(sum(r["multi_on_after"]["sampler"]), 3),
+                "multiturn_reuse_gateway_cpu_s": round(statistics.median(x["gateway_cpu"] for x in r["multi_on"]), 3),
+                "multiturn_reuse_after_many_gateway_cpu_s": round(r["multi_on_after"]["gateway_cpu"], 3),
+                "multiturn_reuse_sampler_cpu_s": round(on_cpu, 3),
+                "multiturn_reuse_after_many_sampler_cpu_s": round(after_cpu, 3),
+                "multiturn_recompute_sampler_cpu_s": round(off_cpu, 3),
+                "multiturn_sampler_cpu_speedup": round(cpu_speedup, 2),
+                "prefix_hits": r["stats_on"]["prefix_hits"],
+                "segments_per_session": round(r["multi_on"][0]["segments"] / args.multi_sessions, 2),
+                "conformance_clients": sorted(clients["episodes"]),
+                "conformance_clients_ok": len(clients["ok"]),
+                "conformance_episodes": sum(clients["episodes"].values()),
+                "conformance_episodes_failed": sum(clients["failed"].values()),
+                "failing_harness_stop_s": round(stop["seconds"], 1),
+                "failing_harness_exit": stop["rc"],
+                "load_avg_1m": round(load, 2),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 
-from orchestrator.runtime import Actor, endpoint  # noqa: E402
+from orchestrator.runtime import Actor, endpoint
 
 
 def _rss() -> int:
@@ -96,8 +96,12 @@ class Receiver(Actor):
 
     @endpoint
     def report(self) -> dict[str, Any]:
-        return {"extra": _hwm() - self.base, "hashes": self.asm.hashes, "t_done": self.t_done,
-                "cpu_s": _cpu() - self.cpu0}
+        return {
+            "extra": _hwm() - self.base,
+            "hashes": self.asm.hashes,
+            "t_done": self.t_done,
+            "cpu_s": _cpu() - self.cpu0,
+        }
 
 
 class Publisher(Actor):
@@ -105,8 +109,7 @@ class Publisher(Actor):
         import torch
 
         torch.manual_seed(0)
-        self.snap = {f"layers.{i}.weight": (torch.randn(4096, 8192) * 0.02).to(torch.bfloat16)
-                     for i in range(tensors)}
+        self.snap = {f"layers.{i}.weight": (torch.randn(4096, 8192) * 0.02).to(torch.bfloat16) for i in range(tensors)}
         self.threads, self.level, self.compress = threads, level, compress
         self.nbytes = sum(t.numel() * t.element_size() for t in self.snap.values())
 
@@ -119,8 +122,15 @@ class Publisher(Actor):
 
         base = _reset_peak()
         cpu0 = _cpu()
-        parts = stream_keyframe(self.snap, 1, "bf16", part_bytes=part_mb << 20, threads=self.threads,
-                                level=self.level, compress=self.compress)
+        parts = stream_keyframe(
+            self.snap,
+            1,
+            "bf16",
+            part_bytes=part_mb << 20,
+            threads=self.threads,
+            level=self.level,
+            compress=self.compress,
+        )
         send_ch, recv_ch = trio.open_memory_channel(1)  # one part encoded ahead of the one in flight
         wire = 0
         t0 = time.time()
@@ -146,8 +156,15 @@ class Publisher(Actor):
                 async for header, frames in recv_ch:
                     wire += sum(f.numel() for f in frames)
                     done = await receiver.take.call_one(header, frames)
-        return {"t0": t0, "wire": wire, "extra": _hwm() - base, "done": done, "nbytes": self.nbytes,
-                "parts": header["seq"] + 1, "cpu_s": _cpu() - cpu0}
+        return {
+            "t0": t0,
+            "wire": wire,
+            "extra": _hwm() - base,
+            "done": done,
+            "nbytes": self.nbytes,
+            "parts": header["seq"] + 1,
+            "cpu_s": _cpu() - cpu0,
+        }
 
     @endpoint
     def hashes(self) -> dict[str, str]:
@@ -159,12 +176,15 @@ class Publisher(Actor):
 async def _main(args: argparse.Namespace) -> dict[str, Any]:
     from keyframe import Publisher as P  # importable by the actor processes (they inherit sys.path)
     from keyframe import Receiver as R
+
     from orchestrator.runtime import open_mesh
 
     env = {"OMP_NUM_THREADS": str(args.threads)}
     tensors = 4 if args.quick else 32
-    async with open_mesh(P, tensors, args.threads, args.level, not args.raw, name="publisher", env=env) as pub, \
-            open_mesh(R, args.threads, name="receiver", env=env) as rec:
+    async with (
+        open_mesh(P, tensors, args.threads, args.level, not args.raw, name="publisher", env=env) as pub,
+        open_mesh(R, args.threads, name="receiver", env=env) as rec,
+    ):
         sent = await pub[0].send.call_one(rec[0], args.part_mb)
         got = await rec[0].report.call_one()
         # Complete means every chunk matched the publisher's digest of its bytes and every
@@ -174,12 +194,24 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
             exact = exact and got["hashes"] == await pub[0].hashes.call_one()
     wall = got["t_done"] - sent["t0"]
     n = sent["nbytes"]
-    return {"params": n // 2, "snapshot_gb": n / 1e9, "parts": sent["parts"], "part_mb": args.part_mb,
-            "e2e_s": wall, "e2e_gbps": n / wall / 1e9, "wire_ratio": sent["wire"] / n,
-            "pub_extra_x": sent["extra"] / n, "recv_extra_x": got["extra"] / n,
-            "pub_cpu_s": sent["cpu_s"], "recv_cpu_s": got["cpu_s"],
-            "core_gbps": n / (sent["cpu_s"] + got["cpu_s"]) / 1e9,
-            "bit_exact": exact, "load_avg_1m": os.getloadavg()[0], "quick": args.quick, "raw": args.raw}
+    return {
+        "params": n // 2,
+        "snapshot_gb": n / 1e9,
+        "parts": sent["parts"],
+        "part_mb": args.part_mb,
+        "e2e_s": wall,
+        "e2e_gbps": n / wall / 1e9,
+        "wire_ratio": sent["wire"] / n,
+        "pub_extra_x": sent["extra"] / n,
+        "recv_extra_x": got["extra"] / n,
+        "pub_cpu_s": sent["cpu_s"],
+        "recv_cpu_s": got["cpu_s"],
+        "core_gbps": n / (sent["cpu_s"] + got["cpu_s"]) / 1e9,
+        "bit_exact": exact,
+        "load_avg_1m": os.getloadavg()[0],
+        "quick": args.quick,
+        "raw": args.raw,
+    }
 
 
 def main() -> None:
@@ -190,16 +222,25 @@ def main() -> None:
     ap.add_argument("--part-mb", type=int, default=64, help="raw MB of snapshot per part")
     ap.add_argument("--threads", type=int, default=2, help="codec threads on each side")
     ap.add_argument("--level", type=int, default=1, help="zstd level (negative: faster, larger)")
-    ap.add_argument("--raw", action="store_true",
-                    help="send the chunks' raw bytes (zero-copy views of the snapshot) instead of zstd")
-    ap.add_argument("--no-verify", dest="verify", action="store_false",
-                    help="skip re-encoding the snapshot to compare hashes (saves time)")
+    ap.add_argument(
+        "--raw",
+        action="store_true",
+        help="send the chunks' raw bytes (zero-copy views of the snapshot) instead of zstd",
+    )
+    ap.add_argument(
+        "--no-verify",
+        dest="verify",
+        action="store_false",
+        help="skip re-encoding the snapshot to compare hashes (saves time)",
+    )
     args = ap.parse_args()
     r = trio.run(_main, args)
-    print(f"keyframe {r['snapshot_gb']:.2f} GB in {r['parts']} parts: {r['e2e_s']:.2f} s = "
-          f"{r['e2e_gbps']:.2f} GB/s end to end ({r['core_gbps']:.2f} GB per CPU-second), wire {r['wire_ratio']:.3f} of raw, extra memory "
-          f"publisher {r['pub_extra_x']:.2f}x receiver {r['recv_extra_x']:.2f}x, "
-          f"bit-exact {r['bit_exact']}, load {r['load_avg_1m']:.1f}")
+    print(
+        f"keyframe {r['snapshot_gb']:.2f} GB in {r['parts']} parts: {r['e2e_s']:.2f} s = "
+        f"{r['e2e_gbps']:.2f} GB/s end to end ({r['core_gbps']:.2f} GB per CPU-second), wire {r['wire_ratio']:.3f} of raw, extra memory "
+        f"publisher {r['pub_extra_x']:.2f}x receiver {r['recv_extra_x']:.2f}x, "
+        f"bit-exact {r['bit_exact']}, load {r['load_avg_1m']:.1f}"
+    )
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}))
 
 

@@ -144,9 +144,7 @@ def _worker(args: argparse.Namespace) -> None:
             "logp_support": logp_s,
             "grad_hidden": g_h,
             "grad_w_union": g_w[union].contiguous(),
-            "grad_w_outside_absmax": g_w[outside].abs().max().reshape(1)
-            if bool(outside.any())
-            else torch.zeros(1),
+            "grad_w_outside_absmax": g_w[outside].abs().max().reshape(1) if bool(outside.any()) else torch.zeros(1),
             "input_check": torch.stack([h0.double().sum(), w0.double().sum(), support.logq.double().sum()]),
         },
         args.out,

@@ -77,14 +77,21 @@ def main() -> None:
     ids = torch.zeros(args.prompts, width, dtype=torch.long)
     mask = torch.zeros(args.prompts, width, dtype=torch.long)
     for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
 
     def hf_generate() -> int:
         with torch.no_grad():
             out = model.generate(
-                input_ids=ids, attention_mask=mask, do_sample=True, max_new_tokens=args.new_tokens,
-                min_new_tokens=args.new_tokens, pad_token_id=0, eos_token_id=None, use_cache=True, **sampling,
+                input_ids=ids,
+                attention_mask=mask,
+                do_sample=True,
+                max_new_tokens=args.new_tokens,
+                min_new_tokens=args.new_tokens,
+                pad_token_id=0,
+                eos_token_id=None,
+                use_cache=True,
+                **sampling,
             )
         return (out.shape[1] - width) * args.prompts
 
@@ -100,33 +107,41 @@ def main() -> None:
         return statistics.median(times)
 
     ours, hf = timed(flotilla), timed(hf_generate)
-    print(f"flotilla: {n_tokens / ours:,.0f} tok/s ({ours * 1e3:.1f} ms)   "
-          f"hf generate: {n_tokens / hf:,.0f} tok/s ({hf * 1e3:.1f} ms)")
+    print(
+        f"flotilla: {n_tokens / ours:,.0f} tok/s ({ours * 1e3:.1f} ms)   "
+        f"hf generate: {n_tokens / hf:,.0f} tok/s ({hf * 1e3:.1f} ms)"
+    )
     multi = {mode: multiturn(args, cache=mode == "reuse") for mode in ("reuse", "recompute")}
     for mode, (wall, prefilled) in multi.items():
-        print(f"multi-turn, prefix cache {'on ' if mode == 'reuse' else 'off'}: {wall * 1e3:8.1f} ms, "
-              f"{prefilled:7d} prompt tokens computed")
+        print(
+            f"multi-turn, prefix cache {'on ' if mode == 'reuse' else 'off'}: {wall * 1e3:8.1f} ms, "
+            f"{prefilled:7d} prompt tokens computed"
+        )
     speedup = multi["recompute"][0] / multi["reuse"][0]
     print(f"multi-turn speedup: {speedup:.2f}x")
-    print(json.dumps({
-        "benchmark": "sampler",
-        "prompts": args.prompts,
-        "new_tokens": args.new_tokens,
-        "threads": args.threads,
-        "repeats": args.repeats,
-        "flotilla_tok_s": round(n_tokens / ours, 1),
-        "hf_generate_tok_s": round(n_tokens / hf, 1),
-        "ratio": round(hf / ours, 3),
-        "multiturn_sessions": args.sessions,
-        "multiturn_turns": 8,
-        "multiturn_system_tokens": args.system,
-        "multiturn_turn_tokens": args.turn_tokens,
-        "multiturn_reuse_ms": round(multi["reuse"][0] * 1e3, 1),
-        "multiturn_recompute_ms": round(multi["recompute"][0] * 1e3, 1),
-        "multiturn_prompt_tokens_reuse": multi["reuse"][1],
-        "multiturn_prompt_tokens_recompute": multi["recompute"][1],
-        "multiturn_speedup": round(speedup, 2),
-    }))
+    print(
+        json.dumps(
+            {
+                "benchmark": "sampler",
+                "prompts": args.prompts,
+                "new_tokens": args.new_tokens,
+                "threads": args.threads,
+                "repeats": args.repeats,
+                "flotilla_tok_s": round(n_tokens / ours, 1),
+                "hf_generate_tok_s": round(n_tokens / hf, 1),
+                "ratio": round(hf / ours, 3),
+                "multiturn_sessions": args.sessions,
+                "multiturn_turns": 8,
+                "multiturn_system_tokens": args.system,
+                "multiturn_turn_tokens": args.turn_tokens,
+                "multiturn_reuse_ms": round(multi["reuse"][0] * 1e3, 1),
+                "multiturn_recompute_ms": round(multi["recompute"][0] * 1e3, 1),
+                "multiturn_prompt_tokens_reuse": multi["reuse"][1],
+                "multiturn_prompt_tokens_recompute": multi["recompute"][1],
+                "multiturn_speedup": round(speedup, 2),
+            }
+        )
+    )
 
 
 def multiturn(args, *, cache: bool, turns: int = 8, user_tokens: int = 24) -> tuple[float, int]:
@@ -144,10 +159,11 @@ def multiturn(args, *, cache: bool, turns: int = 8, user_tokens: int = 24) -> tu
     g = torch.Generator().manual_seed(2)
     vocab = cfg["vocab_size"]
     first = [torch.randint(0, vocab, (args.system,), generator=g).tolist() for _ in range(args.sessions)]
-    users = [[torch.randint(0, vocab, (user_tokens,), generator=g).tolist() for _ in range(turns)]
-             for _ in range(args.sessions)]
-    batcher = ContinuousBatcher(Qwen3Engine(cfg, max_slots=args.sessions), pool="bench", seed=0,
-                                prefix_cache=cache)
+    users = [
+        [torch.randint(0, vocab, (user_tokens,), generator=g).tolist() for _ in range(turns)]
+        for _ in range(args.sessions)
+    ]
+    batcher = ContinuousBatcher(Qwen3Engine(cfg, max_slots=args.sessions), pool="bench", seed=0, prefix_cache=cache)
     batcher.set_weights(weights, version=0)
 
     def run(tag: str) -> int:
@@ -155,9 +171,15 @@ def multiturn(args, *, cache: bool, turns: int = 8, user_tokens: int = 24) -> tu
         convo = [list(p) for p in first]
         for t in range(turns):
             for i in range(args.sessions):
-                batcher.submit(GenerateRequest(request_id=f"{tag}/{i}/{t}", prompt_ids=convo[i],
-                                               max_new_tokens=gen_tokens, seed=1000 * i + t,
-                                               session_id=f"{tag}/{i}"))
+                batcher.submit(
+                    GenerateRequest(
+                        request_id=f"{tag}/{i}/{t}",
+                        prompt_ids=convo[i],
+                        max_new_tokens=gen_tokens,
+                        seed=1000 * i + t,
+                        session_id=f"{tag}/{i}",
+                    )
+                )
             done = {}
             while batcher.has_work():
                 done.update((r.request_id, r) for r in batcher.step())

@@ -135,11 +135,15 @@ def main() -> None:
     p.add_argument("--seeds", type=int, help="seeds per variant (default 3; quick 1)")
     p.add_argument("--variants", help=f"comma-separated subset of {','.join(ORDER)}")
     p.add_argument("--budget", type=int, default=FP8_BUDGET, help=f"FP8 pool staleness budget (default {FP8_BUDGET})")
-    p.add_argument("--record", type=Path,
-                   help="append each finished run's figures to this JSON-lines file and skip runs it "
-                        "already has (same --steps): the full comparison can be stopped and resumed")
-    p.add_argument("--report", action="store_true",
-                   help="with --record: print the table of the recorded runs, run nothing")
+    p.add_argument(
+        "--record",
+        type=Path,
+        help="append each finished run's figures to this JSON-lines file and skip runs it "
+        "already has (same --steps): the full comparison can be stopped and resumed",
+    )
+    p.add_argument(
+        "--report", action="store_true", help="with --record: print the table of the recorded runs, run nothing"
+    )
     args = p.parse_args()
     if args.report and args.record is None:
         p.error("--report needs --record")
@@ -158,8 +162,15 @@ def main() -> None:
     torch.set_num_threads(1)
     load_before = load_average()
     t0 = time.monotonic()
-    runs = run_variants(names, n_seeds, steps, lambda name, seed: build_raw(name, seed, steps, args.budget),
-                        run_figures, record=args.record, run=not args.report)
+    runs = run_variants(
+        names,
+        n_seeds,
+        steps,
+        lambda name, seed: build_raw(name, seed, steps, args.budget),
+        run_figures,
+        record=args.record,
+        run=not args.report,
+    )
     if not runs:
         raise SystemExit(f"stability: no runs recorded in {args.record} with {steps} steps")
     results: dict[str, dict[str, Any]] = {name: summarize(per_seed) for name, per_seed in runs.items()}
@@ -167,35 +178,52 @@ def main() -> None:
     load_after = load_average()
 
     rec = demo.get("recipe", {})
-    print(f"\nguess_number {demo['task'].get('params')}, {demo['rollout']['prompts_per_step']} prompts x "
-          f"{demo['rollout']['group_size']} rollouts per step, lr {demo['trainer']['lr']}, top_p {rec.get('top_p')}, "
-          f"min_keep {rec.get('min_keep', 'default')}; FP8 pool staleness budget {args.budget}; {steps} steps, "
-          f"up to {n_seeds} seed(s) per variant (the collapses column says how many ran); final = mean reward of the last {WINDOW} steps, AUC = mean reward over "
-          f"all steps, collapse = the {WINDOW}-step mean fell > {COLLAPSE_DROP} below its earlier peak; means over "
-          f"seeds (max grad norm: max over seeds)")
+    print(
+        f"\nguess_number {demo['task'].get('params')}, {demo['rollout']['prompts_per_step']} prompts x "
+        f"{demo['rollout']['group_size']} rollouts per step, lr {demo['trainer']['lr']}, top_p {rec.get('top_p')}, "
+        f"min_keep {rec.get('min_keep', 'default')}; FP8 pool staleness budget {args.budget}; {steps} steps, "
+        f"up to {n_seeds} seed(s) per variant (the collapses column says how many ran); final = mean reward of the last {WINDOW} steps, AUC = mean reward over "
+        f"all steps, collapse = the {WINDOW}-step mean fell > {COLLAPSE_DROP} below its earlier peak; means over "
+        f"seeds (max grad norm: max over seeds)"
+    )
     print(f"load average before {load_before}, after {load_after}; {total:.0f}s\n")
-    print("| variant | pool | replay | IS | centering | final reward (min..max) | AUC | peak | collapses "
-          "| max grad norm | mismatch KL |")
+    print(
+        "| variant | pool | replay | IS | centering | final reward (min..max) | AUC | peak | collapses "
+        "| max grad norm | mismatch KL |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
         pool, replay, isw, cent = describe(name)
-        print(f"| {name} | {pool} | {replay} | {isw} | {cent} | {r['final_reward']:.3f} "
-              f"({r['final_reward_min']:.3f}..{r['final_reward_max']:.3f}) | {r['auc_reward']:.3f} | "
-              f"{r['peak_reward']:.3f} | {r['collapses']}/{len(runs[name])} | {r['max_grad_norm']:.3g} | "
-              f"{r['mismatch_kl']:.3g} |")
+        print(
+            f"| {name} | {pool} | {replay} | {isw} | {cent} | {r['final_reward']:.3f} "
+            f"({r['final_reward_min']:.3f}..{r['final_reward_max']:.3f}) | {r['auc_reward']:.3f} | "
+            f"{r['peak_reward']:.3f} | {r['collapses']}/{len(runs[name])} | {r['max_grad_norm']:.3g} | "
+            f"{r['mismatch_kl']:.3g} |"
+        )
 
     def fig(name: str, key: str) -> Any:
         return results[name][key] if name in results else None
 
-    print(json.dumps({
-        "benchmark": "stability", "quick": args.quick, "steps": steps, "seeds": n_seeds,
-        "fp8_staleness_budget": args.budget, "variants_run": list(results),
-        "seeds_run": {name: len(per_seed) for name, per_seed in runs.items()},
-        **{f"{n}_final": fig(n, "final_reward") for n in ORDER},
-        "full_collapses": fig("full", "collapses"), "plain_grpo_collapses": fig("plain_grpo", "collapses"),
-        "load_avg_before": load_before, "load_avg_after": load_after, "total_s": round(total, 1),
-        "variants": results,
-    }))
+    print(
+        json.dumps(
+            {
+                "benchmark": "stability",
+                "quick": args.quick,
+                "steps": steps,
+                "seeds": n_seeds,
+                "fp8_staleness_budget": args.budget,
+                "variants_run": list(results),
+                "seeds_run": {name: len(per_seed) for name, per_seed in runs.items()},
+                **{f"{n}_final": fig(n, "final_reward") for n in ORDER},
+                "full_collapses": fig("full", "collapses"),
+                "plain_grpo_collapses": fig("plain_grpo", "collapses"),
+                "load_avg_before": load_before,
+                "load_avg_after": load_after,
+                "total_s": round(total, 1),
+                "variants": results,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

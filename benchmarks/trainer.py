@@ -31,6 +31,7 @@ How: ``python benchmarks/trainer.py`` (a few minutes on 2 shared cores) or ``--q
 (smaller models and batches, < 1 min idle; the 50M-parameter condition is then not met
 and ``quick`` is true in the JSON). Ends with one JSON line.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,9 +52,15 @@ def model(hidden: int, layers: int, vocab: int, inter: int, heads: int = 8, kv: 
     from actors.models import default_model_config
 
     cfg = default_model_config(vocab)
-    cfg.update(hidden_size=hidden, num_hidden_layers=layers, intermediate_size=inter,
-               num_attention_heads=heads, num_key_value_heads=kv, head_dim=hidden // heads,
-               max_position_embeddings=1024)
+    cfg.update(
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        intermediate_size=inter,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=hidden // heads,
+        max_position_embeddings=1024,
+    )
     return cfg
 
 
@@ -72,13 +79,24 @@ def synthetic_batch(vocab: int, n: int, prompt: int, gen: int, seed: int) -> lis
             ids.append(row)
             offs.append(offs[-1] + row.numel())
         sup = torch.cat(ids).to(torch.int32)
-        logq = torch.cat([torch.full((r.numel(),), -float(torch.log(torch.tensor(float(r.numel())))))
-                          for r in ids])
-        out.append(Trajectory(
-            task="bench", prompt_id=f"p{i // 4}", group_id=f"g{i // 4}", pool="a", tokens=tokens,
-            loss_mask=torch.tensor([False] * prompt + [True] * gen), support_ids=sup,
-            support_offsets=torch.tensor(offs, dtype=torch.int32), support_logq=logq,
-            versions=torch.zeros(gen, dtype=torch.int32), reward=float(i % 2), turns=1, seconds=0.0))
+        logq = torch.cat([torch.full((r.numel(),), -float(torch.log(torch.tensor(float(r.numel()))))) for r in ids])
+        out.append(
+            Trajectory(
+                task="bench",
+                prompt_id=f"p{i // 4}",
+                group_id=f"g{i // 4}",
+                pool="a",
+                tokens=tokens,
+                loss_mask=torch.tensor([False] * prompt + [True] * gen),
+                support_ids=sup,
+                support_offsets=torch.tensor(offs, dtype=torch.int32),
+                support_logq=logq,
+                versions=torch.zeros(gen, dtype=torch.int32),
+                reward=float(i % 2),
+                turns=1,
+                seconds=0.0,
+            )
+        )
     return out
 
 
@@ -114,11 +132,16 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         trainer.train_step(batch)
         times.append(time.perf_counter() - t0)
     peak = peak_rss_mb()
-    out: dict[str, Any] = {"rank": world.rank, "base_mb": base, "peak_mb": peak,
-                           "net_mb": peak - base, "step_s": times,
-                           "params": sum(p.numel() for p in trainer.model.parameters()),
-                           "tokens_per_s": padded / statistics.median(times[1:] or times)}
-    weights = trainer.master_weights()   # after the peak was read: gathering is not training
+    out: dict[str, Any] = {
+        "rank": world.rank,
+        "base_mb": base,
+        "peak_mb": peak,
+        "net_mb": peak - base,
+        "step_s": times,
+        "params": sum(p.numel() for p in trainer.model.parameters()),
+        "tokens_per_s": padded / statistics.median(times[1:] or times),
+    }
+    weights = trainer.master_weights()  # after the peak was read: gathering is not training
     if spec.get("weights_out") and world.is_main:
         from safetensors.torch import save_file
 
@@ -148,8 +171,9 @@ def _warm_up() -> None:
 
 def _spawn(spec: dict[str, Any]) -> subprocess.Popen[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen([sys.executable, __file__, "--worker", json.dumps(spec)], env=env,
-                            stdout=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, __file__, "--worker", json.dumps(spec)], env=env, stdout=subprocess.PIPE, text=True
+    )
 
 
 def run(spec: dict[str, Any]) -> list[dict[str, Any]]:
@@ -190,8 +214,15 @@ def main() -> None:
 
     one = {"config": {"model": small, "lr": 1e-3}, "batch": short}
     run({**one, "name": "diff-1", "weights_out": str(tmp / "w1.safetensors")})
-    run({**one, "name": "diff-2", "procs": 2, "config": {**one["config"], "procs": 2},
-         "weights_out": str(tmp / "w2.safetensors")})
+    run(
+        {
+            **one,
+            "name": "diff-2",
+            "procs": 2,
+            "config": {**one["config"], "procs": 2},
+            "weights_out": str(tmp / "w2.safetensors"),
+        }
+    )
     w1, w2 = load_file(str(tmp / "w1.safetensors")), load_file(str(tmp / "w2.safetensors"))
     fig["fsdp2_vs_single_max_abs_diff"] = max(float((w1[k] - w2[k]).abs().max()) for k in w1)
 
@@ -204,8 +235,7 @@ def main() -> None:
     fig["fsdp2_peak_mb_per_rank"] = round(max(r["net_mb"] for r in ranks), 1)
     fig["single_peak_rss_raw_mb"] = round(single["peak_mb"], 1)
     fig["fsdp2_peak_rss_raw_mb_per_rank"] = round(max(r["peak_mb"] for r in ranks), 1)
-    fig["fsdp2_peak_mb_per_rank / single_peak_mb"] = round(
-        fig["fsdp2_peak_mb_per_rank"] / fig["single_peak_mb"], 3)
+    fig["fsdp2_peak_mb_per_rank / single_peak_mb"] = round(fig["fsdp2_peak_mb_per_rank"] / fig["single_peak_mb"], 3)
 
     # 3. bf16 vs fp32 throughput on CPU
     speed = {"batch": {"n": 8, "prompt": 32, "gen": 32}, "steps": 3 if q else 4}
@@ -218,9 +248,17 @@ def main() -> None:
     # 4. one step's bf16 wire delta: LoRA r=16 (merged weights) vs full fine-tuning
     delta = {"batch": short, "delta": True}
     full = run({**delta, "name": "full-delta", "config": {"model": lora_model, "lr": 1e-5}})[0]
-    lora = run({**delta, "name": "lora-delta", "config": {
-        "model": lora_model, "lr": 1e-5,
-        "lora": {"r": 16, "alpha": 32, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}}})[0]
+    lora = run(
+        {
+            **delta,
+            "name": "lora-delta",
+            "config": {
+                "model": lora_model,
+                "lr": 1e-5,
+                "lora": {"r": 16, "alpha": 32, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]},
+            },
+        }
+    )[0]
     fig["full_delta_bytes"] = full["delta_bytes"]
     fig["lora_delta_bytes"] = lora["delta_bytes"]
     fig["lora_delta_bytes / full_delta_bytes"] = round(lora["delta_bytes"] / full["delta_bytes"], 4)

@@ -57,7 +57,7 @@ import zstandard
 
 ROOT = Path(__file__).resolve().parents[1]
 
-from orchestrator.weightsync import (  # noqa: E402
+from orchestrator.weightsync import (
     WeightMessage,
     WeightReceiver,
     encode_delta,
@@ -134,9 +134,7 @@ def naive_xor_zstd(prev: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) 
 
 
 def same_bytes(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(
-        torch.equal(a[n].view(torch.uint8), b[n].view(torch.uint8)) for n in a
-    )
+    return a.keys() == b.keys() and all(torch.equal(a[n].view(torch.uint8), b[n].view(torch.uint8)) for n in a)
 
 
 class Wire:
@@ -155,8 +153,9 @@ class Wire:
         self.receiver.apply(WeightMessage.from_frames(self.keyframe.to_frames()))
         self.bit_exact = same_bytes(self.receiver.snapshot, self.snap)  # type: ignore[arg-type]
 
-    def encode(self, prev: dict[str, torch.Tensor], new: dict[str, torch.Tensor],
-               version: int) -> tuple[WeightMessage, float, float]:
+    def encode(
+        self, prev: dict[str, torch.Tensor], new: dict[str, torch.Tensor], version: int
+    ) -> tuple[WeightMessage, float, float]:
         """The delta, its wall time and its CPU time (this process's and the codec helpers')."""
         c0 = time.process_time() + helper_stats()["helper_cpu_s"]  # read outside the wall time
         t0 = time.perf_counter()

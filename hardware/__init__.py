@@ -33,6 +33,7 @@ from hardware.throughput import (
 __all__ = [
     "CATALOG",
     "DEFAULT_ROLLOUTS_PER_GPU",
+    "SOURCES",
     "CostLedger",
     "CostReport",
     "CostTotals",
@@ -47,7 +48,6 @@ __all__ = [
     "PoolState",
     "RooflineAssumptions",
     "SGLangLaunch",
-    "SOURCES",
     "Scheduler",
     "SimPlacement",
     "SimPoolStats",

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["RolloutLengths", "PoolLengthState"]
+__all__ = ["PoolLengthState", "RolloutLengths"]
 
 
 class PoolLengthState(BaseModel):

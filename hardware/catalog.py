@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["GpuSpec", "CATALOG", "SOURCES", "gpu_spec", "canonical_gpu", "catalog_markdown"]
+__all__ = ["CATALOG", "SOURCES", "GpuSpec", "canonical_gpu", "catalog_markdown", "gpu_spec"]
 
 SOURCES: dict[str, str] = {
     "S1": "NVIDIA A100 Tensor Core GPU datasheet, A100 80GB SXM column (2021 revision).",

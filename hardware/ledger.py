@@ -32,7 +32,7 @@ from hardware._state import parse_state
 from hardware.pools import PoolConfig
 from hardware.throughput import ThroughputModel
 
-__all__ = ["CostLedger", "CostReport", "PoolCost", "CostTotals", "Counterfactual"]
+__all__ = ["CostLedger", "CostReport", "CostTotals", "Counterfactual", "PoolCost"]
 
 
 class PoolCost(BaseModel):

@@ -70,5 +70,7 @@ def gpu_mismatch(pool: str, label: str, device_names: list[str]) -> str | None:
     wrong = sorted({n for n in device_names if detected_gpu(n) != label})
     if not wrong:
         return None
-    return (f"pool {pool!r} is labelled gpu {label!r} but runs on {', '.join(wrong)}: "
-            "its prices and throughput model assume the label")
+    return (
+        f"pool {pool!r} is labelled gpu {label!r} but runs on {', '.join(wrong)}: "
+        "its prices and throughput model assume the label"
+    )

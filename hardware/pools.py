@@ -16,7 +16,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInf
 from hardware.catalog import CATALOG, GpuSpec, canonical_gpu
 from hardware.placement import SGLangLaunch
 
-__all__ = ["PoolConfig", "PoolList", "HardwareConfig", "DEFAULT_ROLLOUTS_PER_GPU", "check_devices"]
+__all__ = ["DEFAULT_ROLLOUTS_PER_GPU", "HardwareConfig", "PoolConfig", "PoolList", "check_devices"]
 
 DEFAULT_ROLLOUTS_PER_GPU = 64
 """Concurrent rollouts per GPU when a pool does not say (a typical decode batch per GPU)."""
@@ -151,27 +151,32 @@ class PoolConfig(BaseModel):
         who = f"pool {self.name!r}"
         if self.backend == "sglang":
             if (self.urls is None) == (self.launch is None):
-                raise ValueError(f"{who}: backend 'sglang' needs exactly one of urls (running "
-                                 "servers) and launch (start them)")
+                raise ValueError(
+                    f"{who}: backend 'sglang' needs exactly one of urls (running servers) and launch (start them)"
+                )
             if self.urls is not None and len(self.urls) != self.count:
-                raise ValueError(f"{who}: urls lists {len(self.urls)} servers for count "
-                                 f"{self.count} (one per GPU)")
+                raise ValueError(f"{who}: urls lists {len(self.urls)} servers for count {self.count} (one per GPU)")
             if self.urls is not None and not all(u.startswith(("http://", "https://")) for u in self.urls):
                 raise ValueError(f"{who}: urls must be http:// or https:// base URLs")
             if self.device == "cpu" or self.gpu == "cpu":
                 raise ValueError(f"{who}: backend 'sglang' runs on CUDA GPUs; device must be 'cuda'")
             if not self.prefix_cache or self.stale_prefix != "reuse":
-                raise ValueError(f"{who}: prefix_cache and stale_prefix are torch-backend settings "
-                                 "(an SGLang server keeps its own prefix cache)")
+                raise ValueError(
+                    f"{who}: prefix_cache and stale_prefix are torch-backend settings "
+                    "(an SGLang server keeps its own prefix cache)"
+                )
         elif self.urls is not None or self.launch is not None or self.weights_dir is not None:
-            raise ValueError(f"{who}: urls, launch and weights_dir belong to backend 'sglang' "
-                             f"(this pool's backend is {self.backend!r})")
+            raise ValueError(
+                f"{who}: urls, launch and weights_dir belong to backend 'sglang' "
+                f"(this pool's backend is {self.backend!r})"
+            )
         if self.gpus is not None:
             if self.device == "cpu" or self.gpu == "cpu":
                 raise ValueError(f"{who}: gpus is for device 'cuda' pools")
             if len(self.gpus) != self.count or any(g < 0 for g in self.gpus):
-                raise ValueError(f"{who}: gpus must list {self.count} device indices ≥ 0 "
-                                 f"(one per rank), got {self.gpus}")
+                raise ValueError(
+                    f"{who}: gpus must list {self.count} device indices ≥ 0 (one per rank), got {self.gpus}"
+                )
         return self
 
     @model_validator(mode="after")
@@ -259,6 +264,7 @@ def check_devices(pools: list[PoolConfig], cuda_devices: int) -> None:
         remote = p.hosts or (p.backend == "sglang" and p.urls)  # its GPUs are on other machines
         if p.device == "cuda" and cuda_devices == 0 and not remote:
             how = "set" if "device" in p.model_fields_set else f"the default for gpu {p.gpu!r}"
-            raise ValueError(f"pools.{i}.device: pool {p.name!r} needs CUDA (device 'cuda', {how}) but this "
-                             f"machine has no CUDA GPU; use device = \"cpu\" to emulate the pool here")
-
+            raise ValueError(
+                f"pools.{i}.device: pool {p.name!r} needs CUDA (device 'cuda', {how}) but this "
+                f"machine has no CUDA GPU; use device = \"cpu\" to emulate the pool here"
+            )

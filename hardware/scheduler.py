@@ -86,7 +86,7 @@ from hardware._state import parse_state
 from hardware.pools import PoolConfig
 from hardware.throughput import ThroughputModel
 
-__all__ = ["Scheduler", "PoolState"]
+__all__ = ["PoolState", "Scheduler"]
 
 _EPS = 1e-6  # rollouts: shortfalls below this are rounding, not need
 
@@ -191,9 +191,11 @@ class Scheduler:
         self._cost = [tp.usd_per_token(name) for name in self._names]
         self._tps = [tp.estimate(name) for name in self._names]
         # slot_s: seconds one sequence takes per token on a full pool, so R_i = tokens × slot_s.
-        self._slot_s = [tp.batch_per_gpu(name) / t if t > 0 else math.inf for name, t in zip(self._names, self._tps)]
+        self._slot_s = [
+            tp.batch_per_gpu(name) / t if t > 0 else math.inf for name, t in zip(self._names, self._tps, strict=False)
+        ]
         # Tokens/s of each whole pool at full batch.
-        self._pool_tps = [p.count * t for p, t in zip(self._pools, self._tps)]
+        self._pool_tps = [p.count * t for p, t in zip(self._pools, self._tps, strict=False)]
         self._order = sorted(range(len(self._pools)), key=lambda i: (self._cost[i], self._names[i]))
 
     def _replica_tps(self, i: int, m: int) -> float:
@@ -361,7 +363,7 @@ class Scheduler:
             nj = self._inflight[j]
             rate = prod + (nj / self._seq_seconds(j, nj) if nj else 0.0)
             h_eff = h if D <= 0 else (max(h, D * mt / rate) if rate > 0.0 else math.inf)
-            if T <= h or T < h_eff:  # lands before the next step can start: helps that step
+            if h >= T or h_eff > T:  # lands before the next step can start: helps that step
                 T1, need1 = T, float(D)
             else:  # helps the first step that starts once it has landed
                 m = math.ceil((T - h_eff) / step - 1e-9)
@@ -369,7 +371,7 @@ class Scheduler:
             T2 = T1 + self._lookahead * step
             if self._lookahead <= 0.0:
                 need2 = -math.inf
-            elif T2 < h_eff:  # h_eff may be inf: nothing delivers D
+            elif h_eff > T2:  # h_eff may be inf: nothing delivers D
                 need2 = float(D)
             else:  # the steps that start by T2
                 need2 = float(D + B * math.floor((T2 - h_eff) / step + 1e-9))
@@ -390,8 +392,8 @@ class Scheduler:
             if not n:
                 continue
             Ri = mt * self._seq_seconds(i, n)
-            supply1 += n * T1 / Ri if i == j or T1 < Ri else n
-            supply2 += n if T2 >= Ri else n * T2 / Ri
+            supply1 += n * T1 / Ri if i == j or Ri > T1 else n
+            supply2 += n if Ri <= T2 else n * T2 / Ri
         return need1 - supply1, need2 - supply2
 
     def _spill_target(self, jpos: int, shortfall: float) -> int:
@@ -449,8 +451,7 @@ class Scheduler:
         naming the field or pool, and changes nothing."""
         if not state:
             return
-        parsed = parse_state(_SchedulerState, state, "scheduler state", lambda s: s.lengths,
-                             self._names)
+        parsed = parse_state(_SchedulerState, state, "scheduler state", lambda s: s.lengths, self._names)
         self.throughput.load_state(parsed.throughput)  # validates before changing anything
         for name, st in parsed.lengths.items():
             self._lengths.load(self._index[name], st)

@@ -43,7 +43,7 @@ from hardware.pools import PoolConfig
 from hardware.scheduler import Scheduler
 from hardware.throughput import ModelSpec, RooflineAssumptions, replica_gpus, roofline_tokens_per_s
 
-__all__ = ["FleetSim", "SimResult", "SimPoolStats", "SimPlacement"]
+__all__ = ["FleetSim", "SimPlacement", "SimPoolStats", "SimResult"]
 
 _EPS = 1e-9
 
@@ -215,8 +215,13 @@ class FleetSim:
 
         def tell_scheduler() -> None:
             horizon = 0.0 if training_until is None else training_until - t
-            sched.set_trainer(k, self.batch - len(buffer), horizon, self.batch / self.step_seconds,
-                              self.batch if self.tell_batch else 0)
+            sched.set_trainer(
+                k,
+                self.batch - len(buffer),
+                horizon,
+                self.batch / self.step_seconds,
+                self.batch if self.tell_batch else 0,
+            )
 
         def fill() -> None:
             nonlocal seq, in_flight_total, decisions, decision_s

@@ -47,9 +47,9 @@ __all__ = [
     "RooflineAssumptions",
     "ThroughputModel",
     "bytes_per_param",
-    "replica_gpus",
-    "fit_batch_per_gpu",
     "decode_step_seconds",
+    "fit_batch_per_gpu",
+    "replica_gpus",
     "roofline_tokens_per_s",
 ]
 
@@ -351,8 +351,7 @@ class ThroughputModel:
         """Restore what `state()` returned. Pools absent from `state` keep their current factor;
         a pool in `state` that this model does not have, or a malformed entry, raises ValueError
         naming it (nothing is changed then)."""
-        parsed = parse_state(_ThroughputState, state, "throughput state", lambda s: s.pools,
-                             self._pools)
+        parsed = parse_state(_ThroughputState, state, "throughput state", lambda s: s.pools, self._pools)
         for name, st in parsed.pools.items():
             if not math.isfinite(st.log_factor):
                 raise ValueError(f"throughput state: pool {name!r}: log_factor must be finite, got {st.log_factor}")

@@ -45,8 +45,7 @@ def grpo_advantages(
         group_ids = torch.tensor([labels[g] for g in group_ids], dtype=torch.long, device=rewards.device)
     if rewards.dim() != 1 or group_ids.shape != rewards.shape:
         raise ValueError(
-            f"rewards and group_ids must both have shape [N], got {tuple(rewards.shape)} "
-            f"and {tuple(group_ids.shape)}"
+            f"rewards and group_ids must both have shape [N], got {tuple(rewards.shape)} and {tuple(group_ids.shape)}"
         )
     if not eps > 0:
         raise ValueError(f"eps must be > 0, got {eps}")
@@ -58,9 +57,7 @@ def grpo_advantages(
         raise ValueError(f"rewards[{i}] is not finite ({float(r[i])})")
     _, g = torch.unique(group_ids, return_inverse=True)
     n_groups = int(g.max()) + 1
-    count = torch.zeros(n_groups, dtype=torch.float64, device=r.device).index_add_(
-        0, g, torch.ones_like(r)
-    )
+    count = torch.zeros(n_groups, dtype=torch.float64, device=r.device).index_add_(0, g, torch.ones_like(r))
     mean = torch.zeros_like(count).index_add_(0, g, r) / count
     dev = r - mean[g]
     if normalize_std:

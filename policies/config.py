@@ -119,9 +119,7 @@ class RecipeConfig(BaseModel):
     @model_validator(mode="after")
     def _cross_field(self) -> RecipeConfig:
         if self.mis_low > self.mis_high:
-            raise ValueError(
-                f"mis_low ({self.mis_low}) must not exceed mis_high ({self.mis_high})"
-            )
+            raise ValueError(f"mis_low ({self.mis_low}) must not exceed mis_high ({self.mis_high})")
         if self.entropy_coef > 0.0 and not self.mask_replay:
             raise ValueError(
                 "entropy_coef > 0 needs mask_replay=True: the entropy runs over the replayed "

@@ -51,9 +51,7 @@ class ImportanceWeights:
     """float32 [T]: ℓ_t = log p(y_t) − log q(y_t)."""
 
 
-def _log_f(
-    log_rho: Tensor, importance: str, lo: float, hi: float, cap: float
-) -> tuple[Tensor, Tensor]:
+def _log_f(log_rho: Tensor, importance: str, lo: float, hi: float, cap: float) -> tuple[Tensor, Tensor]:
     """(log f(ρ), f(ρ) > 0) elementwise."""
     if importance == "none":
         return torch.zeros_like(log_rho), torch.ones_like(log_rho, dtype=torch.bool)

@@ -147,9 +147,7 @@ def recipe_loss(
         assert weights.c_support is not None and replay is not None
         keep_s = mask[replay.row]
         contrib = weights.c_support.to(logp_s.dtype) * torch.where(keep_s, logp_s, 0.0)
-        term = term - torch.zeros(n, dtype=contrib.dtype, device=dev).index_add(
-            0, replay.row, contrib
-        )
+        term = term - torch.zeros(n, dtype=contrib.dtype, device=dev).index_add(0, replay.row, contrib)
     per_token = -adv.to(term.dtype) * term
     if config.entropy_coef > 0.0:
         assert replay is not None

@@ -127,7 +127,7 @@ def compute_metrics(
         cnt = s[-1]
         d = cnt if cnt > 0 else 1.0
         return PoolMetrics(
-            tokens=int(round(cnt)),
+            tokens=round(cnt),
             mismatch_kl=s[0] / d,
             masked_fraction=s[1] / d,
             mean_weight=s[2] / d,

@@ -86,9 +86,7 @@ def _scale(support: SupportRecord, temperature: float) -> float:
     if temperature == 0.0:
         widest = int(support.counts().max()) if support.n_rows else 1
         if widest > 1:
-            raise ValueError(
-                f"temperature 0 (greedy) needs single-id supports, got a row with {widest} ids"
-            )
+            raise ValueError(f"temperature 0 (greedy) needs single-id supports, got a row with {widest} ids")
         return 1.0
     return 1.0 / temperature
 
@@ -100,17 +98,13 @@ def _finish(z_support: Tensor, support: SupportRecord, tokens: Tensor, row: Tens
     return ReplayResult(logp_support, logp_support[token_index], token_index, row)
 
 
-def replay_logprobs(
-    logits: Tensor, support: SupportRecord, tokens: Tensor, temperature: float
-) -> ReplayResult:
+def replay_logprobs(logits: Tensor, support: SupportRecord, tokens: Tensor, temperature: float) -> ReplayResult:
     """Full path: log p^S from full-vocabulary logits [T, V] (any float dtype).
 
     Raises ValueError on shape mismatch, a malformed record, or a token outside its row.
     """
     if logits.dim() != 2 or logits.shape[0] != support.n_rows:
-        raise ValueError(
-            f"logits must have shape [T={support.n_rows}, V], got {tuple(logits.shape)}"
-        )
+        raise ValueError(f"logits must have shape [T={support.n_rows}, V], got {tuple(logits.shape)}")
     support.check()
     if support.nnz and int(support.ids.max()) >= logits.shape[1]:
         raise ValueError(f"support id {int(support.ids.max())} >= vocabulary size {logits.shape[1]}")
@@ -262,22 +256,14 @@ def replay_logprobs_from_hidden(
     Raises ValueError on shape mismatch, a malformed record, or a token outside its row.
     """
     if hidden.dim() != 2 or hidden.shape[0] != support.n_rows:
-        raise ValueError(
-            f"hidden must have shape [T={support.n_rows}, H], got {tuple(hidden.shape)}"
-        )
+        raise ValueError(f"hidden must have shape [T={support.n_rows}, H], got {tuple(hidden.shape)}")
     if lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != hidden.shape[1]:
-        raise ValueError(
-            f"lm_head_weight must have shape [V, H={hidden.shape[1]}], got {tuple(lm_head_weight.shape)}"
-        )
+        raise ValueError(f"lm_head_weight must have shape [V, H={hidden.shape[1]}], got {tuple(lm_head_weight.shape)}")
     if lm_head_bias is not None and tuple(lm_head_bias.shape) != (lm_head_weight.shape[0],):
-        raise ValueError(
-            f"lm_head_bias must have shape [V={lm_head_weight.shape[0]}], got {tuple(lm_head_bias.shape)}"
-        )
+        raise ValueError(f"lm_head_bias must have shape [V={lm_head_weight.shape[0]}], got {tuple(lm_head_bias.shape)}")
     support.check()
     if support.nnz and int(support.ids.max()) >= lm_head_weight.shape[0]:
-        raise ValueError(
-            f"support id {int(support.ids.max())} >= vocabulary size {lm_head_weight.shape[0]}"
-        )
+        raise ValueError(f"support id {int(support.ids.max())} >= vocabulary size {lm_head_weight.shape[0]}")
     scale = _scale(support, temperature)
     row = support.row_index()
     union, col = torch.unique(support.ids.long(), return_inverse=True)

@@ -52,9 +52,7 @@ class SupportRecord:
         if self.offsets.numel() < 1:
             raise ValueError("SupportRecord.offsets must have n_rows + 1 >= 1 entries")
         if self.ids.numel() != self.logq.numel():
-            raise ValueError(
-                f"SupportRecord.ids has {self.ids.numel()} entries but logq has {self.logq.numel()}"
-            )
+            raise ValueError(f"SupportRecord.ids has {self.ids.numel()} entries but logq has {self.logq.numel()}")
 
     # ------------------------------------------------------------------ shape
     @property
@@ -90,9 +88,7 @@ class SupportRecord:
         if int(off[0]) != 0:
             raise ValueError(f"SupportRecord.offsets[0] must be 0, got {int(off[0])}")
         if int(off[-1]) != self.nnz:
-            raise ValueError(
-                f"SupportRecord.offsets[-1] must equal nnz={self.nnz}, got {int(off[-1])}"
-            )
+            raise ValueError(f"SupportRecord.offsets[-1] must equal nnz={self.nnz}, got {int(off[-1])}")
         counts = off[1:] - off[:-1]
         bad = torch.nonzero(counts <= 0).flatten()
         if bad.numel():
@@ -121,9 +117,7 @@ class SupportRecord:
         if not 0 <= start <= stop <= self.n_rows:
             raise ValueError(f"row range [{start}, {stop}) outside [0, {self.n_rows}]")
         a, b = int(self.offsets[start]), int(self.offsets[stop])
-        return SupportRecord(
-            self.ids[a:b], (self.offsets[start : stop + 1] - a).to(torch.int32), self.logq[a:b]
-        )
+        return SupportRecord(self.ids[a:b], (self.offsets[start : stop + 1] - a).to(torch.int32), self.logq[a:b])
 
     def token_index(self, tokens: Tensor) -> Tensor:
         """int64 [n_rows]: flat entry index of tokens[t] inside row t.
@@ -132,14 +126,10 @@ class SupportRecord:
         (never silently widened, docs/architecture.md, The recipe, 2).
         """
         if tokens.dim() != 1 or tokens.numel() != self.n_rows:
-            raise ValueError(
-                f"tokens must have shape [{self.n_rows}] (one per support row), got {tuple(tokens.shape)}"
-            )
+            raise ValueError(f"tokens must have shape [{self.n_rows}] (one per support row), got {tuple(tokens.shape)}")
         row = self.row_index()
         hit = self.ids.long() == tokens.to(self.device).long()[row]
-        n_hit = torch.zeros(self.n_rows, dtype=torch.long, device=self.device).index_add_(
-            0, row, hit.long()
-        )
+        n_hit = torch.zeros(self.n_rows, dtype=torch.long, device=self.device).index_add_(0, row, hit.long())
         bad = torch.nonzero(n_hit != 1).flatten()
         if bad.numel():
             t = int(bad[0])

@@ -100,14 +100,14 @@ class _Pipe:
                 continue
             chunk = os.read(self.recv_fd, 1 << 20)
             if not chunk:
-                raise RuntimeError(f"chromium closed its pipe while waiting for {what} "
-                                   f"(exit code {self.proc.poll()})")
+                raise RuntimeError(f"chromium closed its pipe while waiting for {what} (exit code {self.proc.poll()})")
             self.buf += chunk
         raw, _, self.buf = self.buf.partition(b"\0")
         return json.loads(raw)
 
-    def call(self, method: str, params: dict[str, Any] | None = None, session: str | None = None,
-             timeout: float = 30.0) -> dict[str, Any]:
+    def call(
+        self, method: str, params: dict[str, Any] | None = None, session: str | None = None, timeout: float = 30.0
+    ) -> dict[str, Any]:
         self.next_id += 1
         msg: dict[str, Any] = {"id": self.next_id, "method": method, "params": params or {}}
         if session:
@@ -158,8 +158,15 @@ def _above_9(fd: int) -> int:
     return high
 
 
-def check_page(html_path: str | Path, screenshot: str | Path | None = None, *, width: int = 1280,
-               height: int = 900, shot_height: int | None = None, timeout: float = 60.0) -> PageCheck:
+def check_page(
+    html_path: str | Path,
+    screenshot: str | Path | None = None,
+    *,
+    width: int = 1280,
+    height: int = 900,
+    shot_height: int | None = None,
+    timeout: float = 60.0,
+) -> PageCheck:
     """Load `html_path` in headless Chromium and report what rendered (see `PageCheck`).
 
     `screenshot`: write a PNG of the page's top `shot_height` CSS pixels (default: the whole
@@ -178,13 +185,33 @@ def check_page(html_path: str | Path, screenshot: str | Path | None = None, *, w
     to_chrome_r, from_chrome_w = _above_9(to_chrome_r), _above_9(from_chrome_w)
     # bash (dash takes one-digit descriptors only) moves the pipe ends to the descriptor numbers Chromium expects (3: commands in,
     # 4: replies out) before it becomes the browser.
-    cmd = ["bash", "-c", f'exec "$@" 3<&{to_chrome_r} 4>&{from_chrome_w} {to_chrome_r}<&- {from_chrome_w}>&-',
-           "bash", exe, "--headless=new", "--no-sandbox", "--disable-gpu", "--remote-debugging-pipe",
-           f"--user-data-dir={profile}", "--no-first-run", "--no-default-browser-check",
-           "--disable-extensions", "--disable-background-networking", "--disable-sync",
-           "--disable-component-update", "--hide-scrollbars", "about:blank"]
-    proc = subprocess.Popen(cmd, pass_fds=(to_chrome_r, from_chrome_w), stdin=subprocess.DEVNULL,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    cmd = [
+        "bash",
+        "-c",
+        f'exec "$@" 3<&{to_chrome_r} 4>&{from_chrome_w} {to_chrome_r}<&- {from_chrome_w}>&-',
+        "bash",
+        exe,
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--remote-debugging-pipe",
+        f"--user-data-dir={profile}",
+        "--no-first-run",
+        "--no-default-browser-check",
+        "--disable-extensions",
+        "--disable-background-networking",
+        "--disable-sync",
+        "--disable-component-update",
+        "--hide-scrollbars",
+        "about:blank",
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        pass_fds=(to_chrome_r, from_chrome_w),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     os.close(to_chrome_r)
     os.close(from_chrome_w)
     try:
@@ -193,28 +220,40 @@ def check_page(html_path: str | Path, screenshot: str | Path | None = None, *, w
         session = cdp.call("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
         for domain in ("Page", "Runtime", "Log", "Network"):
             cdp.call(f"{domain}.enable", session=session)
-        cdp.call("Emulation.setDeviceMetricsOverride", {"width": width, "height": height,
-                                                        "deviceScaleFactor": 1, "mobile": False},
-                 session=session)
+        cdp.call(
+            "Emulation.setDeviceMetricsOverride",
+            {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": False},
+            session=session,
+        )
         cdp.call("Page.navigate", {"url": url}, session=session, timeout=timeout)
         cdp.wait_event("Page.loadEventFired", timeout)
         deadline = time.monotonic() + timeout
         while True:
-            res = cdp.call("Runtime.evaluate", {"expression": _CHARTS_JS, "returnByValue": True},
-                           session=session)
+            res = cdp.call("Runtime.evaluate", {"expression": _CHARTS_JS, "returnByValue": True}, session=session)
             info = json.loads(res["result"]["value"])
             if all(c["rendered"] for c in info["charts"]) or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
         errors, requests = _collect(cdp.events, url)
-        check = PageCheck(expected_charts=info["expected"], charts=info["charts"], console_errors=errors,
-                          external_requests=requests, page_height=info["height"])
+        check = PageCheck(
+            expected_charts=info["expected"],
+            charts=info["charts"],
+            console_errors=errors,
+            external_requests=requests,
+            page_height=info["height"],
+        )
         if screenshot is not None:
             h = min(shot_height or info["height"], info["height"])
-            shot = cdp.call("Page.captureScreenshot", {
-                "format": "png", "captureBeyondViewport": True,
-                "clip": {"x": 0, "y": 0, "width": width, "height": h, "scale": 1}},
-                session=session, timeout=timeout)
+            shot = cdp.call(
+                "Page.captureScreenshot",
+                {
+                    "format": "png",
+                    "captureBeyondViewport": True,
+                    "clip": {"x": 0, "y": 0, "width": width, "height": h, "scale": 1},
+                },
+                session=session,
+                timeout=timeout,
+            )
             path = Path(screenshot)
             path.write_bytes(base64.b64decode(shot["data"]))
             check.screenshot = path
@@ -240,9 +279,17 @@ def main(argv: list[str] | None = None) -> int:
     check = check_page(args.html, args.png, width=args.width, shot_height=args.height)
     for p in check.problems:
         print(f"problem: {p}", file=sys.stderr)
-    print(json.dumps({"charts": len(check.charts), "rendered": sum(c["rendered"] for c in check.charts),
-                      "console_errors": len(check.console_errors), "png": str(check.screenshot),
-                      "png_bytes": check.screenshot.stat().st_size if check.screenshot else 0}))
+    print(
+        json.dumps(
+            {
+                "charts": len(check.charts),
+                "rendered": sum(c["rendered"] for c in check.charts),
+                "console_errors": len(check.console_errors),
+                "png": str(check.screenshot),
+                "png_bytes": check.screenshot.stat().st_size if check.screenshot else 0,
+            }
+        )
+    )
     return 1 if check.problems else 0
 
 

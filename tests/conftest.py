@@ -1,4 +1,5 @@
 """Shared test setup: keep torch to few threads so the suite fits 2 cores."""
+
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -4,10 +4,11 @@ Implement ``Environment.reset(task)`` and ``Environment.step(action_text, action
 (plain or async), register it with ``@register_task("name")``, and an ``EnvActor``
 plays episodes of it against a sampler, returning ``Trajectory`` objects.
 """
+
 from actors.env._actor import EnvActor, EnvConfig
 from actors.env._chat_dataset import ChatDataset
-from actors.env._dataset import DatasetError, TaskDataset
 from actors.env._check import TaskCheckError, check_task
+from actors.env._dataset import DatasetError, TaskDataset
 from actors.env._episode import EpisodeBuilder
 from actors.env._interface import (
     Environment,
@@ -33,9 +34,9 @@ __all__ = [
     "GuessNumber",
     "Observation",
     "StepOutcome",
+    "TaskCheckError",
     "TaskDataset",
     "TaskModuleError",
-    "TaskCheckError",
     "check_task",
     "first_int",
     "guess_number_optimal",

@@ -6,6 +6,7 @@ actor builds the prompt, alternates generate calls and environment steps, and
 returns the trajectory. Many episodes run concurrently on one actor (one trio
 task per call); environments are fresh instances per episode.
 """
+
 from __future__ import annotations
 
 import random
@@ -82,11 +83,11 @@ class EnvActor(Actor):
         self.config = config if config is not None else EnvConfig()
         import_task_modules(self.config.task_modules)
         self.chat = load_chat_format(self.config.model_path, self.config.chat_template_kwargs)
-        self.limits = EpisodeLimits(self.config.step_timeout_s, self.config.generate_timeout_s,
-                                    self.config.max_seq_len)
+        self.limits = EpisodeLimits(self.config.step_timeout_s, self.config.generate_timeout_s, self.config.max_seq_len)
         self.threads = EnvThreads(self.config.env_threads)
-        self.watchdog = LoopWatchdog(lambda line: print(line, file=sys.stderr, flush=True),
-                                     threshold_s=self.config.loop_stall_s)
+        self.watchdog = LoopWatchdog(
+            lambda line: print(line, file=sys.stderr, flush=True), threshold_s=self.config.loop_stall_s
+        )
         self.calls = EnvCalls(self.threads, self.watchdog)
         self.episodes = 0
         self.failed = 0
@@ -107,24 +108,27 @@ class EnvActor(Actor):
 
             self.gateway = Gateway(self.chat)
             await nursery.start(self.gateway.serve)
-        if self.config.gateway:   # verifiers rollouts run on asyncio
+        if self.config.gateway:  # verifiers rollouts run on asyncio
             from actors.env.libs._verifiers import AsyncioLoop
 
             self.asyncio_loop = AsyncioLoop()
             await nursery.start(self.asyncio_loop.serve)
 
     @endpoint
-    async def run_episode(self, sampler: ActorRef | Mesh, task: TaskSpec,
-                          sampling: SamplingParams, min_version: int = 0) -> Trajectory:
+    async def run_episode(
+        self, sampler: ActorRef | Mesh, task: TaskSpec, sampling: SamplingParams, min_version: int = 0
+    ) -> Trajectory:
         """Play ``task`` with ``sampler`` (one actor: ``call_one``; a mesh: ``choose``).
 
         Every generate request carries ``min_version``, so a sampler whose weights
         lag does not start it until it has caught up.
         """
         if isinstance(sampler, Mesh):
+
             async def generate(req: GenerateRequest) -> GenerateResult:
                 return await sampler.generate.choose(req)
         else:
+
             async def generate(req: GenerateRequest) -> GenerateResult:
                 return await sampler.generate.call_one(req)
 
@@ -136,18 +140,26 @@ class EnvActor(Actor):
                 traj = await self._verifiers_episode(sampler, task, sampling, min_version)
             else:
                 traj = await play_episode(
-                    generate, GenerateRequest, task, sampling, min_version,
-                    chat=self.chat, limits=self.limits,
-                    request_prefix=f"{task.prompt_id}/{uuid.uuid4().hex[:12]}", span=span,
-                    calls=self.calls)
+                    generate,
+                    GenerateRequest,
+                    task,
+                    sampling,
+                    min_version,
+                    chat=self.chat,
+                    limits=self.limits,
+                    request_prefix=f"{task.prompt_id}/{uuid.uuid4().hex[:12]}",
+                    span=span,
+                    calls=self.calls,
+                )
         finally:
             self.running -= 1
         self.episodes += 1
         self.failed += traj.failed
         return traj
 
-    async def _harness_episode(self, sampler: ActorRef | Mesh, generate: Any, task: TaskSpec,
-                               sampling: SamplingParams, min_version: int) -> Trajectory:
+    async def _harness_episode(
+        self, sampler: ActorRef | Mesh, generate: Any, task: TaskSpec, sampling: SamplingParams, min_version: int
+    ) -> Trajectory:
         """One episode of the configured harness against a new gateway session.  A mesh
         handle is pinned to one rank for the whole episode (its prefix cache lives there)."""
         from actors.gateway import SessionLimits, play_harness_episode
@@ -162,16 +174,23 @@ class EnvActor(Actor):
 
         cfg = self.config.harness
         limits = SessionLimits(sampling, self.config.max_seq_len, cfg.max_new_tokens, cfg.honor_sampling)
-        with span("rollout", task=task.task, prompt_id=task.prompt_id, group_id=task.group_id,
-                  kind="harness") as sp:
+        with span("rollout", task=task.task, prompt_id=task.prompt_id, group_id=task.group_id, kind="harness") as sp:
             traj, stats = await play_harness_episode(self.gateway, cfg, task, gen, limits, min_version, end)
-            for k, v in {"pool": traj.pool, "turn": traj.turns, "reward": traj.reward, "failed": traj.failed,
-                         "tokens": int(traj.tokens.numel()), "generated": traj.num_generated, **stats}.items():
+            for k, v in {
+                "pool": traj.pool,
+                "turn": traj.turns,
+                "reward": traj.reward,
+                "failed": traj.failed,
+                "tokens": int(traj.tokens.numel()),
+                "generated": traj.num_generated,
+                **stats,
+            }.items():
                 sp.set_attribute(k, v)
         return traj
 
-    async def _verifiers_episode(self, sampler: ActorRef | Mesh, task: TaskSpec,
-                                 sampling: SamplingParams, min_version: int) -> Trajectory:
+    async def _verifiers_episode(
+        self, sampler: ActorRef | Mesh, task: TaskSpec, sampling: SamplingParams, min_version: int
+    ) -> Trajectory:
         """One rollout of a verifiers environment against a new gateway session, on one
         sampler rank (as a harness episode)."""
         from actors.env.libs._verifiers import play_verifiers_episode
@@ -188,14 +207,28 @@ class EnvActor(Actor):
             return await ref.end_session.call_one(session_id)
 
         limits = SessionLimits(sampling, self.config.max_seq_len, sampling.max_new_tokens, False)
-        with span("rollout", task=task.task, prompt_id=task.prompt_id, group_id=task.group_id,
-                  kind="verifiers") as sp:
+        with span("rollout", task=task.task, prompt_id=task.prompt_id, group_id=task.group_id, kind="verifiers") as sp:
             traj, stats = await play_verifiers_episode(
-                self.gateway, self.asyncio_loop, task.task.partition(":")[2], task, gen, limits,
-                min_version, end,
-                timeout_s=self.config.step_timeout_s, max_new_tokens=sampling.max_new_tokens)
-            for k, v in {"pool": traj.pool, "turn": traj.turns, "reward": traj.reward, "failed": traj.failed,
-                         "tokens": int(traj.tokens.numel()), "generated": traj.num_generated, **stats}.items():
+                self.gateway,
+                self.asyncio_loop,
+                task.task.partition(":")[2],
+                task,
+                gen,
+                limits,
+                min_version,
+                end,
+                timeout_s=self.config.step_timeout_s,
+                max_new_tokens=sampling.max_new_tokens,
+            )
+            for k, v in {
+                "pool": traj.pool,
+                "turn": traj.turns,
+                "reward": traj.reward,
+                "failed": traj.failed,
+                "tokens": int(traj.tokens.numel()),
+                "generated": traj.num_generated,
+                **stats,
+            }.items():
                 sp.set_attribute(k, v)
         return traj
 
@@ -215,12 +248,21 @@ class EnvActor(Actor):
         threads now (per task) and ever; event-loop stalls (count, longest, last culprit);
         with a gateway also its sessions, segments and the generated tokens of earlier
         segments (not trained on)."""
-        out = {"episodes": self.episodes, "failed": self.failed, "running": self.running,
-               "stuck_calls": self.threads.stuck(), "stuck_calls_total": self.threads.stuck_total(),
-               "env_threads": self.threads.per_task, "loop_stalls": self.watchdog.stalls,
-               "loop_stall_longest_s": round(self.watchdog.longest_s, 3),
-               "loop_stall_last": self.watchdog.last_blocker}
+        out = {
+            "episodes": self.episodes,
+            "failed": self.failed,
+            "running": self.running,
+            "stuck_calls": self.threads.stuck(),
+            "stuck_calls_total": self.threads.stuck_total(),
+            "env_threads": self.threads.per_task,
+            "loop_stalls": self.watchdog.stalls,
+            "loop_stall_longest_s": round(self.watchdog.longest_s, 3),
+            "loop_stall_last": self.watchdog.last_blocker,
+        }
         if self.gateway is not None:
-            out.update(sessions=self.gateway.opened, segments=self.gateway.segments,
-                       dropped_generated=self.gateway.dropped_generated)
+            out.update(
+                sessions=self.gateway.opened,
+                segments=self.gateway.segments,
+                dropped_generated=self.gateway.dropped_generated,
+            )
         return out

@@ -14,6 +14,7 @@ reply (its text, specials dropped, stripped) with the answer:
 columns are merged over them.  Columns other than these are accepted and ignored
 (ids, sources, metadata).
 """
+
 from __future__ import annotations
 
 import functools
@@ -39,17 +40,22 @@ class ChatDataset(Environment):
 
     max_turns = 1
 
-    def __init__(self, answer: Any = None, prompt: str | None = None,
-                 messages: list[dict[str, Any]] | None = None, reward: str = "exact",
-                 max_new_tokens: int | None = None, **_columns: Any) -> None:
+    def __init__(
+        self,
+        answer: Any = None,
+        prompt: str | None = None,
+        messages: list[dict[str, Any]] | None = None,
+        reward: str = "exact",
+        max_new_tokens: int | None = None,
+        **_columns: Any,
+    ) -> None:
         if (prompt is None) == (messages is None):
             raise ValueError("chat_dataset: a row needs exactly one of 'prompt' or 'messages'")
         if answer is None:
             raise ValueError("chat_dataset: a row needs an 'answer'")
         if messages is not None:
             if not messages or not all(isinstance(m, dict) and "role" in m for m in messages):
-                raise ValueError("chat_dataset: 'messages' must be a non-empty list of "
-                                 "{role, content} objects")
+                raise ValueError("chat_dataset: 'messages' must be a non-empty list of {role, content} objects")
             if messages[-1].get("role") == "assistant":
                 raise ValueError("chat_dataset: 'messages' must not end with an assistant turn")
         if reward == "regex":
@@ -58,13 +64,12 @@ class ChatDataset(Environment):
             except re.error as e:
                 raise ValueError(f"chat_dataset: answer {answer!r} is not a regex: {e}") from None
         elif reward != "exact":
-            self._fn = _reward_fn(reward)   # TaskModuleError names a bad reference
+            self._fn = _reward_fn(reward)  # TaskModuleError names a bad reference
         if max_new_tokens is not None and max_new_tokens < 1:
             raise ValueError(f"chat_dataset: max_new_tokens={max_new_tokens} must be >= 1")
         self.answer, self.reward = answer, reward
         self.max_new_tokens = max_new_tokens
-        self._first: Any = ([dict(m) for m in messages] if messages is not None
-                            else {"role": "user", "content": prompt})
+        self._first: Any = [dict(m) for m in messages] if messages is not None else {"role": "user", "content": prompt}
 
     def reset(self, task: TaskSpec) -> Any:
         return self._first

@@ -7,6 +7,7 @@ has side effects), else by constructing one instance (constructors check their
 params; no episode is played). Run-config loading calls it, so an unknown task or
 a bad param is one line naming the field, not a failure in every episode.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -38,8 +39,9 @@ def check_task(name: str, params: dict[str, Any] | None = None, modules: Iterabl
             import_task_module(module)
         except TaskModuleError as e:  # the user's module: any error is theirs to see, in one line
             cause = e.__cause__
-            raise TaskCheckError(f"task.modules: cannot import {module!r}: "
-                                 f"{type(cause).__name__}: {_first_line(cause)}") from None
+            raise TaskCheckError(
+                f"task.modules: cannot import {module!r}: {type(cause).__name__}: {_first_line(cause)}"
+            ) from None
     try:
         factory = task_factory(name)
     except LibraryMissing as e:

@@ -10,6 +10,7 @@ prompt index) continues at the same row.
 Files are read with the ``datasets`` library's local loaders (``json`` for
 ``.jsonl``/``.json``, ``parquet`` for ``.parquet``); nothing is downloaded.
 """
+
 from __future__ import annotations
 
 import json
@@ -58,11 +59,11 @@ def _check_json(path: Path) -> list[int] | None:
                 row = json.loads(raw)
             except ValueError as e:
                 text = clip(raw.decode(errors="replace").strip(), 80)
-                raise DatasetError(f"dataset {path}:{number}: not valid JSON: "
-                                   f"{clip(getattr(e, 'msg', e))} (the line: {text})") from None
+                raise DatasetError(
+                    f"dataset {path}:{number}: not valid JSON: {clip(getattr(e, 'msg', e))} (the line: {text})"
+                ) from None
             if not isinstance(row, dict):
-                raise DatasetError(f"dataset {path}:{number}: a row must be a JSON object, "
-                                   f"got {type(row).__name__}")
+                raise DatasetError(f"dataset {path}:{number}: a row must be a JSON object, got {type(row).__name__}")
             lines.append(number)
     return lines
 
@@ -70,8 +71,7 @@ def _check_json(path: Path) -> list[int] | None:
 class TaskDataset:
     """The rows of one dataset file, as task parameter dicts (see the module docstring)."""
 
-    def __init__(self, rows: list[dict[str, Any]], source: str = "<rows>",
-                 lines: list[int] | None = None) -> None:
+    def __init__(self, rows: list[dict[str, Any]], source: str = "<rows>", lines: list[int] | None = None) -> None:
         self.rows = rows
         self.source = source
         self._lines = lines if lines is not None and len(lines) == len(rows) else None
@@ -98,8 +98,7 @@ class TaskDataset:
         p = Path(path)
         loader = _LOADERS.get(p.suffix.lower())
         if loader is None:
-            raise DatasetError(f"dataset {path}: unknown file type {p.suffix!r} "
-                               f"(use {', '.join(_LOADERS)})")
+            raise DatasetError(f"dataset {path}: unknown file type {p.suffix!r} (use {', '.join(_LOADERS)})")
         if not p.is_file():
             raise DatasetError(f"dataset {path}: no such file")
         import datasets
@@ -108,9 +107,8 @@ class TaskDataset:
         # A bad row is named by its line, which the loader does not do.
         lines = _check_json(p) if loader == "json" else None
         try:
-            ds = datasets.load_dataset(loader, data_files=str(p.resolve()), split="train",
-                                       keep_in_memory=True)
-        except Exception as e:  # noqa: BLE001 - the loader's many error types, one line
+            ds = datasets.load_dataset(loader, data_files=str(p.resolve()), split="train", keep_in_memory=True)
+        except Exception as e:
             msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise DatasetError(f"dataset {path}: cannot be read: {clip(msg)}") from e
         # Rows as plain Python: they travel to the env actors inside TaskSpec.params (JSON).
@@ -128,7 +126,7 @@ class TaskDataset:
         if order is None:
             order = list(range(len(self.rows)))
             random.Random(f"{seed}/{epoch}").shuffle(order)
-            self._orders = {key: order}   # one epoch at a time is all a run needs
+            self._orders = {key: order}  # one epoch at a time is all a run needs
         return order[pos]
 
     def params(self, i: int, seed: int) -> dict[str, Any]:

@@ -10,6 +10,7 @@ support record has one row per True in the mask. A template that rewrites earlie
 turns starts a new segment (see ``play_episode``): the trajectory never holds a
 context the sampler did not see.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -17,9 +18,9 @@ import itertools
 import logging
 import time
 import traceback
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
-from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import torch
@@ -59,9 +60,14 @@ class EpisodeBuilder:
         self.ids += [int(i) for i in ids]
         self.mask += [False] * len(ids)
 
-    def add_generated(self, token_ids: Sequence[int], support_ids: torch.Tensor,
-                      support_offsets: torch.Tensor, support_logq: torch.Tensor,
-                      versions: Sequence[int]) -> None:
+    def add_generated(
+        self,
+        token_ids: Sequence[int],
+        support_ids: torch.Tensor,
+        support_offsets: torch.Tensor,
+        support_logq: torch.Tensor,
+        versions: Sequence[int],
+    ) -> None:
         """Append sampler output (loss mask True) with its CSR support rows and versions.
 
         Raises ValueError naming the field when the sampler's record does not have
@@ -72,12 +78,16 @@ class EpisodeBuilder:
         n = len(token_ids)
         off = support_offsets.tolist()
         if len(off) != n + 1 or len(versions) != n:
-            raise ValueError(f"sampler result: {n} tokens but support_offsets has {len(off)} "
-                             f"entries (want {n + 1}) and versions {len(versions)} (want {n})")
+            raise ValueError(
+                f"sampler result: {n} tokens but support_offsets has {len(off)} "
+                f"entries (want {n + 1}) and versions {len(versions)} (want {n})"
+            )
         nnz = support_ids.numel()
         if off[0] != 0 or off[-1] != nnz or support_logq.numel() != nnz:
-            raise ValueError(f"sampler result: support_offsets [{off[0]}..{off[-1]}] do "
-                             f"not span support_ids ({nnz}) / support_logq ({support_logq.numel()})")
+            raise ValueError(
+                f"sampler result: support_offsets [{off[0]}..{off[-1]}] do "
+                f"not span support_ids ({nnz}) / support_logq ({support_logq.numel()})"
+            )
         self.ids += [int(i) for i in token_ids]
         self.mask += [True] * n
         self._sup_ids.append(support_ids if support_ids.dtype == torch.int32 else support_ids.to(torch.int32))
@@ -85,24 +95,39 @@ class EpisodeBuilder:
         self._logq.append(support_logq if support_logq.dtype == torch.float32 else support_logq.float())
         self._versions += [int(v) for v in versions]
 
-    def build(self, *, task: TaskSpec, pool: str, reward: float, turns: int, seconds: float,
-              failed: bool = False, error: str | None = None,
-              error_traceback: str | None = None) -> Trajectory:
+    def build(
+        self,
+        *,
+        task: TaskSpec,
+        pool: str,
+        reward: float,
+        turns: int,
+        seconds: float,
+        failed: bool = False,
+        error: str | None = None,
+        error_traceback: str | None = None,
+    ) -> Trajectory:
         counts = torch.tensor(self._counts, dtype=torch.int64)
         offsets = torch.zeros(counts.numel() + 1, dtype=torch.int64)
         offsets[1:] = torch.cumsum(counts, 0)
         return Trajectory(
-            task=task.task, prompt_id=task.prompt_id, group_id=task.group_id, pool=pool,
+            task=task.task,
+            prompt_id=task.prompt_id,
+            group_id=task.group_id,
+            pool=pool,
             tokens=torch.tensor(self.ids, dtype=torch.int64),
             loss_mask=torch.tensor(self.mask, dtype=torch.bool),
-            support_ids=(torch.cat(self._sup_ids) if self._sup_ids
-                         else torch.zeros(0, dtype=torch.int32)),
+            support_ids=(torch.cat(self._sup_ids) if self._sup_ids else torch.zeros(0, dtype=torch.int32)),
             support_offsets=offsets.to(torch.int32),
-            support_logq=(torch.cat(self._logq) if self._logq
-                          else torch.zeros(0, dtype=torch.float32)),
+            support_logq=(torch.cat(self._logq) if self._logq else torch.zeros(0, dtype=torch.float32)),
             versions=torch.tensor(self._versions, dtype=torch.int32),
-            reward=0.0 if failed else reward, failed=failed, error=error, error_traceback=error_traceback,
-            turns=turns, seconds=seconds)
+            reward=0.0 if failed else reward,
+            failed=failed,
+            error=error,
+            error_traceback=error_traceback,
+            turns=turns,
+            seconds=seconds,
+        )
 
 
 @dataclass(frozen=True)
@@ -128,8 +153,9 @@ class EnvCalls:
     watchdog: LoopWatchdog | None = None
 
 
-async def _call_env(calls: EnvCalls, env: Environment | None, task: str, fn: Callable[..., Any], *args: Any,
-                    timeout: float, what: str) -> Any:
+async def _call_env(
+    calls: EnvCalls, env: Environment | None, task: str, fn: Callable[..., Any], *args: Any, timeout: float, what: str
+) -> Any:
     """Run an environment method (plain or async) under ``timeout`` seconds.
 
     Plain methods run in one of the task's worker threads (EnvThreads: abandoned on
@@ -156,8 +182,7 @@ def _as_outcome(out: Any) -> StepOutcome:
         return StepOutcome(observation=out[0], reward=out[1], done=out[2])
     if isinstance(out, dict):
         return StepOutcome.model_validate(out)
-    raise TypeError(f"step() must return StepOutcome (or (observation, reward, done)), "
-                    f"got {type(out).__name__}")
+    raise TypeError(f"step() must return StepOutcome (or (observation, reward, done)), got {type(out).__name__}")
 
 
 async def play_episode(
@@ -200,59 +225,78 @@ async def play_episode(
     t0 = time.perf_counter()
     builder = EpisodeBuilder([])
     reward, turns, pool = 0.0, 0, ""
-    segments, dropped = 1, 0   # segments played; generated tokens of the earlier ones
+    segments, dropped = 1, 0  # segments played; generated tokens of the earlier ones
     env: Any = None
     with span("rollout", task=task.task, prompt_id=task.prompt_id, group_id=task.group_id) as sp:
         try:
-            env = await _call_env(calls, None, task.task, make_env, task, timeout=limits.step_timeout_s,
-                                  what="construction")
+            env = await _call_env(
+                calls, None, task.task, make_env, task, timeout=limits.step_timeout_s, what="construction"
+            )
             with span("env.step", task=task.task, turn=0, kind="reset"):
-                obs = await _call_env(calls, env, task.task, env.reset, task, timeout=limits.step_timeout_s,
-                                      what="reset")
+                obs = await _call_env(
+                    calls, env, task.task, env.reset, task, timeout=limits.step_timeout_s, what="reset"
+                )
             convo = Conversation(chat, tools=env.tools)
             builder.add_context(convo.add(_messages(obs)))
             max_new = env.max_new_tokens or sampling.max_new_tokens
             if len(builder) + max_new > limits.max_seq_len:
-                raise ValueError(f"prompt of {len(builder)} tokens + max_new_tokens={max_new} "
-                                 f"exceeds max_seq_len={limits.max_seq_len}")
-            pending: list[int] = []   # the next turn's context, appended only if it is played
-            restart = False           # pending is a new segment's whole context
+                raise ValueError(
+                    f"prompt of {len(builder)} tokens + max_new_tokens={max_new} "
+                    f"exceeds max_seq_len={limits.max_seq_len}"
+                )
+            pending: list[int] = []  # the next turn's context, appended only if it is played
+            restart = False  # pending is a new segment's whole context
             with_message = _takes_message(env)
             while turns < env.max_turns:
                 if (0 if restart else len(builder)) + len(pending) + max_new > limits.max_seq_len:
-                    break   # out of context: the episode ends unfinished (not a failure)
+                    break  # out of context: the episode ends unfinished (not a failure)
                 if restart:
                     dropped += sum(builder.mask)
                     builder, restart, segments = EpisodeBuilder([]), False, segments + 1
                 builder.add_context(pending)
                 request = make_request(
-                    request_id=f"{request_prefix}/{turns}", prompt_ids=list(builder.ids),
-                    max_new_tokens=max_new, stop_token_ids=chat.stop_ids,
-                    temperature=sampling.temperature, top_k=sampling.top_k,
-                    top_p=sampling.top_p, min_keep=sampling.min_keep, seed=None,
-                    min_version=min_version)
+                    request_id=f"{request_prefix}/{turns}",
+                    prompt_ids=list(builder.ids),
+                    max_new_tokens=max_new,
+                    stop_token_ids=chat.stop_ids,
+                    temperature=sampling.temperature,
+                    top_k=sampling.top_k,
+                    top_p=sampling.top_p,
+                    min_keep=sampling.min_keep,
+                    seed=None,
+                    min_version=min_version,
+                )
                 with span("generate", task=task.task, pool=pool, turn=turns) as gsp:
                     with trio.move_on_after(limits.generate_timeout_s) as cs:
                         result = await generate(request)
                     if cs.cancelled_caught:
-                        raise EpisodeTimeout(f"generate timed out after "
-                                             f"{limits.generate_timeout_s:g} s at turn {turns}")
+                        raise EpisodeTimeout(
+                            f"generate timed out after {limits.generate_timeout_s:g} s at turn {turns}"
+                        )
                     pool = result.pool
                     _set(gsp, pool=pool, tokens=len(result.token_ids))
                 if result.finish_reason == "abort":
                     raise RuntimeError(f"sampler aborted generation at turn {turns}")
-                builder.add_generated(result.token_ids, result.support_ids,
-                                      result.support_offsets, result.support_logq,
-                                      result.versions)
+                builder.add_generated(
+                    result.token_ids, result.support_ids, result.support_offsets, result.support_logq, result.versions
+                )
                 message = convo.add_reply(result.token_ids)
                 turn, turns = turns, turns + 1
                 args: tuple[Any, ...] = (chat.decode(result.token_ids), list(result.token_ids))
                 if with_message:
                     args += (message,)
                 with span("env.step", task=task.task, pool=pool, turn=turn, kind="step"):
-                    outcome = _as_outcome(await _call_env(
-                        calls, env, task.task, env.step, *args,
-                        timeout=limits.step_timeout_s, what=f"step (turn {turn})"))
+                    outcome = _as_outcome(
+                        await _call_env(
+                            calls,
+                            env,
+                            task.task,
+                            env.step,
+                            *args,
+                            timeout=limits.step_timeout_s,
+                            what=f"step (turn {turn})",
+                        )
+                    )
                 reward += float(outcome.reward)
                 if outcome.done:
                     break
@@ -266,24 +310,37 @@ async def play_episode(
                     # the sampler did not see).
                     convo = Conversation.from_messages(chat, [*convo.messages, *new], env.tools)
                     pending, restart = list(convo.ids), True
-            traj = builder.build(task=task, pool=pool, reward=reward, turns=turns,
-                                 seconds=time.perf_counter() - t0)
+            traj = builder.build(task=task, pool=pool, reward=reward, turns=turns, seconds=time.perf_counter() - t0)
         except Exception as exc:  # environment/sampler errors end the episode, not the actor
             error = f"{type(exc).__name__}: {exc}"
             tail = "".join(traceback.format_exception(exc))[-TRACEBACK_TAIL:]
-            traj = builder.build(task=task, pool=pool, reward=0.0, turns=turns,
-                                 seconds=time.perf_counter() - t0, failed=True, error=error,
-                                 error_traceback=tail)
+            traj = builder.build(
+                task=task,
+                pool=pool,
+                reward=0.0,
+                turns=turns,
+                seconds=time.perf_counter() - t0,
+                failed=True,
+                error=error,
+                error_traceback=tail,
+            )
         if isinstance(env, Environment) and type(env).close is not Environment.close:
             try:
-                await _call_env(calls, env, task.task, env.close, timeout=limits.step_timeout_s,
-                                what="close")
-            except Exception as exc:  # noqa: BLE001 - the trajectory stands; the close failed
+                await _call_env(calls, env, task.task, env.close, timeout=limits.step_timeout_s, what="close")
+            except Exception as exc:
                 log.warning("task %r: environment close failed: %s: %s", task.task, type(exc).__name__, exc)
         traj.segments = segments
-        _set(sp, pool=traj.pool, turn=traj.turns, reward=traj.reward, failed=traj.failed,
-             tokens=int(traj.tokens.numel()), generated=traj.num_generated, segments=segments,
-             dropped_generated=dropped)
+        _set(
+            sp,
+            pool=traj.pool,
+            turn=traj.turns,
+            reward=traj.reward,
+            failed=traj.failed,
+            tokens=int(traj.tokens.numel()),
+            generated=traj.num_generated,
+            segments=segments,
+            dropped_generated=dropped,
+        )
         return traj
 
 
@@ -298,8 +355,9 @@ def _messages(obs: Any) -> list[Message]:
         return list(obs)
     if isinstance(obs, list) and all(isinstance(i, int) for i in obs):
         return [{"role": "user", "content": list(obs)}]
-    raise TypeError(f"observation must be text, token ids, a message dict or a list of "
-                    f"messages, got {type(obs).__name__}")
+    raise TypeError(
+        f"observation must be text, token ids, a message dict or a list of messages, got {type(obs).__name__}"
+    )
 
 
 def _takes_message(env: Environment) -> bool:

@@ -14,6 +14,7 @@ A fresh environment instance is built for every episode from the registry
 (``make_env(task)`` calls the registered factory with ``task.params``), so
 instances need no locking and no reset-between-episodes hygiene.
 """
+
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
@@ -93,11 +94,10 @@ class Environment:
     def reset(self, task: TaskSpec) -> Observation | Awaitable[Observation]:
         raise NotImplementedError(f"{type(self).__name__}.reset")
 
-    def step(self, action_text: str,
-             action_ids: list[int]) -> StepOutcome | Awaitable[StepOutcome]:
+    def step(self, action_text: str, action_ids: list[int]) -> StepOutcome | Awaitable[StepOutcome]:
         raise NotImplementedError(f"{type(self).__name__}.step")
 
-    def close(self) -> None | Awaitable[None]:
+    def close(self) -> Awaitable[None] | None:
         """Release what the episode held (a connection, a sandbox); called once the episode
         has ended, however it ended, plain methods in a worker thread. Nothing by default."""
 
@@ -113,12 +113,14 @@ def register_task(name: str) -> Callable[[EnvFactory], EnvFactory]:
     Re-registering a name replaces the old factory only if it is the same
     qualified name (so module reloads work); otherwise ValueError.
     """
+
     def deco(factory: EnvFactory) -> EnvFactory:
         old = _REGISTRY.get(name)
         if old is not None and _qualname(old) != _qualname(factory):
             raise ValueError(f"task {name!r} is already registered to {_qualname(old)}")
         _REGISTRY[name] = factory
         return factory
+
     return deco
 
 
@@ -159,8 +161,9 @@ def make_env(task: TaskSpec) -> Environment:
         raise TypeError(f"task {task.task!r} rejected params {task.params}: {e}") from e
 
 
-def make_task_specs(task: str, num_prompts: int, group_size: int, *, seed: int = 0,
-                    params: dict[str, Any] | None = None) -> list[TaskSpec]:
+def make_task_specs(
+    task: str, num_prompts: int, group_size: int, *, seed: int = 0, params: dict[str, Any] | None = None
+) -> list[TaskSpec]:
     """``num_prompts`` prompts × ``group_size`` episodes each, grouped for GRPO.
 
     Episodes of one prompt share ``prompt_id``, ``group_id`` and ``seed`` (so they
@@ -172,6 +175,8 @@ def make_task_specs(task: str, num_prompts: int, group_size: int, *, seed: int =
     specs = []
     for i in range(num_prompts):
         pid = f"{task}/{seed}/{i}"
-        specs += [TaskSpec(task=task, prompt_id=pid, group_id=pid, seed=seed * 1_000_003 + i,
-                           params=dict(params or {})) for _ in range(group_size)]
+        specs += [
+            TaskSpec(task=task, prompt_id=pid, group_id=pid, seed=seed * 1_000_003 + i, params=dict(params or {}))
+            for _ in range(group_size)
+        ]
     return specs

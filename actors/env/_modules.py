@@ -7,6 +7,7 @@ checks the task and its parameters before any actor starts), so their
 derived from its absolute path, the same in every process, so re-registering the
 same class (a second import) is harmless.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -62,10 +63,9 @@ def import_task_module(entry: str) -> ModuleType:
                 del sys.modules[name]
                 raise
             return module
-    except Exception as e:  # noqa: BLE001 - any failure of user code becomes one line
+    except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise TaskModuleError(f"task module {entry!r} failed to import: "
-                              f"{type(e).__name__}: {first}") from e
+        raise TaskModuleError(f"task module {entry!r} failed to import: {type(e).__name__}: {first}") from e
 
 
 def import_task_modules(entries: Sequence[str]) -> list[ModuleType]:

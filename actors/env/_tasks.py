@@ -4,6 +4,7 @@ Both are small enough for a tiny random-init model to learn on CPU, with
 rewards that are easy to check by hand. Their words are in the default
 vocabulary (``actors.tokenizer.TASK_WORDS``), so nothing becomes <unk>.
 """
+
 from __future__ import annotations
 
 import math
@@ -44,14 +45,11 @@ class GuessNumber(Environment):
     is ``secret`` when given (tests and evaluation sweep all secrets this way).
     """
 
-    def __init__(self, n: int = 15, max_turns: int = 4, max_new_tokens: int = 1,
-                 secret: int | None = None) -> None:
+    def __init__(self, n: int = 15, max_turns: int = 4, max_new_tokens: int = 1, secret: int | None = None) -> None:
         if not 2 <= n <= MAX_INT + 1:
-            raise ValueError(f"guess_number: n={n} must be in 2..{MAX_INT + 1} "
-                             "(every number is one token)")
+            raise ValueError(f"guess_number: n={n} must be in 2..{MAX_INT + 1} (every number is one token)")
         if max_turns < 1 or max_new_tokens < 1:
-            raise ValueError(f"guess_number: max_turns={max_turns} and "
-                             f"max_new_tokens={max_new_tokens} must be >= 1")
+            raise ValueError(f"guess_number: max_turns={max_turns} and max_new_tokens={max_new_tokens} must be >= 1")
         if secret is not None and not 0 <= secret < n:
             raise ValueError(f"guess_number: secret={secret} outside 0..{n - 1}")
         self.n, self.max_turns, self.max_new_tokens = n, max_turns, max_new_tokens
@@ -60,8 +58,9 @@ class GuessNumber(Environment):
         self.turn = 0
 
     def reset(self, task: TaskSpec) -> str:
-        self.secret = (self._fixed_secret if self._fixed_secret is not None
-                       else random.Random(task.seed).randrange(self.n))
+        self.secret = (
+            self._fixed_secret if self._fixed_secret is not None else random.Random(task.seed).randrange(self.n)
+        )
         self.turn = 0
         return f"guess the number from 0 to {self.n - 1} in {self.max_turns} turns"
 
@@ -105,8 +104,7 @@ class Arithmetic(Environment):
 
     def step(self, action_text: str, action_ids: list[int]) -> StepOutcome:
         ok = first_int(action_text) == self.a + self.b
-        return StepOutcome(observation="correct" if ok else "wrong",
-                           reward=1.0 if ok else 0.0, done=True)
+        return StepOutcome(observation="correct" if ok else "wrong", reward=1.0 if ok else 0.0, done=True)
 
 
 def guess_number_optimal(ids: Sequence[int], chat: ChatTokens) -> int:
@@ -118,7 +116,7 @@ def guess_number_optimal(ids: Sequence[int], chat: ChatTokens) -> int:
     A scripted optimal policy: with n ≤ 2^max_turns − 1 it always wins.
     """
     words = chat.decode(ids, skip_special=False).split()
-    turns: list[tuple[str, list[str]]] = []   # (role, words) in order
+    turns: list[tuple[str, list[str]]] = []  # (role, words) in order
     for w in words:
         if w == "<|user|>":
             turns.append(("user", []))

@@ -11,6 +11,7 @@ its own slots (its further calls then fail, saying every thread is stuck) and ne
 the threads of other tasks or the runtime's shared pool (trio's default limiter,
 which would otherwise be exhausted by stuck calls of every task at once).
 """
+
 from __future__ import annotations
 
 import threading
@@ -95,8 +96,12 @@ class EnvThreads:
                 stuck = self._stuck.get(task, 0)
         assert cs.cancelled_caught
         if call.counted:
-            raise EnvCallTimeout(f"environment {what} timed out after {timeout:g} s; its thread is still "
-                                 f"running ({stuck} of {self.per_task} threads of task {task!r} stuck)")
-        raise EnvCallTimeout(f"environment {what} found no free thread within {timeout:g} s: all "
-                             f"{self.per_task} threads of task {task!r} are busy ({stuck} stuck in calls "
-                             f"past their timeout)")
+            raise EnvCallTimeout(
+                f"environment {what} timed out after {timeout:g} s; its thread is still "
+                f"running ({stuck} of {self.per_task} threads of task {task!r} stuck)"
+            )
+        raise EnvCallTimeout(
+            f"environment {what} found no free thread within {timeout:g} s: all "
+            f"{self.per_task} threads of task {task!r} are busy ({stuck} stuck in calls "
+            f"past their timeout)"
+        )

@@ -9,6 +9,7 @@ when; a watchdog thread looks every `poll_s` and, when one step has run longer t
 `label`), once per stall, rate-limited per environment. Stalls are also counted for
 `stats`, with the longest one.
 """
+
 from __future__ import annotations
 
 import threading
@@ -32,8 +33,14 @@ class LoopWatchdog(trio.abc.Instrument):
     called from the watchdog thread (it must be thread-safe; printing is).
     """
 
-    def __init__(self, report: Callable[[str], None], *, threshold_s: float = 1.0, poll_s: float = 0.1,
-                 report_interval_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        report: Callable[[str], None],
+        *,
+        threshold_s: float = 1.0,
+        poll_s: float = 0.1,
+        report_interval_s: float = 10.0,
+    ) -> None:
         self.threshold_s = threshold_s
         self.poll_s = poll_s
         self._report = report
@@ -101,7 +108,11 @@ class LoopWatchdog(trio.abc.Instrument):
             if blocked > self.threshold_s:
                 reported = (task, since)
                 name = self._name(task)
-                self._limit.log(name, f"env actor: {name} has blocked the event loop for {blocked:.1f} s "
-                                      "(an async environment calling blocking code: every episode of this "
-                                      "actor is frozen and timeouts cannot fire; make the method plain "
-                                      "to run it in a thread)", self._report)
+                self._limit.log(
+                    name,
+                    f"env actor: {name} has blocked the event loop for {blocked:.1f} s "
+                    "(an async environment calling blocking code: every episode of this "
+                    "actor is frozen and timeouts cannot fire; make the method plain "
+                    "to run it in a thread)",
+                    self._report,
+                )

@@ -8,6 +8,7 @@ key) that records every token exactly as the sampler saw and generated it.
 ``HarnessConfig`` + ``play_harness_episode`` run a harness (a subprocess or an
 async function) per episode and turn its session into a ``Trajectory``.
 """
+
 from actors.gateway._gateway import Gateway
 from actors.gateway._harness import HarnessConfig, play_harness_episode, resolve
 from actors.gateway._schemas import ChatRequest, CompletionRequest, GatewayError

@@ -30,6 +30,7 @@ Runs in the environment actor's own trio loop (``serve_gateway`` is a structured
 lifetime started with ``nursery.start``), so a request handler awaits the sampler
 like any other actor task and never blocks the loop.
 """
+
 from __future__ import annotations
 
 import json
@@ -78,11 +79,17 @@ class _JSON(JSONResponse):
         return _encoder.encode(content).encode()
 
 
-async def _send_json(send: Send, payload: Any, status: int = 200,
-                     headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+async def _send_json(
+    send: Send, payload: Any, status: int = 200, headers: tuple[tuple[bytes, bytes], ...] = ()
+) -> None:
     body = _encoder.encode(payload).encode()
-    await send({"type": "http.response.start", "status": status, "headers": [
-        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
@@ -93,10 +100,20 @@ def _openai_error(e: GatewayError) -> dict[str, Any]:
 async def _send_events(send: Send, events: list[dict[str, Any]], timing: tuple[bytes, bytes]) -> None:
     """Server-sent events ``event: <type>`` + ``data: <json>``, as the Responses and
     Messages APIs stream (no ``[DONE]`` line)."""
-    await send({"type": "http.response.start", "status": 200, "headers": [
-        (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"), timing]})
-    body = b"".join(b"event: " + e["type"].encode() + b"\ndata: " + _encoder.encode(e).encode() + b"\n\n"
-                    for e in events)
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [
+                (b"content-type", b"text/event-stream; charset=utf-8"),
+                (b"cache-control", b"no-cache"),
+                timing,
+            ],
+        }
+    )
+    body = b"".join(
+        b"event: " + e["type"].encode() + b"\ndata: " + _encoder.encode(e).encode() + b"\n\n" for e in events
+    )
     await send({"type": "http.response.body", "body": body})
 
 
@@ -107,8 +124,11 @@ class _Endpoint:
     catches what a handler fails with.
     """
 
-    def __init__(self, handler: Callable[[dict[str, Any], bytes, Send], Awaitable[None]],
-                 errors: Callable[[GatewayError], dict[str, Any]] = _openai_error) -> None:
+    def __init__(
+        self,
+        handler: Callable[[dict[str, Any], bytes, Send], Awaitable[None]],
+        errors: Callable[[GatewayError], dict[str, Any]] = _openai_error,
+    ) -> None:
         self.handler, self.errors = handler, errors
 
     async def __call__(self, scope: dict[str, Any], receive: Callable[[], Awaitable[dict]], send: Send) -> None:
@@ -116,7 +136,7 @@ class _Endpoint:
         while True:
             message = await receive()
             if message["type"] != "http.request":
-                return   # the client left before its request was read
+                return  # the client left before its request was read
             chunks.append(message.get("body", b""))
             if not message.get("more_body", False):
                 break
@@ -133,7 +153,7 @@ def _validated(raw: bytes, model: type[BaseModel]) -> Any:
         return model.model_validate_json(raw)
     except ValidationError as e:
         first = e.errors()[0]
-        if not first["loc"]:   # the body itself: not JSON, or not an object
+        if not first["loc"]:  # the body itself: not JSON, or not an object
             if first["type"] == "json_invalid":
                 raise GatewayError(400, f"body is not valid JSON: {first['msg']}") from None
             raise GatewayError(400, f"body must be a JSON object, got {_json_kind(first.get('input'))}") from None
@@ -142,8 +162,14 @@ def _validated(raw: bytes, model: type[BaseModel]) -> Any:
 
 
 def _json_kind(value: Any) -> str:
-    return {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean",
-            type(None): "null"}.get(type(value), type(value).__name__)
+    return {
+        list: "an array",
+        str: "a string",
+        int: "a number",
+        float: "a number",
+        bool: "a boolean",
+        type(None): "null",
+    }.get(type(value), type(value).__name__)
 
 
 def build_app(lookup: Callable[[str], Session | None], model_name: str) -> Starlette:
@@ -157,14 +183,19 @@ def build_app(lookup: Callable[[str], Session | None], model_name: str) -> Starl
             if scheme.lower() != "bearer":
                 key = headers.get(b"x-api-key", b"").decode("latin-1")
             if not key.strip():
-                raise GatewayError(401, "no API key: send 'Authorization: Bearer <session key>' (or "
-                                   "'x-api-key: <session key>') or use the session's base URL",
-                                   type="authentication_error", code="invalid_api_key")
+                raise GatewayError(
+                    401,
+                    "no API key: send 'Authorization: Bearer <session key>' (or "
+                    "'x-api-key: <session key>') or use the session's base URL",
+                    type="authentication_error",
+                    code="invalid_api_key",
+                )
             sid = key.strip()
             session = lookup(sid)
             if session is None:
-                raise GatewayError(401, "unknown API key (no such session)", type="authentication_error",
-                                   code="invalid_api_key")
+                raise GatewayError(
+                    401, "unknown API key (no such session)", type="authentication_error", code="invalid_api_key"
+                )
             return session
         session = lookup(sid)
         if session is None:
@@ -180,11 +211,25 @@ def build_app(lookup: Callable[[str], Session | None], model_name: str) -> Starl
         timing = (b"x-flotilla-sampler-ms", f"{session.last_sampler_s * 1e3:.3f}".encode())
         if not req.stream:
             return await _send_json(send, response, headers=(timing,))
-        await send({"type": "http.response.start", "status": 200, "headers": [
-            (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"), timing]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [
+                    (b"content-type", b"text/event-stream; charset=utf-8"),
+                    (b"cache-control", b"no-cache"),
+                    timing,
+                ],
+            }
+        )
         for c in stream_chunks(response, pieces, include_usage=req.include_usage):
-            await send({"type": "http.response.body", "body": b"data: " + _encoder.encode(c).encode() + b"\n\n",
-                        "more_body": True})
+            await send(
+                {
+                    "type": "http.response.body",
+                    "body": b"data: " + _encoder.encode(c).encode() + b"\n\n",
+                    "more_body": True,
+                }
+            )
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
 
     async def responses(scope: dict[str, Any], body: bytes, send: Send) -> None:
@@ -213,8 +258,10 @@ def build_app(lookup: Callable[[str], Session | None], model_name: str) -> Starl
         await _send_json(send, await session.complete(req))
 
     async def models(scope: dict[str, Any], body: bytes, send: Send) -> None:
-        await _send_json(send, {"object": "list", "data": [
-            {"id": model_name, "object": "model", "created": 0, "owned_by": "flotilla"}]})
+        await _send_json(
+            send,
+            {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "flotilla"}]},
+        )
 
     async def reward(scope: dict[str, Any], body: bytes, send: Send) -> None:
         session = session_of(scope)
@@ -231,15 +278,15 @@ def build_app(lookup: Callable[[str], Session | None], model_name: str) -> Starl
     async def not_found(request: Request, exc: Exception) -> Response:
         status = exc.status_code if isinstance(exc, HTTPException) else 500
         msg = f"{request.method} {request.url.path}: " + (
-            "no such route" if status == 404 else "method not allowed" if status == 405 else "error")
+            "no such route" if status == 404 else "method not allowed" if status == 405 else "error"
+        )
         return _JSON(error_body(msg, code="not_found" if status == 404 else None), status_code=status)
 
     async def crashed(request: Request, exc: Exception) -> Response:
-        return _JSON(error_body(f"internal error: {type(exc).__name__}: {exc}", type="server_error"),
-                     status_code=500)
+        return _JSON(error_body(f"internal error: {type(exc).__name__}: {exc}", type="server_error"), status_code=500)
 
     routes = []
-    for prefix in ("/s/{session}", ""):   # episodes use their session's base URL: matched first
+    for prefix in ("/s/{session}", ""):  # episodes use their session's base URL: matched first
         routes += [
             Route(prefix + "/v1/chat/completions", _Endpoint(chat), methods=["POST"]),
             Route(prefix + "/v1/completions", _Endpoint(completions), methods=["POST"]),
@@ -251,8 +298,13 @@ def build_app(lookup: Callable[[str], Session | None], model_name: str) -> Starl
     return Starlette(routes=routes, exception_handlers={HTTPException: not_found, Exception: crashed})
 
 
-async def serve_gateway(app: Starlette, host: str = "127.0.0.1", port: int = 0, *,
-                        task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
+async def serve_gateway(
+    app: Starlette,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+) -> None:
     """Serve ``app`` with hypercorn's trio worker until cancelled; reports the base address
     (``http://host:port``) once it listens.
 

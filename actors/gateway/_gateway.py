@@ -1,4 +1,5 @@
 """``Gateway``: the HTTP server of one environment actor and its open sessions."""
+
 from __future__ import annotations
 
 import uuid
@@ -24,8 +25,9 @@ class Gateway:
         host / port: where to listen (port 0: any free port).
     """
 
-    def __init__(self, fmt: ChatFormat, *, model_name: str = "flotilla", host: str = "127.0.0.1",
-                 port: int = 0) -> None:
+    def __init__(
+        self, fmt: ChatFormat, *, model_name: str = "flotilla", host: str = "127.0.0.1", port: int = 0
+    ) -> None:
         self.fmt = fmt
         self.model_name = model_name
         self.host, self.port = host, port
@@ -43,8 +45,13 @@ class Gateway:
             self.address = await nursery.start(serve_gateway, self.app, self.host, self.port)
             task_status.started(self.address)
 
-    def open_session(self, task: TaskSpec, generate: Callable[[GenerateRequest], Awaitable[GenerateResult]],
-                     limits: SessionLimits, min_version: int) -> Session:
+    def open_session(
+        self,
+        task: TaskSpec,
+        generate: Callable[[GenerateRequest], Awaitable[GenerateResult]],
+        limits: SessionLimits,
+        min_version: int,
+    ) -> Session:
         """A new session for one episode; its key is also its URL segment."""
         if self.address is None:
             raise RuntimeError("the gateway is not serving yet")
@@ -61,4 +68,3 @@ class Gateway:
         stats = session.segment_stats()
         self.segments += stats["segments"]
         self.dropped_generated += stats["dropped_generated"]
-

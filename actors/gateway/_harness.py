@@ -23,6 +23,7 @@ non-zero or reports no reward ends the episode as a failed trajectory whose erro
 holds the reason and the tail of its stderr (or traceback); the controller retries
 the prompt.  Cancellation kills the subprocess and propagates.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -111,7 +112,7 @@ def resolve(spec: str) -> Callable[..., Any]:
         mod = importlib.import_module(module)
     fn = getattr(mod, name, None)
     if not callable(fn):
-        raise ValueError(f"{spec!r}: module {module!r} has no function {name!r}")  # noqa: TRY004 - a bad config value
+        raise ValueError(f"{spec!r}: module {module!r} has no function {name!r}")
     return fn
 
 
@@ -127,7 +128,7 @@ def task_dict(task: TaskSpec) -> dict[str, Any]:
 def _tail(data: bytes | bytearray | str, lines: int = 6) -> str:
     """The last few non-empty lines of a harness's output, as text (at most `_TAIL` characters)."""
     text = bytes(data).decode(errors="replace") if isinstance(data, (bytes, bytearray)) else data
-    kept = [line.rstrip() for line in text[-16 * _TAIL:].splitlines() if line.strip()][-lines:]
+    kept = [line.rstrip() for line in text[-16 * _TAIL :].splitlines() if line.strip()][-lines:]
     return "\n".join(kept)[-_TAIL:]
 
 
@@ -145,19 +146,31 @@ def _reward_line(stdout: str) -> float | None:
 async def _run_command(cfg: HarnessConfig, task: TaskSpec, base_url: str, key: str) -> float | None:
     task_json = json.dumps(task_dict(task), sort_keys=True)
     argv = [a.replace("{task}", task_json) for a in shlex.split(cfg.command or "")]
-    env = {**os.environ, **cfg.env, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": key,
-           "ANTHROPIC_BASE_URL": base_url.removesuffix("/v1"), "ANTHROPIC_API_KEY": key,
-           "FLOTILLA_TASK": task_json}
+    env = {
+        **os.environ,
+        **cfg.env,
+        "OPENAI_BASE_URL": base_url,
+        "OPENAI_API_KEY": key,
+        "ANTHROPIC_BASE_URL": base_url.removesuffix("/v1"),
+        "ANTHROPIC_API_KEY": key,
+        "FLOTILLA_TASK": task_json,
+    }
     out, err = bytearray(), bytearray()
     # Its own session: a timeout kills the harness's whole process group (an agent's tools).
-    proc = await trio.lowlevel.open_process(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                            stdin=subprocess.DEVNULL, env=env, cwd=cfg.cwd,
-                                            start_new_session=True)
+    proc = await trio.lowlevel.open_process(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        env=env,
+        cwd=cfg.cwd,
+        start_new_session=True,
+    )
 
     async def pump(stream: Any, buf: bytearray) -> None:
         async for chunk in stream:
             buf += chunk
-            if len(buf) > 1 << 20:   # keep the last MiB: the reward line is near the end
+            if len(buf) > 1 << 20:  # keep the last MiB: the reward line is near the end
                 del buf[: len(buf) - (1 << 20)]
 
     def kill() -> None:
@@ -194,7 +207,7 @@ async def _run_entrypoint(cfg: HarnessConfig, task: TaskSpec, base_url: str) -> 
             out = fn(base_url, task_dict(task))
             if inspect.isawaitable(out):
                 out = await out
-        except Exception:  # noqa: BLE001 - the harness's crash is the episode's failure
+        except Exception:
             raise HarnessFailed(f"harness raised; traceback tail: {_tail(traceback.format_exc())}") from None
     if cs.cancelled_caught:
         raise HarnessFailed(f"harness timed out after {cfg.timeout_s:g} s")
@@ -237,14 +250,17 @@ async def play_harness_episode(
             if cfg.grader is not None:
                 try:
                     reward = await _grade(cfg.grader, session.transcript, task)
-                except Exception:  # noqa: BLE001 - the grader's crash is the episode's failure
-                    raise HarnessFailed(f"grader {cfg.grader} raised; traceback tail: "
-                                        f"{_tail(traceback.format_exc())}") from None
+                except Exception:
+                    raise HarnessFailed(
+                        f"grader {cfg.grader} raised; traceback tail: {_tail(traceback.format_exc())}"
+                    ) from None
             elif session.reward is not None:
                 reward = session.reward
             if reward is None:
-                raise HarnessFailed("the harness reported no reward (print a {\"reward\": x} line, "
-                                    "POST /reward, return it, or configure a grader)")
+                raise HarnessFailed(
+                    "the harness reported no reward (print a {\"reward\": x} line, "
+                    "POST /reward, return it, or configure a grader)"
+                )
             if not session.generated_tokens:
                 raise HarnessFailed("the harness never called the model")
             traj = session.trajectory(reward)
@@ -256,5 +272,5 @@ async def play_harness_episode(
         with trio.CancelScope(shield=True), trio.move_on_after(5):
             try:
                 await end_session(session.id)
-            except Exception:   # freeing a cache is best effort; eviction frees it anyway
+            except Exception:  # freeing a cache is best effort; eviction frees it anyway
                 log.debug("gateway: freeing session %s's sampler cache failed", session.id, exc_info=True)

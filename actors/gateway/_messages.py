@@ -14,6 +14,7 @@ Streaming sends Anthropic's events (``message_start``, ``content_block_start``, 
 ``content_block_delta``, ``content_block_stop``, ``message_delta``, ``message_stop``) once
 the reply is complete (see ``actors.gateway._app``).
 """
+
 from __future__ import annotations
 
 import json
@@ -27,15 +28,25 @@ from actors.gateway._session import Session, Turn
 
 __all__ = ["MessagesRequest", "anthropic_error", "message_events", "reply"]
 
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error"}
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+}
 
 
 def anthropic_error(e: GatewayError) -> dict[str, Any]:
     """A gateway error as Anthropic answers errors."""
-    return {"type": "error", "error": {"type": _ERROR_TYPES.get(e.status, "invalid_request_error"
-                                                                 if e.status < 500 else "api_error"),
-                                       "message": e.message}}
+    return {
+        "type": "error",
+        "error": {
+            "type": _ERROR_TYPES.get(e.status, "invalid_request_error" if e.status < 500 else "api_error"),
+            "message": e.message,
+        },
+    }
 
 
 class MessagesRequest(_Open):
@@ -68,10 +79,15 @@ class MessagesRequest(_Open):
     @classmethod
     def _client_tools(cls, v: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
         for i, t in enumerate(v or []):
-            if t.get("type", "custom") != "custom" or not isinstance(t.get("name"), str) \
-                    or not isinstance(t.get("input_schema"), dict):
-                raise ValueError(f"tools[{i}]: only client tools are supported "
-                                 "({'name': ..., 'description': ..., 'input_schema': {...}})")
+            if (
+                t.get("type", "custom") != "custom"
+                or not isinstance(t.get("name"), str)
+                or not isinstance(t.get("input_schema"), dict)
+            ):
+                raise ValueError(
+                    f"tools[{i}]: only client tools are supported "
+                    "({'name': ..., 'description': ..., 'input_schema': {...}})"
+                )
         return v
 
     @field_validator("stop_sequences")
@@ -90,8 +106,11 @@ def _text(content: Any, where: str) -> str:
     out = []
     for j, b in enumerate(content):
         if not isinstance(b, dict) or b.get("type") != "text":
-            raise GatewayError(400, f"{where}[{j}]: only text blocks are supported here, got "
-                               f"{b.get('type') if isinstance(b, dict) else b!r}")
+            raise GatewayError(
+                400,
+                f"{where}[{j}]: only text blocks are supported here, got "
+                f"{b.get('type') if isinstance(b, dict) else b!r}",
+            )
         out.append(b.get("text") or "")
     return "".join(out)
 
@@ -128,8 +147,13 @@ def request_messages(req: MessagesRequest) -> list[dict[str, Any]]:
             elif kind == "tool_result" and role == "user":
                 if not isinstance(b.get("tool_use_id"), str):
                     raise GatewayError(400, f"{at}.tool_use_id: a tool_result block needs the tool_use id")
-                out.append({"role": "tool", "content": _text(b.get("content", ""), f"{at}.content"),
-                            "tool_call_id": b["tool_use_id"]})
+                out.append(
+                    {
+                        "role": "tool",
+                        "content": _text(b.get("content", ""), f"{at}.content"),
+                        "tool_call_id": b["tool_use_id"],
+                    }
+                )
             else:
                 raise GatewayError(400, f"{at}.type: unsupported {role} content block {kind!r}")
         if role == "assistant":
@@ -140,8 +164,9 @@ def request_messages(req: MessagesRequest) -> list[dict[str, Any]]:
         elif texts:
             out.append({"role": "user", "content": "".join(texts)})
     if out[-1]["role"] == "assistant":
-        raise GatewayError(400, "messages: the last message must be a user turn (prefilling the "
-                           "assistant's reply is not supported)")
+        raise GatewayError(
+            400, "messages: the last message must be a user turn (prefilling the assistant's reply is not supported)"
+        )
     return out
 
 
@@ -154,27 +179,67 @@ async def reply(session: Session, req: MessagesRequest) -> tuple[dict[str, Any],
     Raises GatewayError as ``Session.chat`` does; the session is then unchanged."""
     tools = None
     if req.tools:
-        tools = [{"type": "function", "function": {"name": t["name"], "description": t.get("description", ""),
-                                                   "parameters": t["input_schema"]}} for t in req.tools]
+        tools = [
+            {
+                "type": "function",
+                "function": {
+                    "name": t["name"],
+                    "description": t.get("description", ""),
+                    "parameters": t["input_schema"],
+                },
+            }
+            for t in req.tools
+        ]
     choice = "none" if (req.tool_choice or {}).get("type") == "none" else "auto"
     chat = ChatRequest.model_construct(
-        model=req.model, messages=request_messages(req), tools=tools, tool_choice=choice,
-        max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, stop=req.stop_sequences,
-        stream=req.stream)
+        model=req.model,
+        messages=request_messages(req),
+        tools=tools,
+        tool_choice=choice,
+        max_tokens=req.max_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        stop=req.stop_sequences,
+        stream=req.stream,
+    )
     turn = await session.turn(chat)
     content: list[dict[str, Any]] = []
     if turn.reply.get("content"):
         content.append({"type": "text", "text": turn.reply["content"]})
     for c in turn.reply.get("tool_calls") or []:
         args = c["function"]["arguments"]
-        content.append({"type": "tool_use", "id": _id("toolu"), "name": c["function"]["name"],
-                        "input": args if isinstance(args, dict) else {}})
-    stop = ("tool_use" if turn.reply.get("tool_calls") else "stop_sequence" if turn.stop is not None
-            else "max_tokens" if turn.finish == "length" else "end_turn")
-    return {"id": _id("msg"), "type": "message", "role": "assistant", "model": session.model, "content": content,
-            "stop_reason": stop, "stop_sequence": turn.stop,
-            "usage": {"input_tokens": turn.prompt_tokens, "output_tokens": turn.completion_tokens,
-                      "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}}, turn
+        content.append(
+            {
+                "type": "tool_use",
+                "id": _id("toolu"),
+                "name": c["function"]["name"],
+                "input": args if isinstance(args, dict) else {},
+            }
+        )
+    stop = (
+        "tool_use"
+        if turn.reply.get("tool_calls")
+        else "stop_sequence"
+        if turn.stop is not None
+        else "max_tokens"
+        if turn.finish == "length"
+        else "end_turn"
+    )
+    return {
+        "id": _id("msg"),
+        "type": "message",
+        "role": "assistant",
+        "model": session.model,
+        "content": content,
+        "stop_reason": stop,
+        "stop_sequence": turn.stop,
+        "usage": {
+            "input_tokens": turn.prompt_tokens,
+            "output_tokens": turn.completion_tokens,
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": 0,
+        },
+    }, turn
 
 
 _JSON_PIECE = 16
@@ -187,27 +252,37 @@ def message_events(message: dict[str, Any], pieces: list[str]) -> list[dict[str,
     Text deltas (``pieces``: the reply token by token where its text allows) concatenate to
     the text block exactly; a tool_use block's ``input_json_delta`` pieces to its input JSON."""
     usage = message["usage"]
-    start = {**message, "content": [], "stop_reason": None, "stop_sequence": None,
-             "usage": {**usage, "output_tokens": 0}}
+    start = {
+        **message,
+        "content": [],
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": {**usage, "output_tokens": 0},
+    }
     events: list[dict[str, Any]] = [{"type": "message_start", "message": start}]
     for i, block in enumerate(message["content"]):
         if block["type"] == "text":
             events.append({"type": "content_block_start", "index": i, "content_block": {"type": "text", "text": ""}})
             deltas = [{"type": "text_delta", "text": p} for p in content_pieces(block["text"], pieces)]
         else:
-            events.append({"type": "content_block_start", "index": i,
-                           "content_block": {**block, "input": {}}})
+            events.append({"type": "content_block_start", "index": i, "content_block": {**block, "input": {}}})
             js = json.dumps(block["input"], ensure_ascii=False)
-            deltas = [{"type": "input_json_delta", "partial_json": js[k:k + _JSON_PIECE]}
-                      for k in range(0, len(js), _JSON_PIECE)]
+            deltas = [
+                {"type": "input_json_delta", "partial_json": js[k : k + _JSON_PIECE]}
+                for k in range(0, len(js), _JSON_PIECE)
+            ]
         if i == 0:
             events.append({"type": "ping"})
         events += [{"type": "content_block_delta", "index": i, "delta": d} for d in deltas]
         events.append({"type": "content_block_stop", "index": i})
     if not message["content"]:
         events.append({"type": "ping"})
-    events.append({"type": "message_delta",
-                   "delta": {"stop_reason": message["stop_reason"], "stop_sequence": message["stop_sequence"]},
-                   "usage": {"output_tokens": usage["output_tokens"]}})
+    events.append(
+        {
+            "type": "message_delta",
+            "delta": {"stop_reason": message["stop_reason"], "stop_sequence": message["stop_sequence"]},
+            "usage": {"output_tokens": usage["output_tokens"]},
+        }
+    )
     events.append({"type": "message_stop"})
     return events

@@ -16,6 +16,7 @@ Streaming sends OpenAI's event sequence (``response.created`` ... ``response.com
 or ``response.incomplete`` when ``max_output_tokens`` cut the reply), each event with its
 ``sequence_number``, once the reply is complete (see ``actors.gateway._app``).
 """
+
 from __future__ import annotations
 
 import random
@@ -68,8 +69,10 @@ class ResponsesRequest(_Open):
     def _function_tools(cls, v: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
         for i, t in enumerate(v or []):
             if t.get("type") != "function" or not isinstance(t.get("name"), str):
-                raise ValueError(f"tools[{i}]: only function tools are supported "
-                                 "({'type': 'function', 'name': ..., 'parameters': ...})")
+                raise ValueError(
+                    f"tools[{i}]: only function tools are supported "
+                    "({'type': 'function', 'name': ..., 'parameters': ...})"
+                )
         return v
 
 
@@ -91,8 +94,7 @@ def _text(content: Any, where: str) -> str:
         elif kind == "refusal":
             out.append(p.get("refusal") or "")
         else:
-            raise GatewayError(400, f"{where}[{j}]: only text parts are supported, got {kind!r}",
-                               param=f"{where}[{j}]")
+            raise GatewayError(400, f"{where}[{j}]: only text parts are supported, got {kind!r}", param=f"{where}[{j}]")
     return "".join(out)
 
 
@@ -107,42 +109,59 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
         if kind == "message":
             role = it.get("role")
             if role not in ("user", "assistant", "system", "developer"):
-                raise GatewayError(400, f"{where}.role: must be user, assistant, system or developer, got {role!r}",
-                                   param=f"{where}.role")
-            out.append({"role": "system" if role == "developer" else role,
-                        "content": _text(it.get("content", ""), f"{where}.content")})
+                raise GatewayError(
+                    400,
+                    f"{where}.role: must be user, assistant, system or developer, got {role!r}",
+                    param=f"{where}.role",
+                )
+            out.append(
+                {
+                    "role": "system" if role == "developer" else role,
+                    "content": _text(it.get("content", ""), f"{where}.content"),
+                }
+            )
         elif kind == "function_call":
             name = it.get("name")
             if not isinstance(name, str):
                 raise GatewayError(400, f"{where}.name: a function call needs its name", param=f"{where}.name")
             arguments = it.get("arguments", "")
-            call = {"type": "function", "function": {
-                "name": name, "arguments": _args(arguments if isinstance(arguments, (str, dict)) else "")}}
+            call = {
+                "type": "function",
+                "function": {"name": name, "arguments": _args(arguments if isinstance(arguments, (str, dict)) else "")},
+            }
             last = out[-1] if out else None
-            if last is not None and last["role"] == "assistant":   # one assistant turn
+            if last is not None and last["role"] == "assistant":  # one assistant turn
                 last.setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":
             call_id = it.get("call_id")
             if not isinstance(call_id, str):
-                raise GatewayError(400, f"{where}.call_id: a function call output needs its call_id",
-                                   param=f"{where}.call_id")
-            out.append({"role": "tool", "content": _text(it.get("output", ""), f"{where}.output"),
-                        "tool_call_id": call_id})
+                raise GatewayError(
+                    400, f"{where}.call_id: a function call output needs its call_id", param=f"{where}.call_id"
+                )
+            out.append(
+                {"role": "tool", "content": _text(it.get("output", ""), f"{where}.output"), "tool_call_id": call_id}
+            )
         elif kind == "reasoning":
             continue
         else:
-            raise GatewayError(400, f"{where}.type: unsupported input item {kind!r} (messages, function_call, "
-                               "function_call_output and reasoning are)", param=f"{where}.type")
+            raise GatewayError(
+                400,
+                f"{where}.type: unsupported input item {kind!r} (messages, function_call, "
+                "function_call_output and reasoning are)",
+                param=f"{where}.type",
+            )
     return out
 
 
 def _template_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
     if not tools:
         return None
-    return [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters") if k in t}}
-            for t in tools]
+    return [
+        {"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters") if k in t}}
+        for t in tools
+    ]
 
 
 async def respond(session: Session, req: ResponsesRequest) -> tuple[dict[str, Any], Turn]:
@@ -154,15 +173,25 @@ async def respond(session: Session, req: ResponsesRequest) -> tuple[dict[str, An
     if req.previous_response_id is not None:
         held = session.responses.get(req.previous_response_id)
         if held is None:
-            raise GatewayError(400, f"previous_response_id: no response {req.previous_response_id!r} in this "
-                               "session", param="previous_response_id", code="previous_response_not_found")
+            raise GatewayError(
+                400,
+                f"previous_response_id: no response {req.previous_response_id!r} in this session",
+                param="previous_response_id",
+                code="previous_response_not_found",
+            )
         history = held
     conversation = history + input_messages(req.input)
     system = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
     chat = ChatRequest.model_construct(
-        model=req.model, messages=system + conversation, tools=_template_tools(req.tools),
-        tool_choice=req.tool_choice, max_tokens=req.max_output_tokens, temperature=req.temperature,
-        top_p=req.top_p, stream=req.stream)
+        model=req.model,
+        messages=system + conversation,
+        tools=_template_tools(req.tools),
+        tool_choice=req.tool_choice,
+        max_tokens=req.max_output_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        stream=req.stream,
+    )
     turn = await session.turn(chat)
     rid = _id("resp")
     session.responses[rid] = [*conversation, turn.reply]
@@ -176,26 +205,58 @@ def _response(req: ResponsesRequest, rid: str, turn: Turn, model: str) -> dict[s
     text = msg.get("content") or ""
     output: list[dict[str, Any]] = []
     if text or not calls:
-        output.append({"id": _id("msg"), "type": "message", "status": "incomplete" if incomplete else "completed",
-                       "role": "assistant",
-                       "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]})
+        output.append(
+            {
+                "id": _id("msg"),
+                "type": "message",
+                "status": "incomplete" if incomplete else "completed",
+                "role": "assistant",
+                "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}],
+            }
+        )
     for c in calls:
-        output.append({"id": _id("fc"), "type": "function_call", "status": "completed", "call_id": c["id"],
-                       "name": c["function"]["name"], "arguments": c["function"]["arguments"]})
+        output.append(
+            {
+                "id": _id("fc"),
+                "type": "function_call",
+                "status": "completed",
+                "call_id": c["id"],
+                "name": c["function"]["name"],
+                "arguments": c["function"]["arguments"],
+            }
+        )
     p, k = turn.prompt_tokens, turn.completion_tokens
     return {
-        "id": rid, "object": "response", "created_at": int(time.time()),
-        "status": "incomplete" if incomplete else "completed", "background": False, "error": None,
+        "id": rid,
+        "object": "response",
+        "created_at": int(time.time()),
+        "status": "incomplete" if incomplete else "completed",
+        "background": False,
+        "error": None,
         "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
-        "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "model": model,
-        "output": output, "parallel_tool_calls": True if req.parallel_tool_calls is None else req.parallel_tool_calls,
-        "previous_response_id": req.previous_response_id, "reasoning": {"effort": None, "summary": None},
-        "store": True, "temperature": 1.0 if req.temperature is None else req.temperature,
-        "text": {"format": {"type": "text"}}, "tool_choice": req.tool_choice or "auto", "tools": req.tools or [],
-        "top_p": 1.0 if req.top_p is None else req.top_p, "truncation": "disabled",
-        "usage": {"input_tokens": p, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": k,
-                  "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": p + k},
-        "user": None, "metadata": {},
+        "instructions": req.instructions,
+        "max_output_tokens": req.max_output_tokens,
+        "model": model,
+        "output": output,
+        "parallel_tool_calls": True if req.parallel_tool_calls is None else req.parallel_tool_calls,
+        "previous_response_id": req.previous_response_id,
+        "reasoning": {"effort": None, "summary": None},
+        "store": True,
+        "temperature": 1.0 if req.temperature is None else req.temperature,
+        "text": {"format": {"type": "text"}},
+        "tool_choice": req.tool_choice or "auto",
+        "tools": req.tools or [],
+        "top_p": 1.0 if req.top_p is None else req.top_p,
+        "truncation": "disabled",
+        "usage": {
+            "input_tokens": p,
+            "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": k,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": p + k,
+        },
+        "user": None,
+        "metadata": {},
     }
 
 
@@ -230,7 +291,7 @@ def response_events(response: dict[str, Any], pieces: list[str]) -> list[dict[st
             ev("response.output_item.added", output_index=i, item={**item, "status": "in_progress", "arguments": ""})
             args = item["arguments"]
             for k in range(0, len(args), _ARG_PIECE):
-                ev("response.function_call_arguments.delta", **at, delta=args[k:k + _ARG_PIECE])
+                ev("response.function_call_arguments.delta", **at, delta=args[k : k + _ARG_PIECE])
             ev("response.function_call_arguments.done", **at, name=item["name"], arguments=args)
         ev("response.output_item.done", output_index=i, item=item)
     ev("response.completed" if response["status"] == "completed" else "response.incomplete", response=response)

@@ -5,6 +5,7 @@ Only what the gateway honours is modelled; unknown top-level fields are accepted
 ignored (clients send many: ``user``, ``metadata``, ``parallel_tool_calls``...), as the
 OpenAI API does, but a field we model with a wrong type or value is a 400 naming it.
 """
+
 from __future__ import annotations
 
 import json
@@ -43,14 +44,22 @@ __all__ = [
 class GatewayError(Exception):
     """An error answered as OpenAI error JSON with ``status``."""
 
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
 
-def error_body(message: str, *, type: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict[str, Any]:
+def error_body(
+    message: str, *, type: str = "invalid_request_error", param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
     """``{"error": {"message", "type", "param", "code"}}`` as the OpenAI API answers errors."""
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
@@ -119,9 +128,13 @@ def template_message(m: ChatMessage) -> dict[str, Any]:
     msg: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": content}
     calls = m.get("tool_calls")
     if calls:
-        msg["tool_calls"] = [{"type": "function", "function": {
-            "name": c["function"]["name"], "arguments": _args(c["function"].get("arguments", "{}"))}}
-            for c in calls]
+        msg["tool_calls"] = [
+            {
+                "type": "function",
+                "function": {"name": c["function"]["name"], "arguments": _args(c["function"].get("arguments", "{}"))},
+            }
+            for c in calls
+        ]
     if role == "tool":
         if m.get("tool_call_id") is not None:
             msg["tool_call_id"] = m["tool_call_id"]
@@ -246,7 +259,7 @@ class CompletionRequest(_Sampling):
 
 
 def _id(prefix: str) -> str:
-    return f"{prefix}-{random.getrandbits(96):024x}"   # unique, not secret: no syscall
+    return f"{prefix}-{random.getrandbits(96):024x}"  # unique, not secret: no syscall
 
 
 def _usage(prompt: int, completion: int) -> dict[str, int]:
@@ -255,48 +268,83 @@ def _usage(prompt: int, completion: int) -> dict[str, int]:
 
 def openai_message(msg: dict[str, Any]) -> dict[str, Any]:
     """A parsed assistant message in OpenAI's shape (string arguments, call ids)."""
-    out: dict[str, Any] = {"role": "assistant", "content": msg.get("content") or None, "refusal": None,
-                           "annotations": []}
+    out: dict[str, Any] = {
+        "role": "assistant",
+        "content": msg.get("content") or None,
+        "refusal": None,
+        "annotations": [],
+    }
     calls = msg.get("tool_calls")
     if calls:
-        out["tool_calls"] = [{
-            "id": f"call_{random.getrandbits(64):016x}", "type": "function",
-            "function": {"name": c["function"]["name"],
-                         "arguments": (c["function"]["arguments"]
-                                       if isinstance(c["function"]["arguments"], str)
-                                       else json.dumps(c["function"]["arguments"]))}}
-            for c in calls]
+        out["tool_calls"] = [
+            {
+                "id": f"call_{random.getrandbits(64):016x}",
+                "type": "function",
+                "function": {
+                    "name": c["function"]["name"],
+                    "arguments": (
+                        c["function"]["arguments"]
+                        if isinstance(c["function"]["arguments"], str)
+                        else json.dumps(c["function"]["arguments"])
+                    ),
+                },
+            }
+            for c in calls
+        ]
     return out
 
 
-def chat_response(model: str, message: dict[str, Any], finish_reason: str, prompt_tokens: int,
-                  completion_tokens: int, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+def chat_response(
+    model: str,
+    message: dict[str, Any],
+    finish_reason: str,
+    prompt_tokens: int,
+    completion_tokens: int,
+    logprobs: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
     """A ``chat.completion`` object with one choice; ``logprobs``: one entry per token."""
-    return {"id": _id("chatcmpl"), "object": "chat.completion", "created": int(time.time()),
-            "model": model, "choices": [{"index": 0, "message": message, "finish_reason": finish_reason,
-                                         "logprobs": None if logprobs is None
-                                         else {"content": logprobs, "refusal": None}}],
-            "usage": _usage(prompt_tokens, completion_tokens), "system_fingerprint": None}
+    return {
+        "id": _id("chatcmpl"),
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": message,
+                "finish_reason": finish_reason,
+                "logprobs": None if logprobs is None else {"content": logprobs, "refusal": None},
+            }
+        ],
+        "usage": _usage(prompt_tokens, completion_tokens),
+        "system_fingerprint": None,
+    }
 
 
 def logprob_entry(token: str, logprob: float, top: list[tuple[str, float]]) -> dict[str, Any]:
     """One position of ``choices[].logprobs.content``."""
+
     def one(t: str, lp: float) -> dict[str, Any]:
         return {"token": t, "logprob": lp, "bytes": list(t.encode())}
+
     return {**one(token, logprob), "top_logprobs": [one(t, lp) for t, lp in top]}
 
 
-def completion_response(model: str, text: str, finish_reason: str, prompt_tokens: int,
-                        completion_tokens: int) -> dict[str, Any]:
+def completion_response(
+    model: str, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int
+) -> dict[str, Any]:
     """A ``text_completion`` object with one choice."""
-    return {"id": _id("cmpl"), "object": "text_completion", "created": int(time.time()),
-            "model": model, "choices": [{"index": 0, "text": text, "logprobs": None,
-                                         "finish_reason": finish_reason}],
-            "usage": _usage(prompt_tokens, completion_tokens)}
+    return {
+        "id": _id("cmpl"),
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+        "usage": _usage(prompt_tokens, completion_tokens),
+    }
 
 
-def stream_chunks(response: dict[str, Any], pieces: list[str], *,
-                  include_usage: bool = False) -> list[dict[str, Any]]:
+def stream_chunks(response: dict[str, Any], pieces: list[str], *, include_usage: bool = False) -> list[dict[str, Any]]:
     """A finished chat response as the ``chat.completion.chunk`` objects OpenAI streams.
 
     The first delta carries the role; content deltas (``pieces``, one per generated token
@@ -306,9 +354,13 @@ def stream_chunks(response: dict[str, Any], pieces: list[str], *,
     ``usage: null`` and one more chunk, with ``choices: []``, the usage. Logprobs, when the
     response has them, ride on the content chunks of their tokens.
     """
-    base: dict[str, Any] = {"id": response["id"], "object": "chat.completion.chunk",
-                            "created": response["created"], "model": response["model"],
-                            "system_fingerprint": None}
+    base: dict[str, Any] = {
+        "id": response["id"],
+        "object": "chat.completion.chunk",
+        "created": response["created"],
+        "model": response["model"],
+        "system_fingerprint": None,
+    }
     if include_usage:
         base["usage"] = None
     choice = response["choices"][0]
@@ -318,23 +370,44 @@ def stream_chunks(response: dict[str, Any], pieces: list[str], *,
     logprobs = (choice.get("logprobs") or {}).get("content")
 
     def chunk(delta: dict[str, Any], finish: str | None = None, lps: list | None = None) -> dict[str, Any]:
-        return {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish,
-                                     "logprobs": None if lps is None else {"content": lps, "refusal": None}}]}
+        return {
+            **base,
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": delta,
+                    "finish_reason": finish,
+                    "logprobs": None if lps is None else {"content": lps, "refusal": None},
+                }
+            ],
+        }
 
     out = [chunk({"role": "assistant", "content": "" if content or not calls else None, "refusal": None})]
     parts = content_pieces(content, pieces)
     for i, p in enumerate(parts):
         lps = None
-        if logprobs is not None:   # token i's entry; what no piece stands for goes with the last
-            lps = logprobs[i:i + 1] if i < len(parts) - 1 else logprobs[i:]
+        if logprobs is not None:  # token i's entry; what no piece stands for goes with the last
+            lps = logprobs[i : i + 1] if i < len(parts) - 1 else logprobs[i:]
         out.append(chunk({"content": p}, lps=lps))
     for i, call in enumerate(calls):
         fn = call["function"]
-        out.append(chunk({"tool_calls": [{"index": i, "id": call["id"], "type": "function",
-                                          "function": {"name": fn["name"], "arguments": ""}}]}))
+        out.append(
+            chunk(
+                {
+                    "tool_calls": [
+                        {
+                            "index": i,
+                            "id": call["id"],
+                            "type": "function",
+                            "function": {"name": fn["name"], "arguments": ""},
+                        }
+                    ]
+                }
+            )
+        )
         args = fn["arguments"]
         for k in range(0, len(args), _ARG_PIECE):
-            out.append(chunk({"tool_calls": [{"index": i, "function": {"arguments": args[k:k + _ARG_PIECE]}}]}))
+            out.append(chunk({"tool_calls": [{"index": i, "function": {"arguments": args[k : k + _ARG_PIECE]}}]}))
     # A reply without content (a tool call only): its tokens' logprobs ride on the last delta.
     out.append(chunk({}, choice["finish_reason"], lps=logprobs if logprobs and not parts else None))
     if include_usage:

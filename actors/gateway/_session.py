@@ -25,6 +25,7 @@ generated, the way built-in episodes do (``EpisodeBuilder``):
 Requests of one session are served one at a time (a lock): a harness issuing
 parallel calls in one session gets them in some order, each extending the last.
 """
+
 from __future__ import annotations
 
 import json
@@ -71,14 +72,14 @@ class SessionLimits:
 
 @dataclass
 class _Segment:
-    kind: str                       # "chat" | "completion"
+    kind: str  # "chat" | "completion"
     builder: EpisodeBuilder
     messages: list[dict[str, Any]] = field(default_factory=list)
     """Chat: the messages the builder's ids render (the last one the parsed reply)."""
     last_reply: list[int] | None = None
     """Chat: ids of the reply that ends ``messages`` (closing it is the next turn's job)."""
     tools: list[dict[str, Any]] | None = None
-    text: str = ""                  # completions: prompt + generated text so far
+    text: str = ""  # completions: prompt + generated text so far
     turns: int = 0
 
 
@@ -87,8 +88,8 @@ class _Plan:
     """What a request would add, computed before sampling and committed only after it
     succeeded: a failed or rejected request leaves the session as it was."""
 
-    seg: _Segment | None            # the segment to extend; None: start ``fresh``
-    context: list[int]              # ids to append before generating
+    seg: _Segment | None  # the segment to extend; None: start ``fresh``
+    context: list[int]  # ids to append before generating
     new_messages: list[dict[str, Any]] = field(default_factory=list)
     fresh: _Segment | None = None
 
@@ -116,8 +117,7 @@ def _same(held: dict[str, Any], sent: dict[str, Any]) -> bool:
 
 def _canon(m: dict[str, Any]) -> Any:
     """What a template renders of a message (for history matching)."""
-    calls = [(c["function"]["name"], _json(c["function"].get("arguments")))
-             for c in m.get("tool_calls") or []]
+    calls = [(c["function"]["name"], _json(c["function"].get("arguments"))) for c in m.get("tool_calls") or []]
     content = m.get("content") or ""
     return (m.get("role"), content.strip() if calls else content, calls)
 
@@ -207,8 +207,10 @@ class Session:
         the session is then unchanged.
         """
         t = await self.turn(req)
-        return (chat_response(self.model, t.message, t.finish, t.prompt_tokens, t.completion_tokens,
-                              t.logprobs), t.pieces)
+        return (
+            chat_response(self.model, t.message, t.finish, t.prompt_tokens, t.completion_tokens, t.logprobs),
+            t.pieces,
+        )
 
     async def turn(self, req: ChatRequest) -> Turn:
         """Serve one chat turn: the path every chat-shaped protocol takes (chat completions,
@@ -222,27 +224,27 @@ class Session:
             seg = plan.commit(self.segments)
             self._record(seg, result, kept)
             ids = result.token_ids[:kept]
-            reply = (self.fmt.parse_reply(ids) if cut is None
-                     else {"role": "assistant", "content": cut[0]})
+            reply = self.fmt.parse_reply(ids) if cut is None else {"role": "assistant", "content": cut[0]}
             seg.messages.append(reply)
             seg.last_reply = list(ids)
             message = openai_message(reply)
-            finish = ("tool_calls" if message.get("tool_calls")
-                      else "stop" if cut is not None else result.finish_reason)
+            finish = "tool_calls" if message.get("tool_calls") else "stop" if cut is not None else result.finish_reason
             self.transcript = [*messages, reply]
             pieces = token_pieces(self.fmt, ids) if req.stream else []
             logprobs = _logprobs(self.fmt, result, kept, req.top_logprobs or 0) if req.logprobs else None
-            return Turn(reply, message, finish, len(seg.builder) - kept, kept, pieces, logprobs,
-                        None if cut is None else cut[1])
+            return Turn(
+                reply, message, finish, len(seg.builder) - kept, kept, pieces, logprobs, None if cut is None else cut[1]
+            )
 
-    def _plan_chat(self, sent: list[ChatMessage], tools: list[dict[str, Any]] | None
-                   ) -> tuple[_Plan, list[dict[str, Any]]]:
+    def _plan_chat(
+        self, sent: list[ChatMessage], tools: list[dict[str, Any]] | None
+    ) -> tuple[_Plan, list[dict[str, Any]]]:
         """How to serve ``sent``: extend the last segment or start one. Returns the plan
         and the messages in template form."""
         seg = self.segments[-1] if self.segments else None
         if seg is not None and seg.kind == "chat" and seg.tools == tools:
             k = len(seg.messages)
-            if seg.messages == sent[:k]:   # the usual turn, compared at C speed
+            if seg.messages == sent[:k]:  # the usual turn, compared at C speed
                 messages, same = seg.messages + [template_message(m) for m in sent[k:]], True
             else:
                 messages = [template_message(m) for m in sent]
@@ -252,7 +254,7 @@ class Session:
                 try:
                     ids = self.fmt.render_new(seg.messages, new, generated=seg.last_reply, tools=tools, turn=k)
                 except (ChatTemplateError, ValueError):
-                    pass   # the template cannot extend this history append-only: new segment
+                    pass  # the template cannot extend this history append-only: new segment
                 else:
                     return _Plan(seg, ids, new), messages
         else:
@@ -280,13 +282,17 @@ class Session:
             prompt = req.prompt
             if isinstance(prompt, list):
                 ids = [int(i) for i in prompt]
-                if seg is not None and not seg.text and len(ids) > len(seg.builder) \
-                        and ids[:len(seg.builder)] == seg.builder.ids:
-                    plan = _Plan(seg, ids[len(seg.builder):])
+                if (
+                    seg is not None
+                    and not seg.text
+                    and len(ids) > len(seg.builder)
+                    and ids[: len(seg.builder)] == seg.builder.ids
+                ):
+                    plan = _Plan(seg, ids[len(seg.builder) :])
                 else:
                     plan = _Plan(None, [], fresh=self._new_completion(ids, ""))
             elif seg is not None and seg.text and prompt.startswith(seg.text) and len(prompt) > len(seg.text):
-                plan = _Plan(seg, self.fmt.encode(prompt[len(seg.text):]))
+                plan = _Plan(seg, self.fmt.encode(prompt[len(seg.text) :]))
             else:
                 plan = _Plan(None, [], fresh=self._new_completion(self.fmt.encode(prompt), prompt))
             if not plan.prompt():
@@ -301,8 +307,10 @@ class Session:
                 # harness's text just makes its next prompt start a new segment).
                 seg.text = self.fmt.decode(seg.builder.ids, skip_special=False)
             finish = "stop" if cut is not None else result.finish_reason
-            self.transcript = [{"role": "user", "content": prompt if isinstance(prompt, str)
-                                else self.fmt.decode(prompt)}, {"role": "assistant", "content": text}]
+            self.transcript = [
+                {"role": "user", "content": prompt if isinstance(prompt, str) else self.fmt.decode(prompt)},
+                {"role": "assistant", "content": text},
+            ]
             return completion_response(self.model, text, finish, len(seg.builder) - kept, kept)
 
     def _new_completion(self, ids: list[int], text: str) -> _Segment:
@@ -312,8 +320,9 @@ class Session:
         return _Segment("completion", EpisodeBuilder(ids), text=text)
 
     # ---------------------------------------------------------------- sample
-    async def _sample(self, prompt: list[int], req: ChatRequest | CompletionRequest
-                      ) -> tuple[GenerateResult, int, tuple[str, str] | None]:
+    async def _sample(
+        self, prompt: list[int], req: ChatRequest | CompletionRequest
+    ) -> tuple[GenerateResult, int, tuple[str, str] | None]:
         """One generate call on ``prompt``.  Returns (result, ids to keep -- the reply is cut
         after the token that completes a stop string --, (text before the stop string, that
         stop string) or None)."""
@@ -322,9 +331,12 @@ class Session:
         limit = req.limit() if isinstance(req, ChatRequest) else req.max_tokens
         max_new = min(limit or lim.max_new_tokens, lim.max_new_tokens, room)
         if max_new < 1:
-            raise GatewayError(400, f"the conversation has {len(prompt)} tokens; the context is "
-                               f"{lim.max_seq_len}, no room to generate", param="messages",
-                               code="context_length_exceeded")
+            raise GatewayError(
+                400,
+                f"the conversation has {len(prompt)} tokens; the context is {lim.max_seq_len}, no room to generate",
+                param="messages",
+                code="context_length_exceeded",
+            )
         s = lim.sampling
         temperature = req.temperature if lim.honor_sampling and req.temperature is not None else s.temperature
         top_p = req.top_p if lim.honor_sampling and req.top_p is not None else s.top_p
@@ -332,9 +344,17 @@ class Session:
         # max_new >= 1): not validated again here, where it would walk the whole prompt on
         # every turn; the sampler validates what it receives.
         greq = GenerateRequest.model_construct(
-            request_id=f"{self.id}/{self.turns}", prompt_ids=prompt, max_new_tokens=max_new,
-            stop_token_ids=list(self.fmt.stop_ids), temperature=temperature, top_k=s.top_k, top_p=top_p,
-            min_keep=s.min_keep, min_version=self.min_version, session_id=self.id)
+            request_id=f"{self.id}/{self.turns}",
+            prompt_ids=prompt,
+            max_new_tokens=max_new,
+            stop_token_ids=list(self.fmt.stop_ids),
+            temperature=temperature,
+            top_k=s.top_k,
+            top_p=top_p,
+            min_keep=s.min_keep,
+            min_version=self.min_version,
+            session_id=self.id,
+        )
         t0 = time.perf_counter()
         try:
             result = await self.generate(greq)
@@ -356,19 +376,23 @@ class Session:
 
     def _record(self, seg: _Segment, result: GenerateResult, kept: int) -> None:
         r = result
-        if kept == len(r.token_ids):   # the usual case: no stop string cut the reply
+        if kept == len(r.token_ids):  # the usual case: no stop string cut the reply
             seg.builder.add_generated(r.token_ids, r.support_ids, r.support_offsets, r.support_logq, r.versions)
         else:
             end = int(r.support_offsets[kept])
-            seg.builder.add_generated(r.token_ids[:kept], r.support_ids[:end], r.support_offsets[:kept + 1],
-                                      r.support_logq[:end], r.versions[:kept])
+            seg.builder.add_generated(
+                r.token_ids[:kept],
+                r.support_ids[:end],
+                r.support_offsets[: kept + 1],
+                r.support_logq[:end],
+                r.versions[:kept],
+            )
         self.pool = result.pool
         seg.turns += 1
 
     def check_open(self) -> None:
         if self.closed:
-            raise GatewayError(409, f"session {self.id!r} is closed (its episode ended)",
-                               code="session_closed")
+            raise GatewayError(409, f"session {self.id!r} is closed (its episode ended)", code="session_closed")
 
     # --------------------------------------------------------------- results
     @property
@@ -378,8 +402,15 @@ class Session:
     def trajectory(self, reward: float, *, failed: bool = False, error: str | None = None) -> Trajectory:
         """The episode's trajectory: the last segment (see the module docstring)."""
         seg = self.segments[-1] if self.segments else _Segment("chat", EpisodeBuilder([]))
-        traj = seg.builder.build(task=self.task, pool=self.pool, reward=reward, turns=seg.turns,
-                                 seconds=time.perf_counter() - self.started, failed=failed, error=error)
+        traj = seg.builder.build(
+            task=self.task,
+            pool=self.pool,
+            reward=reward,
+            turns=seg.turns,
+            seconds=time.perf_counter() - self.started,
+            failed=failed,
+            error=error,
+        )
         traj.segments = max(1, len(self.segments))
         return traj
 
@@ -394,14 +425,14 @@ def token_pieces(fmt: ChatFormat, ids: list[int]) -> list[str]:
     a multi-byte character (its text comes with the token that completes it). Decodes a few
     tokens of context each time, so a tokenizer that spaces words by context (SentencePiece,
     the word format) gives the same text as decoding the whole reply."""
-    pieces, done = [], 0   # ids[:done] are accounted for
+    pieces, done = [], 0  # ids[:done] are accounted for
     for k in range(1, len(ids) + 1):
         start = max(0, done - 4)
         before, text = fmt.decode(ids[start:done]), fmt.decode(ids[start:k])
         if text.endswith("\ufffd") or not text.startswith(before):
             pieces.append("")
             continue
-        pieces.append(text[len(before):])
+        pieces.append(text[len(before) :])
         done = k
     return pieces
 
@@ -412,11 +443,16 @@ def _logprobs(fmt: ChatFormat, r: GenerateResult, kept: int, top: int) -> list[d
     offsets, ids, logq = r.support_offsets.tolist(), r.support_ids.tolist(), r.support_logq.tolist()
     out = []
     for t in range(kept):
-        row = list(zip(ids[offsets[t]:offsets[t + 1]], logq[offsets[t]:offsets[t + 1]], strict=True))
+        row = list(zip(ids[offsets[t] : offsets[t + 1]], logq[offsets[t] : offsets[t + 1]], strict=True))
         chosen = next((lq for i, lq in row if i == r.token_ids[t]), 0.0)
         best = sorted(row, key=lambda il: -il[1])[:top]
-        out.append(logprob_entry(fmt.decode([r.token_ids[t]], skip_special=False), chosen,
-                                 [(fmt.decode([i], skip_special=False), lq) for i, lq in best]))
+        out.append(
+            logprob_entry(
+                fmt.decode([r.token_ids[t]], skip_special=False),
+                chosen,
+                [(fmt.decode([i], skip_special=False), lq) for i, lq in best],
+            )
+        )
     return out
 
 

@@ -20,11 +20,11 @@ from ._weights import wire_to_compute
 
 __all__ = [
     "ContinuousBatcher",
+    "DecoderEngine",
     "FinishReason",
     "GenerateRequest",
     "GenerateResult",
     "GenerationBackend",
-    "DecoderEngine",
     "Qwen3Engine",
     "SGLangBackend",
     "SamplerActor",

@@ -55,11 +55,15 @@ def as_weight_messages(update: Any) -> list[WeightMessage]:
             elif isinstance(item, (WeightMessage, bytes, bytearray, memoryview)):
                 out.extend(as_weight_messages(item))
             else:
-                raise TypeError(f"weight update [{i}] is a {type(item).__name__}; expected a WeightMessage, "
-                                "its to_bytes() bytes or its to_frames() list")
+                raise TypeError(
+                    f"weight update [{i}] is a {type(item).__name__}; expected a WeightMessage, "
+                    "its to_bytes() bytes or its to_frames() list"
+                )
         return out
-    raise TypeError(f"weight update is a {type(update).__name__}; expected a WeightMessage, "
-                    "its to_bytes() bytes, its to_frames() list, or a list of these")
+    raise TypeError(
+        f"weight update is a {type(update).__name__}; expected a WeightMessage, "
+        "its to_bytes() bytes, its to_frames() list, or a list of these"
+    )
 
 
 def _is_frames(items: Sequence[Any]) -> bool:
@@ -141,9 +145,17 @@ class SamplerActor(Actor):
         self._backend: GenerationBackend
         if backend == "torch":
             device = rank_device(device, rank, gpus)
-            self._backend = TorchBackend(config, pool=pool, max_batch=max_batch, max_len=max_len, device=device,
-                                         seed=seed, batch_window_s=batch_window_s,
-                                         prefix_cache=prefix_cache, stale_prefix=stale_prefix)
+            self._backend = TorchBackend(
+                config,
+                pool=pool,
+                max_batch=max_batch,
+                max_len=max_len,
+                device=device,
+                seed=seed,
+                batch_window_s=batch_window_s,
+                prefix_cache=prefix_cache,
+                stale_prefix=stale_prefix,
+            )
         elif backend == "sglang":
             self._backend = sglang_backend(pool, config, rank, gpus, sglang or {})
         else:
@@ -159,8 +171,12 @@ class SamplerActor(Actor):
                 self._hashes = {t.name: t.hash for t in msg.meta.tensors}
         elif init_seed is not None:
             master = model_weights(build_model(config, seed=init_seed))
-            self._receiver = WeightReceiver(precision, wire_snapshot(master, precision), 0,  # type: ignore[arg-type]
-                                            auth_key=self._key)
+            self._receiver = WeightReceiver(
+                precision,
+                wire_snapshot(master, precision),
+                0,  # type: ignore[arg-type]
+                auth_key=self._key,
+            )
         self._lock = trio.Lock()
         self._updates = 0
 
@@ -179,8 +195,14 @@ class SamplerActor(Actor):
         Cancellation (the caller's scope or timeout): the request leaves its slot
         before the next decode step and nothing is returned.
         """
-        with span("sampler.generate", pool=self.pool, precision=self.precision, request_id=req.request_id,
-                  prompt_tokens=len(req.prompt_ids), min_version=req.min_version) as s:
+        with span(
+            "sampler.generate",
+            pool=self.pool,
+            precision=self.precision,
+            request_id=req.request_id,
+            prompt_tokens=len(req.prompt_ids),
+            min_version=req.min_version,
+        ) as s:
             res = await self._backend.generate(req)
             s.set_attribute("tokens", len(res.token_ids))
             s.set_attribute("finish_reason", res.finish_reason)
@@ -202,10 +224,17 @@ class SamplerActor(Actor):
         """
         messages = as_weight_messages(update)
         async with self._lock:
-            with trio.CancelScope(shield=True), span(
-                "weights.apply", pool=self.pool, precision=self.precision, messages=len(messages),
-                from_version=self._backend.version, wire_bytes=sum(m.nbytes for m in messages),
-            ) as s:
+            with (
+                trio.CancelScope(shield=True),
+                span(
+                    "weights.apply",
+                    pool=self.pool,
+                    precision=self.precision,
+                    messages=len(messages),
+                    from_version=self._backend.version,
+                    wire_bytes=sum(m.nbytes for m in messages),
+                ) as s,
+            ):
                 for msg in messages:
                     before, held = self._receiver.snapshot, self._receiver.version
                     version = await trio.to_thread.run_sync(self._receiver.apply, msg)
@@ -244,10 +273,17 @@ class SamplerActor(Actor):
         Cancellation does not interrupt a part in progress (shielded, as ``apply_weights``).
         """
         async with self._lock:
-            with trio.CancelScope(shield=True), span(
-                "weights.part", pool=self.pool, precision=self.precision, seq=header.get("seq"),
-                parts=header.get("parts"), wire_bytes=sum(memoryview(f).nbytes for f in frames),
-            ) as s:
+            with (
+                trio.CancelScope(shield=True),
+                span(
+                    "weights.part",
+                    pool=self.pool,
+                    precision=self.precision,
+                    seq=header.get("seq"),
+                    parts=header.get("parts"),
+                    wire_bytes=sum(memoryview(f).nbytes for f in frames),
+                ) as s,
+            ):
                 meta = await trio.to_thread.run_sync(self._receiver.apply_part, header, frames)
                 snapshot, version = self._receiver.snapshot, self._receiver.version
                 if meta is not None and snapshot is not None and version == meta.version:
@@ -304,7 +340,12 @@ class SamplerActor(Actor):
         c = self._backend.counters()
         busy = c["busy_seconds"]
         return SamplerStats(
-            pool=self.pool, precision=self.precision, backend=self._backend.name, version=self._backend.version,
+            pool=self.pool,
+            precision=self.precision,
+            backend=self._backend.name,
+            version=self._backend.version,
             tokens_per_second=c["tokens_generated"] / busy if busy > 0 else 0.0,
-            weight_updates=self._updates, staleness_budget=self.staleness_budget, **c,
+            weight_updates=self._updates,
+            staleness_budget=self.staleness_budget,
+            **c,
         ).model_dump()

@@ -133,8 +133,9 @@ class TorchBackend:
         if batch_window_s < 0:
             raise ValueError(f"batch_window_s must be >= 0, got {batch_window_s}")
         engine = DecoderEngine(model_config, max_slots=max_batch, max_len=max_len, device=device)
-        self._batcher = ContinuousBatcher(engine, pool=pool, seed=seed, prefix_cache=prefix_cache,
-                                          stale_prefix=stale_prefix)  # type: ignore[arg-type]
+        self._batcher = ContinuousBatcher(
+            engine, pool=pool, seed=seed, prefix_cache=prefix_cache, stale_prefix=stale_prefix
+        )  # type: ignore[arg-type]
         self._waiters: dict[str, _Waiter] = {}
         self._wake = trio.Event()
         self._window = batch_window_s
@@ -171,7 +172,7 @@ class TorchBackend:
                 await self._gather()
             try:
                 finished = self._batcher.step()
-            except Exception as exc:  # noqa: BLE001 - reported to every affected caller
+            except Exception as exc:
                 for res in self._batcher.abort_all():
                     self._settle(res.request_id, error=exc)
                 finished = []
@@ -188,11 +189,11 @@ class TorchBackend:
         try:
             while b.admissible() < b.free_slots:
                 if self._answered and not self._returning:
-                    return   # every session answered since the last window is back
+                    return  # every session answered since the last window is back
                 deadline = min(self._last_submit + self._window, latest)
                 if trio.current_time() >= deadline:
                     return
-                self._wake = trio.Event()   # set by the next generate(): re-check at once
+                self._wake = trio.Event()  # set by the next generate(): re-check at once
                 with trio.move_on_at(deadline):
                     await self._wake.wait()
         finally:
@@ -224,7 +225,9 @@ class TorchBackend:
         assert waiter.result is not None
         return waiter.result
 
-    def _settle(self, request_id: str, *, result: GenerateResult | None = None, error: BaseException | None = None) -> None:
+    def _settle(
+        self, request_id: str, *, result: GenerateResult | None = None, error: BaseException | None = None
+    ) -> None:
         waiter = self._waiters.get(request_id)
         if waiter is not None:
             waiter.result, waiter.error = result, error

@@ -85,7 +85,7 @@ class _Parked:
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
-    if a[:n] == b[:n]:   # the usual case (a session's next turn): one C-level comparison
+    if a[:n] == b[:n]:  # the usual case (a session's next turn): one C-level comparison
         return n
     i = 0
     while i < n and a[i] == b[i]:
@@ -105,8 +105,15 @@ class ContinuousBatcher:
             "recompute" it.
     """
 
-    def __init__(self, engine: DecoderEngine, *, pool: str, seed: int = 0, prefix_cache: bool = True,
-                 stale_prefix: Literal["reuse", "recompute"] = "reuse") -> None:
+    def __init__(
+        self,
+        engine: DecoderEngine,
+        *,
+        pool: str,
+        seed: int = 0,
+        prefix_cache: bool = True,
+        stale_prefix: Literal["reuse", "recompute"] = "reuse",
+    ) -> None:
         if stale_prefix not in ("reuse", "recompute"):
             raise ValueError(f"stale_prefix must be 'reuse' or 'recompute', got {stale_prefix!r}")
         self.engine = engine
@@ -245,7 +252,9 @@ class ContinuousBatcher:
         return [r for r in (self.abort(i) for i in ids) if r is not None]
 
     # ----------------------------------------------------------------- weights
-    def set_weights(self, snapshot: Mapping[str, torch.Tensor], version: int, changed: Collection[str] | None = None) -> None:
+    def set_weights(
+        self, snapshot: Mapping[str, torch.Tensor], version: int, changed: Collection[str] | None = None
+    ) -> None:
         """Load (changed tensors of) a wire snapshot; later tokens carry ``version``.
 
         Runs between ticks, so running sequences keep their KV cache and simply
@@ -286,8 +295,9 @@ class ContinuousBatcher:
                 self.prefill_batches += 1
                 self.prompt_tokens += sum(len(s.req.prompt_ids) for s in fresh)
             if cached:
-                parts.append(self.engine.extend([s.slot for s in cached],
-                                                [s.req.prompt_ids[s.reuse:] for s in cached]))
+                parts.append(
+                    self.engine.extend([s.slot for s in cached], [s.req.prompt_ids[s.reuse :] for s in cached])
+                )
                 sampled += cached
                 self.prefill_batches += 1
                 self.prompt_tokens += sum(len(s.req.prompt_ids) - s.reuse for s in cached)
@@ -315,16 +325,21 @@ class ContinuousBatcher:
             r = seq.req
             if seq.generator is not None:
                 tokens, support = sample_with_support(
-                    logits[row : row + 1], temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
-                    min_keep=r.min_keep, generator=seq.generator)
+                    logits[row : row + 1],
+                    temperature=r.temperature,
+                    top_k=r.top_k,
+                    top_p=r.top_p,
+                    min_keep=r.min_keep,
+                    generator=seq.generator,
+                )
                 self._append(seq, int(tokens[0]), array("i", support.ids.tolist()), array("f", support.logq.tolist()))
             else:
                 groups.setdefault((r.temperature, r.top_k, r.top_p, r.min_keep), []).append(row)
         for (temperature, top_k, top_p, min_keep), rows in groups.items():
             sub = logits if len(rows) == len(seqs) else logits[rows]
             tokens, support = sample_with_support(
-                sub, temperature=temperature, top_k=top_k, top_p=top_p, min_keep=min_keep,
-                generator=self._generator)
+                sub, temperature=temperature, top_k=top_k, top_p=top_p, min_keep=min_keep, generator=self._generator
+            )
             # One host transfer per tick; slicing arrays row by row is far cheaper
             # than slicing tensors.
             offsets = support.offsets.tolist()
@@ -376,7 +391,9 @@ class ContinuousBatcher:
         return GenerateResult(
             request_id=seq.req.request_id,
             token_ids=list(seq.tokens),
-            support_ids=torch.frombuffer(seq.ids, dtype=torch.int32).clone() if n else torch.zeros(0, dtype=torch.int32),
+            support_ids=torch.frombuffer(seq.ids, dtype=torch.int32).clone()
+            if n
+            else torch.zeros(0, dtype=torch.int32),
             support_offsets=torch.tensor(offsets, dtype=torch.int32),
             # float32 -> Python float -> float32 round-trips exactly.
             support_logq=torch.frombuffer(seq.logq, dtype=torch.float32).clone() if n else torch.zeros(0),

@@ -48,6 +48,7 @@ from ._weights import LINEAR_BLOCKS, layer_parts, rope_frequencies, wire_to_comp
 
 __all__ = ["DecoderEngine", "Qwen3Engine", "first_outside_vocab"]
 
+
 def _linear(x: torch.Tensor, w: torch.Tensor | Fp8Weight, b: torch.Tensor | None) -> torch.Tensor:
     """``linear`` (dense or FP8 weight) with an optional bias; dense with a bias is one
     ``F.linear``, as in the HF module, so float32 results match it."""
@@ -127,14 +128,18 @@ class DecoderEngine:
         self.max_len = max_len or cfg.max_position_embeddings
         window = getattr(cfg, "sliding_window", None)
         if window is not None and window < self.max_len:
-            raise ValueError(f"model config: sliding_window={window} is shorter than the context "
-                             f"({self.max_len} tokens); sliding-window attention is not supported")
+            raise ValueError(
+                f"model config: sliding_window={window} is shorter than the context "
+                f"({self.max_len} tokens); sliding-window attention is not supported"
+            )
         attention_bias = bool(getattr(cfg, "attention_bias", False))
         self.qk_norm = cfg.model_type == "qwen3"
         self._parts = layer_parts(
-            qk_norm=self.qk_norm, qkv_bias=cfg.model_type == "qwen2" or attention_bias,
+            qk_norm=self.qk_norm,
+            qkv_bias=cfg.model_type == "qwen2" or attention_bias,
             o_bias=attention_bias and cfg.model_type != "qwen2",
-            mlp_bias=bool(getattr(cfg, "mlp_bias", False)))
+            mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
+        )
         self._q_dim = self.n_heads * self.head_dim
         self._kv_dim = self.n_kv * self.head_dim
 
@@ -204,14 +209,16 @@ class DecoderEngine:
                 full = [prefix + p for p in parts]
                 if any(n in touched for n in full):
                     if self.fp8_matmul and key in LINEAR_BLOCKS and snapshot[full[0]].dtype == torch.float8_e4m3fn:
-                        layer[key] = Fp8Weight.cat([Fp8Weight.from_wire(
-                            snapshot[n], snapshot[n + "_scale_inv"], self.device) for n in full])
+                        layer[key] = Fp8Weight.cat(
+                            [Fp8Weight.from_wire(snapshot[n], snapshot[n + "_scale_inv"], self.device) for n in full]
+                        )
                         continue
                     tensors = [get(n) for n in full]
                     layer[key] = tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0).contiguous()
                     if key in ("q_norm", "k_norm") and "q_norm" in layer and "k_norm" in layer:
-                        layer["qk_norm"] = torch.cat((
-                            layer["q_norm"].expand(self.n_heads, -1), layer["k_norm"].expand(self.n_kv, -1)))
+                        layer["qk_norm"] = torch.cat(
+                            (layer["q_norm"].expand(self.n_heads, -1), layer["k_norm"].expand(self.n_kv, -1))
+                        )
         self._check_shapes()
         self._loaded = True
 
@@ -219,8 +226,14 @@ class DecoderEngine:
         h = self._top["embed"].shape[1]
         qkv = self._q_dim + 2 * self._kv_dim
         want = {
-            "qkv": (qkv, h), "o": (h, self._q_dim), "q_norm": (self.head_dim,),
-            "k_norm": (self.head_dim,), "ln1": (h,), "ln2": (h,), "qkv_b": (qkv,), "o_b": (h,),
+            "qkv": (qkv, h),
+            "o": (h, self._q_dim),
+            "q_norm": (self.head_dim,),
+            "k_norm": (self.head_dim,),
+            "ln1": (h,),
+            "ln2": (h,),
+            "qkv_b": (qkv,),
+            "o_b": (h,),
         }
         for i, layer in enumerate(self._layers):
             for key, shape in want.items():
@@ -265,8 +278,7 @@ class DecoderEngine:
         return q, k, qkv[:, :, n_qk:].transpose(1, 2)
 
     def _mlp_block(self, layer: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        gate, up = _linear(self._rms(x, layer["ln2"]), layer["gate_up"],
-                            layer.get("gate_up_b")).chunk(2, dim=-1)
+        gate, up = _linear(self._rms(x, layer["ln2"]), layer["gate_up"], layer.get("gate_up_b")).chunk(2, dim=-1)
         return x + _linear(F.silu(gate) * up, layer["down"], layer.get("down_b"))
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
@@ -282,7 +294,9 @@ class DecoderEngine:
             raise ValueError(f"slots repeat: {list(slots)}")
 
     @torch.no_grad()
-    def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]], *, all_logits: bool = False) -> torch.Tensor:
+    def prefill(
+        self, slots: Sequence[int], prompts: Sequence[Sequence[int]], *, all_logits: bool = False
+    ) -> torch.Tensor:
         """Write prompts into ``slots`` (resetting them) and return float32 logits.
 
         Returns [B, V] logits at each prompt's last position, or [B, T, V] for
@@ -315,8 +329,7 @@ class DecoderEngine:
             self._k[li][slot_idx, :, :t] = k
             self._v[li][slot_idx, :, :t] = v
             a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-            x = x + _linear(a.transpose(1, 2).reshape(len(slots), t, self._q_dim), layer["o"],
-                             layer.get("o_b"))
+            x = x + _linear(a.transpose(1, 2).reshape(len(slots), t, self._q_dim), layer["o"], layer.get("o_b"))
             x = self._mlp_block(layer, x)
         self.lengths[list(slots)] = torch.as_tensor(lens, dtype=torch.long)
         if all_logits:
@@ -355,7 +368,8 @@ class DecoderEngine:
         mask = None
         if min(pos_host) != top:
             mask = torch.zeros(b, 1, 1, span, device=dev, dtype=self.dtype).masked_fill_(
-                (torch.arange(span, device=dev)[None, :] > pos[:, None])[:, None, None, :], float("-inf"))
+                (torch.arange(span, device=dev)[None, :] > pos[:, None])[:, None, None, :], float("-inf")
+            )
         cos = self._cos.index_select(0, pos)[:, None, None, :]
         sin = self._sin.index_select(0, pos)[:, None, None, :]
         x = F.embedding(torch.tensor(tokens, dtype=torch.long, device=dev)[:, None], self._top["embed"])
@@ -368,8 +382,7 @@ class DecoderEngine:
             keys, values = _read_cache(kc, rows, span), _read_cache(vc, rows, span)
             # One query position: the g query heads sharing a kv head are g query rows of
             # that head (the same attention as enable_gqa, ~25% cheaper in CPU SDPA).
-            a = F.scaled_dot_product_attention(q.reshape(b, self.n_kv, g, self.head_dim), keys, values,
-                                               attn_mask=mask)
+            a = F.scaled_dot_product_attention(q.reshape(b, self.n_kv, g, self.head_dim), keys, values, attn_mask=mask)
             x = x + _linear(a.reshape(b, 1, self._q_dim), layer["o"], layer.get("o_b"))
             x = self._mlp_block(layer, x)
         self.lengths[slots] += 1
@@ -396,8 +409,10 @@ class DecoderEngine:
         lens = torch.tensor([len(c) for c in chunks], dtype=torch.long)
         for row, c in enumerate(chunks):
             if not c or int(start[row]) + len(c) > self.max_len:
-                raise ValueError(f"chunk {row} has {len(c)} tokens after {int(start[row])} cached; "
-                                 f"must be 1..{self.max_len - int(start[row])}")
+                raise ValueError(
+                    f"chunk {row} has {len(c)} tokens after {int(start[row])} cached; "
+                    f"must be 1..{self.max_len - int(start[row])}"
+                )
             if (i := first_outside_vocab(c, self.vocab_size)) is not None:
                 raise ValueError(f"chunk {row} position {i}: token id {c[i]} outside vocab [0, {self.vocab_size})")
         t = int(lens.max())
@@ -405,12 +420,12 @@ class DecoderEngine:
         for row, c in enumerate(chunks):
             ids[row, : len(c)] = torch.as_tensor(list(c), dtype=torch.long)
         col = torch.arange(t)
-        pos = start[:, None] + col[None, :]                      # [B, T] absolute positions
-        real = col[None, :] < lens[:, None]                      # [B, T] False on padding
+        pos = start[:, None] + col[None, :]  # [B, T] absolute positions
+        real = col[None, :] < lens[:, None]  # [B, T] False on padding
         span = int((start + lens).max())
         dev = self.device
         pos_d = pos.clamp(max=self.max_len - 1).to(dev)
-        cos, sin = self._cos[pos_d][:, None], self._sin[pos_d][:, None]   # [B, 1, T, d]
+        cos, sin = self._cos[pos_d][:, None], self._sin[pos_d][:, None]  # [B, 1, T, d]
         # Row (b, t) sees cached keys and its own chunk up to itself; pad rows see the same
         # span (their outputs are dropped), so no row is fully masked.
         # Keys before the earliest chunk start are visible to every row: only the columns

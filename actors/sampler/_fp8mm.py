@@ -50,14 +50,17 @@ class Fp8Weight:
             raise ValueError(f"FP8 scales of shape {tuple(scale_inv.shape)} do not fit a {n}x{k} weight")
         w8 = w8.to(device)
         rows = scale_inv.to(device, torch.float32).repeat_interleave(_BLOCK, dim=0)[:n]  # [N, KB]
-        return cls([w8[:, j * _BLOCK:(j + 1) * _BLOCK].contiguous() for j in range(kb)],
-                   rows.t().unsqueeze(1).contiguous())
+        return cls(
+            [w8[:, j * _BLOCK : (j + 1) * _BLOCK].contiguous() for j in range(kb)], rows.t().unsqueeze(1).contiguous()
+        )
 
     @classmethod
     def cat(cls, parts: list[Fp8Weight]) -> Fp8Weight:
         """Stack along the output rows (fused q|k|v, gate|up)."""
-        return cls([torch.cat(bs, dim=0) for bs in zip(*(p.blocks for p in parts), strict=True)],
-                   torch.cat([p.scales for p in parts], dim=2))
+        return cls(
+            [torch.cat(bs, dim=0) for bs in zip(*(p.blocks for p in parts), strict=True)],
+            torch.cat([p.scales for p in parts], dim=2),
+        )
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -72,7 +75,7 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
     out = torch.zeros(x2.shape[0], n, dtype=torch.float32, device=x.device)
     col = 0
     for j, wb in enumerate(w.blocks):
-        xs = x2[:, col:col + wb.shape[1]].float()
+        xs = x2[:, col : col + wb.shape[1]].float()
         col += wb.shape[1]
         amax = xs.abs().amax(dim=1, keepdim=True).clamp(min=1e-12)
         sa = amax / _E4M3_MAX

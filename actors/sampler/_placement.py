@@ -32,14 +32,20 @@ def rank_device(device: str, rank: int, gpus: list[int] | None) -> str:
     return f"cuda:{rank % count}"
 
 
-def sglang_backend(pool: str, model_config: dict[str, Any] | str, rank: int, gpus: list[int] | None,
-                   settings: dict[str, Any]) -> Any:
+def sglang_backend(
+    pool: str, model_config: dict[str, Any] | str, rank: int, gpus: list[int] | None, settings: dict[str, Any]
+) -> Any:
     """The ``SGLangBackend`` of one rank from the pool's settings (see ``SamplerActor``)."""
     from ._sglang import SGLangBackend
 
     urls, launch = settings.get("urls"), settings.get("launch")
-    common = {"pool": pool, "model_config": model_config, "weights_dir": settings.get("weights_dir"), "rank": rank,
-              "pause_mode": settings.get("pause_mode", "retract")}
+    common = {
+        "pool": pool,
+        "model_config": model_config,
+        "weights_dir": settings.get("weights_dir"),
+        "rank": rank,
+        "pause_mode": settings.get("pause_mode", "retract"),
+    }
     if urls:
         if rank >= len(urls):
             raise ValueError(f"pool {pool!r}: urls lists {len(urls)} servers, none for rank {rank}")

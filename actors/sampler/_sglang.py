@@ -55,8 +55,9 @@ from ._types import GenerateRequest, GenerateResult
 __all__ = ["SGLangBackend", "parse_sglang_response"]
 
 
-def parse_sglang_response(req: GenerateRequest, body: dict[str, Any], *, pool: str, seconds: float,
-                          version: int | None = None) -> GenerateResult:
+def parse_sglang_response(
+    req: GenerateRequest, body: dict[str, Any], *, pool: str, seconds: float, version: int | None = None
+) -> GenerateResult:
     """Turn SGLang's ``/generate`` JSON into a ``GenerateResult`` (CSR support rows).
 
     ``version`` stamps every token (default: the server's ``weight_version``). Greedy
@@ -73,8 +74,9 @@ def parse_sglang_response(req: GenerateRequest, body: dict[str, Any], *, pool: s
         masks = meta.get("output_token_sampling_mask")
         logprobs = meta.get("output_token_sampling_logprobs")
     if masks is None or logprobs is None:
-        raise ValueError("SGLang response lacks output_token_sampling_mask/logprobs; "
-                         "the server must support return_sampling_mask")
+        raise ValueError(
+            "SGLang response lacks output_token_sampling_mask/logprobs; the server must support return_sampling_mask"
+        )
     if not len(masks) == len(logprobs) == len(tokens):
         raise ValueError(f"SGLang returned {len(tokens)} tokens, {len(masks)} masks, {len(logprobs)} logprob rows")
     ids: list[int] = []
@@ -82,8 +84,10 @@ def parse_sglang_response(req: GenerateRequest, body: dict[str, Any], *, pool: s
     offsets = [0]
     for t, (tok, mask, row) in enumerate(zip(tokens, masks, logprobs, strict=True)):
         if not isinstance(row, list) or len(row) != len(mask):
-            raise ValueError(f"token {t}: SGLang gave no log q for each kept id (got {row!r}); "
-                             "Flotilla needs the full renormalised row")
+            raise ValueError(
+                f"token {t}: SGLang gave no log q for each kept id (got {row!r}); "
+                "Flotilla needs the full renormalised row"
+            )
         if tok not in mask:
             raise ValueError(f"token {t}: sampled id {tok} is not in its sampling mask")
         ids += [int(i) for i in mask]
@@ -127,11 +131,21 @@ class SGLangBackend:
 
     name = "sglang"
 
-    def __init__(self, *, pool: str, model_config: dict[str, Any] | str, url: str | None = None,
-                 launch: dict[str, Any] | None = None, port: int = 30000, gpu: int | None = None,
-                 rank: int = 0,
-                 weights_dir: str | None = None, pause_mode: str = "retract",
-                 timeout_s: float = 600.0, control_timeout_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        *,
+        pool: str,
+        model_config: dict[str, Any] | str,
+        url: str | None = None,
+        launch: dict[str, Any] | None = None,
+        port: int = 30000,
+        gpu: int | None = None,
+        rank: int = 0,
+        weights_dir: str | None = None,
+        pause_mode: str = "retract",
+        timeout_s: float = 600.0,
+        control_timeout_s: float = 60.0,
+    ) -> None:
         if (url is None) == (launch is None):
             raise ValueError("SGLangBackend needs exactly one of url (connect) and launch (start a server)")
         if pause_mode not in ("retract", "in_place"):
@@ -150,8 +164,14 @@ class SGLangBackend:
         self._new_version = trio.Event()
         self._inflight: set[str] = set()
         self._loaded: Path | None = None
-        self._counters = {"tokens_generated": 0, "prompt_tokens": 0, "requests_finished": 0,
-                          "busy_seconds": 0.0, "running": 0, "waiting": 0}
+        self._counters = {
+            "tokens_generated": 0,
+            "prompt_tokens": 0,
+            "requests_finished": 0,
+            "busy_seconds": 0.0,
+            "running": 0,
+            "waiting": 0,
+        }
 
     @property
     def version(self) -> int:
@@ -172,7 +192,7 @@ class SGLangBackend:
             tmp = tempfile.mkdtemp(prefix=f"flotilla-sglang-{self.pool}-")
             self.weights_dir = Path(tmp)
         else:
-            self.weights_dir = Path(self._weights_root).expanduser() / f"{self.pool}-{self.rank}"
+            self.weights_dir = Path(self._weights_root).expanduser() / f"{self.pool}-{self.rank}"  # noqa: ASYNC240 - no I/O
             self.weights_dir.mkdir(parents=True, exist_ok=True)
         try:
             async with httpx.AsyncClient(timeout=self.control_timeout_s) as client:
@@ -202,8 +222,7 @@ class SGLangBackend:
         if self._client is None:
             raise RuntimeError(f"SGLang backend of pool {self.pool!r} is not running")
         try:
-            r = await self._client.post(self.url + path, json=payload,
-                                        timeout=timeout or self.control_timeout_s)
+            r = await self._client.post(self.url + path, json=payload, timeout=timeout or self.control_timeout_s)
         except httpx.HTTPError as exc:
             raise RuntimeError(f"{self.url}{path}: {type(exc).__name__}: {exc}") from None
         if r.status_code != 200:
@@ -226,7 +245,8 @@ class SGLangBackend:
             raise ValueError(
                 f"request {req.request_id!r}: min_keep={req.min_keep} with top_p={req.top_p} is not "
                 "supported by the SGLang backend (its top-p has no min_tokens_to_keep); set "
-                "recipe.min_keep = 1 or recipe.top_p = 1 for SGLang pools")
+                "recipe.min_keep = 1 or recipe.top_p = 1 for SGLang pools"
+            )
         while self._version < req.min_version:
             self._counters["waiting"] += 1
             try:
@@ -237,9 +257,11 @@ class SGLangBackend:
             "rid": req.request_id,
             "input_ids": req.prompt_ids,
             "sampling_params": {
-                "temperature": req.temperature, "top_p": req.top_p,
+                "temperature": req.temperature,
+                "top_p": req.top_p,
                 "top_k": req.top_k if req.top_k > 0 else -1,
-                "max_new_tokens": req.max_new_tokens, "stop_token_ids": req.stop_token_ids,
+                "max_new_tokens": req.max_new_tokens,
+                "stop_token_ids": req.stop_token_ids,
                 **({"sampling_seed": req.seed} if req.seed is not None else {}),
             },
             "return_logprob": True,
@@ -299,9 +321,16 @@ class SGLangBackend:
         retract = self.pause_mode == "retract"
         await self._post("/pause_generation", {"mode": self.pause_mode})
         try:
-            answer = await self._post("/update_weights_from_disk", {
-                "model_path": str(target), "weight_version": str(version),
-                "flush_cache": retract, "abort_all_requests": False}, timeout=self.timeout_s)
+            answer = await self._post(
+                "/update_weights_from_disk",
+                {
+                    "model_path": str(target),
+                    "weight_version": str(version),
+                    "flush_cache": retract,
+                    "abort_all_requests": False,
+                },
+                timeout=self.timeout_s,
+            )
             if isinstance(answer, dict) and answer.get("success") is False:
                 raise RuntimeError(f"{self.url} refused weights v{version}: {answer.get('message')}")
         finally:

@@ -36,19 +36,27 @@ import trio
 
 from orchestrator.runtime import clip
 
-__all__ = ["server_command", "serve_sglang", "wait_healthy"]
+__all__ = ["serve_sglang", "server_command", "wait_healthy"]
 
 
 def server_command(launch: dict[str, Any], port: int) -> list[str]:
     """The command line of one server (launch: ``hardware.SGLangLaunch`` as a dict)."""
     python = launch.get("python") or sys.executable
-    return [python, "-m", launch.get("module", "sglang.launch_server"),
-            "--model-path", launch["model_path"], "--host", "127.0.0.1", "--port", str(port),
-            *launch.get("args", [])]
+    return [
+        python,
+        "-m",
+        launch.get("module", "sglang.launch_server"),
+        "--model-path",
+        launch["model_path"],
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *launch.get("args", []),
+    ]
 
 
-async def wait_healthy(client: httpx.AsyncClient, url: str, timeout_s: float,
-                       alive: Any = None) -> None:
+async def wait_healthy(client: httpx.AsyncClient, url: str, timeout_s: float, alive: Any = None) -> None:
     """Poll ``GET {url}/health`` until it answers 200.
 
     ``alive()`` (optional) returns False once the server process has exited, which ends the
@@ -79,34 +87,49 @@ async def _tail(stream: Any, lines: deque[str]) -> None:
             print(f"[sglang] {clip(lines[-1], 1000)}", file=sys.stderr, flush=True)
 
 
-async def serve_sglang(launch: dict[str, Any], port: int, gpu: int | None,
-                       client: httpx.AsyncClient, *, grace: float = 10.0,
-                       task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
+async def serve_sglang(
+    launch: dict[str, Any],
+    port: int,
+    gpu: int | None,
+    client: httpx.AsyncClient,
+    *,
+    grace: float = 10.0,
+    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+) -> None:
     """Run one server until cancelled; ``started(url)`` once it answers /health."""
     env = dict(os.environ)
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = str(gpu)
     url = f"http://127.0.0.1:{port}"
     lines: deque[str] = deque(maxlen=20)
-    proc = await trio.lowlevel.open_process(server_command(launch, port), env=env,
-                                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                            stderr=subprocess.STDOUT, start_new_session=True)
+    proc = await trio.lowlevel.open_process(
+        server_command(launch, port),
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     error: RuntimeError | None = None
     try:
         async with trio.open_nursery() as nursery:
             assert proc.stdout is not None
             nursery.start_soon(_tail, proc.stdout, lines)
             try:
-                await wait_healthy(client, url, float(launch.get("health_timeout_s", 900.0)),
-                                   alive=lambda: proc.poll() is None)
+                await wait_healthy(
+                    client, url, float(launch.get("health_timeout_s", 900.0)), alive=lambda: proc.poll() is None
+                )
             except RuntimeError as exc:
-                error = RuntimeError(f"{exc}; command {' '.join(server_command(launch, port))}; "
-                                     f"last output: {' | '.join(lines) or '(none)'}")
+                error = RuntimeError(
+                    f"{exc}; command {' '.join(server_command(launch, port))}; "
+                    f"last output: {' | '.join(lines) or '(none)'}"
+                )
             else:
                 task_status.started(url)
                 rc = await proc.wait()
-                error = RuntimeError(f"SGLang server {url} exited with code {rc}; last output: "
-                                     f"{' | '.join(lines) or '(none)'}")
+                error = RuntimeError(
+                    f"SGLang server {url} exited with code {rc}; last output: {' | '.join(lines) or '(none)'}"
+                )
             nursery.cancel_scope.cancel()
     finally:
         with trio.CancelScope(shield=True):
@@ -116,6 +139,7 @@ async def serve_sglang(launch: dict[str, Any], port: int, gpu: int | None,
 
 async def _stop_group(proc: trio.Process, grace: float) -> None:
     """SIGTERM the server's process group, SIGKILL it after ``grace`` s, reap the server."""
+
     def kill(sig: int) -> None:
         try:
             os.killpg(proc.pid, sig)

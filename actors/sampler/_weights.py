@@ -20,8 +20,7 @@ LINEAR_BLOCKS = ("qkv", "o", "gate_up", "down")
 _ROPE_TYPES = ("default", "linear", "llama3")
 
 
-def layer_parts(*, qk_norm: bool, qkv_bias: bool, o_bias: bool,
-                 mlp_bias: bool) -> dict[str, tuple[str, ...]]:
+def layer_parts(*, qk_norm: bool, qkv_bias: bool, o_bias: bool, mlp_bias: bool) -> dict[str, tuple[str, ...]]:
     """Fused compute blocks of one layer -> the HF tensors they concatenate."""
     parts = {
         "qkv": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
@@ -49,8 +48,10 @@ def rope_frequencies(cfg: Any) -> tuple[torch.Tensor, float]:
     rope = dict(cfg.rope_parameters or {})
     kind = rope.get("rope_type", "default")
     if kind not in _ROPE_TYPES:
-        raise ValueError(f"model config: rope_type {kind!r} is not supported by the torch engine "
-                         f"(supported: {', '.join(_ROPE_TYPES)})")
+        raise ValueError(
+            f"model config: rope_type {kind!r} is not supported by the torch engine "
+            f"(supported: {', '.join(_ROPE_TYPES)})"
+        )
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError("model config: partial_rotary_factor != 1 is not supported")
     if kind == "default":

@@ -6,16 +6,27 @@ more than one) and yields a ``TrainerGroup``, the one trainer link the controlle
 ``ack``, ``version``, ``keyframe``, ``save_checkpoint``); ``Trainer`` is the same
 training logic as a plain in-process object.
 """
+
 from actors.trainer._actor import TrainerActor
 from actors.trainer._config import LoraConfig, StepResult, TrainerConfig
 from actors.trainer._core import Trainer
 from actors.trainer._group import (
-           TrainerGroup,
-           TrainerRankDied,
-           open_trainer,
-           trainer_mesh,
+    TrainerGroup,
+    TrainerRankDied,
+    open_trainer,
+    trainer_mesh,
 )
 from actors.trainer._memory import memory_line
 
-__all__ = ["LoraConfig", "StepResult", "Trainer", "TrainerActor", "TrainerConfig", "TrainerGroup",
-           "TrainerRankDied", "memory_line", "open_trainer", "trainer_mesh"]
+__all__ = [
+    "LoraConfig",
+    "StepResult",
+    "Trainer",
+    "TrainerActor",
+    "TrainerConfig",
+    "TrainerGroup",
+    "TrainerRankDied",
+    "memory_line",
+    "open_trainer",
+    "trainer_mesh",
+]

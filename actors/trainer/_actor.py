@@ -19,6 +19,7 @@ catch up on version k while k+1 is being computed). Steps, evaluations and
 checkpoints are serialised by one lock; the publisher is only touched from the
 actor's trio thread.
 """
+
 from __future__ import annotations
 
 import time
@@ -47,7 +48,6 @@ from policies import RecipeConfig
 __all__ = ["TrainerActor"]
 
 
-
 def _frames(msg: WeightMessage) -> list[bytes]:
     return [bytes(f) if not isinstance(f, bytes) else f for f in msg.to_frames()]
 
@@ -72,9 +72,14 @@ class TrainerActor(Actor):
     takes them as they are.
     """
 
-    def __init__(self, config: TrainerConfig | None = None, resume_from: str | None = None,
-                 missing_ok: bool = False, weights_key: str | None = None,
-                 rendezvous: str | None = None) -> None:
+    def __init__(
+        self,
+        config: TrainerConfig | None = None,
+        resume_from: str | None = None,
+        missing_ok: bool = False,
+        weights_key: str | None = None,
+        rendezvous: str | None = None,
+    ) -> None:
         self.config = config if config is not None else TrainerConfig()
         if missing_ok and resume_from is not None and not is_complete(resume_from):
             resume_from = None
@@ -84,10 +89,15 @@ class TrainerActor(Actor):
                 raise ValueError("TrainerActor: procs > 1 needs the group's rendezvous address")
             init_group(rendezvous, self.world, self.config.device)
         self.trainer = Trainer(self.config, resume_from=resume_from, world=self.world)
-        self.publisher = (WeightPublisher(keyframe_interval=self.config.keyframe_interval,
-                                          precisions=tuple(self.config.precisions),
-                                          auth_key=bytes.fromhex(weights_key) if weights_key else None)
-                          if self.world.is_main else None)
+        self.publisher = (
+            WeightPublisher(
+                keyframe_interval=self.config.keyframe_interval,
+                precisions=tuple(self.config.precisions),
+                auth_key=bytes.fromhex(weights_key) if weights_key else None,
+            )
+            if self.world.is_main
+            else None
+        )
         self._lock = trio.Lock()
         self._stepped = False
         self._publish()
@@ -97,8 +107,7 @@ class TrainerActor(Actor):
             raise RuntimeError(f"{what}: trainer rank {self.world.rank} does not publish; ask rank 0")
         return self.publisher
 
-    def _publish(self, weights: dict[str, Any] | None = None,
-                 t0: float | None = None) -> tuple[float, dict[str, int]]:
+    def _publish(self, weights: dict[str, Any] | None = None, t0: float | None = None) -> tuple[float, dict[str, int]]:
         """On rank 0, publish ``weights`` (default: gather them now, a collective on the FSDP2
         path, which every rank must join)."""
         t0 = time.perf_counter() if t0 is None else t0
@@ -110,10 +119,9 @@ class TrainerActor(Actor):
         with span("weights.publish", version=version) as sp:
             msgs = self.publisher.publish(version, weights)
             wire: dict[str, int] = {}
-            for m in msgs:   # deltas first, then keyframes; report the delta when both exist
+            for m in msgs:  # deltas first, then keyframes; report the delta when both exist
                 wire.setdefault(m.precision, m.nbytes)
-            raw = {p: sum(t.numel() * t.element_size()
-                          for t in self.publisher.snapshot(p).values()) for p in wire}
+            raw = {p: sum(t.numel() * t.element_size() for t in self.publisher.snapshot(p).values()) for p in wire}
             for p, n in wire.items():
                 sp.set_attribute(f"{p}.raw_bytes", raw[p])
                 sp.set_attribute(f"{p}.wire_bytes", n)
@@ -132,8 +140,9 @@ class TrainerActor(Actor):
         """
         async with self._lock:
             oldest = min((t.oldest_version for t in batch if t.num_generated), default=None)
-            with span("train_step", batch=len(batch),
-                      staleness_max=-1 if oldest is None else self.trainer.version - oldest) as sp:
+            with span(
+                "train_step", batch=len(batch), staleness_max=-1 if oldest is None else self.trainer.version - oldest
+            ) as sp:
                 res = await trio.to_thread.run_sync(self.trainer.train_step, batch)
                 if res.applied:
                     t0 = time.perf_counter()
@@ -144,17 +153,20 @@ class TrainerActor(Actor):
                 if not self._stepped:
                     self._stepped = True
                     res.memory = self.size_report()
-                for k, v in (("version", res.version), ("loss", res.loss),
-                             ("grad_norm", res.grad_norm), ("tokens", res.tokens),
-                             ("mismatch_kl", res.overall.mismatch_kl),
-                             ("masked_fraction", res.overall.masked_fraction),
-                             ("applied", res.applied)):
+                for k, v in (
+                    ("version", res.version),
+                    ("loss", res.loss),
+                    ("grad_norm", res.grad_norm),
+                    ("tokens", res.tokens),
+                    ("mismatch_kl", res.overall.mismatch_kl),
+                    ("masked_fraction", res.overall.masked_fraction),
+                    ("applied", res.applied),
+                ):
                     sp.set_attribute(k, v)
         return res
 
     @endpoint
-    async def evaluate(self, batch: list[Trajectory],
-                       recipe: RecipeConfig | None = None) -> StepResult:
+    async def evaluate(self, batch: list[Trajectory], recipe: RecipeConfig | None = None) -> StepResult:
         """Loss and metrics of ``batch`` at the current weights (``recipe`` overrides the
         trainer's); nothing changes."""
         async with self._lock:
@@ -171,8 +183,7 @@ class TrainerActor(Actor):
         return dict(self.trainer.model_config)
 
     @endpoint
-    def updates_for(self, receiver: str, have_version: int | None,
-                    precision: Precision) -> list[list[bytes]]:
+    def updates_for(self, receiver: str, have_version: int | None, precision: Precision) -> list[list[bytes]]:
         """Weight messages taking ``receiver`` from ``have_version`` (None or < 0: it holds
         nothing trustworthy) to the latest version: the delta chain or the newest keyframe
         plus the deltas after it, whichever is fewer bytes. Registers the receiver."""
@@ -181,8 +192,9 @@ class TrainerActor(Actor):
         return [_frames(m) for m in pub.updates_for(receiver, have, precision)]
 
     @endpoint
-    def update_path(self, receiver: str, have_version: int | None, precision: Precision,
-                    part_bytes: int = DEFAULT_PART_BYTES) -> dict[str, Any]:
+    def update_path(
+        self, receiver: str, have_version: int | None, precision: Precision, part_bytes: int = DEFAULT_PART_BYTES
+    ) -> dict[str, Any]:
         """``updates_for``, with a keyframe at the start of the path left out, to be fetched
         in parts with ``keyframe_part``: ``{"keyframe": None | {"version", "parts",
         "wire_bytes"}, "deltas": [frames, ...]}``. Registers the receiver."""
@@ -191,13 +203,13 @@ class TrainerActor(Actor):
         keyframe = None
         if msgs and msgs[0].is_keyframe:
             kf, msgs = msgs[0], msgs[1:]
-            keyframe = {"version": kf.version, "parts": len(part_plan(kf.meta, part_bytes)),
-                        "wire_bytes": kf.nbytes}
+            keyframe = {"version": kf.version, "parts": len(part_plan(kf.meta, part_bytes)), "wire_bytes": kf.nbytes}
         return {"keyframe": keyframe, "deltas": [_frames(m) for m in msgs]}
 
     @endpoint
-    def keyframe_part(self, precision: Precision, version: int, seq: int,
-                      part_bytes: int = DEFAULT_PART_BYTES) -> tuple[dict[str, Any], list[bytes]]:
+    def keyframe_part(
+        self, precision: Precision, version: int, seq: int, part_bytes: int = DEFAULT_PART_BYTES
+    ) -> tuple[dict[str, Any], list[bytes]]:
         """Part ``seq`` of the stored keyframe ``version`` (``weightsync.message_part``: its
         frames are the stored ones, nothing is re-encoded). Raises VersionError once a newer
         keyframe has replaced it (the publisher keeps only the newest), ValueError for a

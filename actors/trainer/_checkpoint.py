@@ -18,6 +18,7 @@ non-finite values, tensors whose names or shapes differ from the model's) raises
 ``CheckpointError`` with one line naming the file and the problem (``loading`` turns any
 other loader error into one).
 """
+
 from __future__ import annotations
 
 import json
@@ -30,8 +31,8 @@ import torch
 from safetensors.torch import save_file
 
 from actors.models import read_tensors
-from orchestrator.state.checkpoints import CheckpointError, write_file_atomic
 from orchestrator.runtime import clip
+from orchestrator.state.checkpoints import CheckpointError, write_file_atomic
 
 if TYPE_CHECKING:
     from actors.trainer._core import Trainer
@@ -39,7 +40,7 @@ if TYPE_CHECKING:
 __all__ = ["checkpoint_format", "is_complete", "load_state", "loading", "model_dir", "read_meta", "save"]
 
 FORMAT = "flotilla.trainer/1"
-SHARDED_FORMAT = "flotilla.trainer/2"   # written by actors.trainer._dcp
+SHARDED_FORMAT = "flotilla.trainer/2"  # written by actors.trainer._dcp
 _MOMENTS = ("exp_avg", "exp_avg_sq", "step")
 
 
@@ -49,15 +50,14 @@ def save(trainer: Trainer, directory: str) -> str:
     (root / "model").mkdir(parents=True, exist_ok=True)
     done = root / "trainer.json"
     if done.exists():
-        done.unlink()   # the directory is incomplete until the new trainer.json lands
+        done.unlink()  # the directory is incomplete until the new trainer.json lands
     cfg = trainer.model_config
     # trainer.json is written last, atomically: the directory is a checkpoint only once it
     # is there, so the files before it need no care of their own.
     (root / "model" / "config.json").write_text(json.dumps(cfg, indent=1, sort_keys=True))
-    weights = {n: t.detach().to("cpu", torch.float32).contiguous()
-               for n, t in trainer.model.state_dict().items()}
+    weights = {n: t.detach().to("cpu", torch.float32).contiguous() for n, t in trainer.model.state_dict().items()}
     if trainer.model.config.tie_word_embeddings:
-        weights.pop("lm_head.weight", None)   # the embedding itself (safetensors refuses aliases)
+        weights.pop("lm_head.weight", None)  # the embedding itself (safetensors refuses aliases)
     save_file(weights, str(root / "model" / "model.safetensors"), metadata={"format": "pt"})
 
     opt: dict[str, torch.Tensor] = {}
@@ -71,8 +71,12 @@ def save(trainer: Trainer, directory: str) -> str:
         opt["rng/torch_cuda"] = torch.cuda.get_rng_state(trainer.device)
     save_file(opt, str(root / "optimizer.safetensors"))
 
-    meta = {"format": FORMAT, "version": trainer.version, "params": list(trainer.params),
-            "config": trainer.config.model_dump(mode="json")}
+    meta = {
+        "format": FORMAT,
+        "version": trainer.version,
+        "params": list(trainer.params),
+        "config": trainer.config.model_dump(mode="json"),
+    }
     write_file_atomic(done, json.dumps(meta, indent=1).encode())
     return str(root)
 
@@ -99,16 +103,14 @@ def loading(directory: str) -> Iterator[None]:
 def read_meta(directory: str) -> dict[str, Any]:
     path = Path(directory) / "trainer.json"
     if not path.is_file():
-        raise FileNotFoundError(f"{directory} is not a complete trainer checkpoint "
-                                "(no trainer.json)")
+        raise FileNotFoundError(f"{directory} is not a complete trainer checkpoint (no trainer.json)")
     try:
         meta = json.loads(path.read_text())
     except (ValueError, OSError) as e:
         raise CheckpointError(f"{path}: cannot be read: {clip(e)}") from None
     if not isinstance(meta, dict) or meta.get("format") not in (FORMAT, SHARDED_FORMAT):
         found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
-        raise CheckpointError(f"{path}: format {found!r}, expected {FORMAT!r} "
-                              f"or {SHARDED_FORMAT!r}")
+        raise CheckpointError(f"{path}: format {found!r}, expected {FORMAT!r} or {SHARDED_FORMAT!r}")
     return meta
 
 
@@ -143,13 +145,15 @@ def load_state(trainer: Trainer, directory: str) -> int:
             t = state.pop(f"{key}/{name}", None)
             if t is not None:
                 if key != "step" and t.shape != p.shape:
-                    raise CheckpointError(f"{path}: optimizer tensor {key}/{name} has shape "
-                                     f"{tuple(t.shape)}, parameter {tuple(p.shape)}")
+                    raise CheckpointError(
+                        f"{path}: optimizer tensor {key}/{name} has shape {tuple(t.shape)}, parameter {tuple(p.shape)}"
+                    )
                 entry[key] = t.to(p.device) if key != "step" else t
         if entry:
             if set(entry) != set(_MOMENTS):
-                raise CheckpointError(f"{path}: optimizer state of {name} has {sorted(entry)}, "
-                                 f"expected {list(_MOMENTS)}")
+                raise CheckpointError(
+                    f"{path}: optimizer state of {name} has {sorted(entry)}, expected {list(_MOMENTS)}"
+                )
             trainer.optimizer.state[p] = entry
     rng = state.pop("rng/torch_cpu", None)
     if rng is None:

@@ -1,4 +1,5 @@
 """The trainer's configuration and what one training step reports."""
+
 from __future__ import annotations
 
 from typing import Any, Literal
@@ -20,8 +21,7 @@ class LoraConfig(BaseModel):
     """Adapter rank."""
     alpha: float = Field(32.0, gt=0.0)
     """Scale numerator: the adapter's update is ``(alpha / r) · B @ A``."""
-    target_modules: list[str] = Field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1)
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1)
     """Names (last path component) of the ``nn.Linear`` modules that get adapters."""
 
 

@@ -21,6 +21,7 @@ with fewer micro-batches take zero-loss passes (FSDP2's collectives need every r
 gradients are summed across ranks, the clip norm is global, and the metrics of all
 ranks are merged on every rank.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -77,8 +78,7 @@ class Trainer:
     ``config`` (keep them equal for a bit-exact continuation).
     """
 
-    def __init__(self, config: TrainerConfig, resume_from: str | None = None,
-                 world: World | None = None) -> None:
+    def __init__(self, config: TrainerConfig, resume_from: str | None = None, world: World | None = None) -> None:
         self.config = config
         self.world = world if world is not None else World()
         self.device = torch.device(config.device)
@@ -94,8 +94,10 @@ class Trainer:
                 model_src = config.model if config.model is not None else default_model_config(VOCAB_SIZE)
             self.model_source = model_src
             self.model_config: dict[str, Any] = (
-                dict(model_src) if isinstance(model_src, dict)
-                else json.loads((Path(model_src) / "config.json").read_text()))
+                dict(model_src)
+                if isinstance(model_src, dict)
+                else json.loads((Path(model_src) / "config.json").read_text())
+            )
             """The resolved model config dict (what samplers must build)."""
         # A sharded checkpoint's model dir holds only config.json: the weights come from
         # the distributed checkpoint after the model is sharded.
@@ -116,14 +118,22 @@ class Trainer:
         self.params = {n: p for n, p in model.named_parameters() if p.requires_grad}
         """Trained parameters by name (all of them, or the LoRA adapters)."""
         self.optimizer = torch.optim.AdamW(
-            list(self.params.values()), lr=config.lr, betas=config.betas, eps=config.eps,
-            weight_decay=config.weight_decay, foreach=False)
+            list(self.params.values()),
+            lr=config.lr,
+            betas=config.betas,
+            eps=config.eps,
+            weight_decay=config.weight_decay,
+            foreach=False,
+        )
         self.version = 0
         self.pad_id = 0
         if resume_from is not None:
             with _checkpoint.loading(resume_from):
-                self.version = (_dcp.load(self, resume_from) if fmt == _dcp.FORMAT or self.sharded
-                                else _checkpoint.load_state(self, resume_from))
+                self.version = (
+                    _dcp.load(self, resume_from)
+                    if fmt == _dcp.FORMAT or self.sharded
+                    else _checkpoint.load_state(self, resume_from)
+                )
         else:
             torch.manual_seed(config.seed)
 
@@ -155,18 +165,17 @@ class Trainer:
             self.optimizer.step()
             self.version += 1
         self.optimizer.zero_grad(set_to_none=True)
-        return res.result(version=self.version, applied=applied, grad_norm=float(grad_norm),
-                          seconds=time.perf_counter() - t0)
+        return res.result(
+            version=self.version, applied=applied, grad_norm=float(grad_norm), seconds=time.perf_counter() - t0
+        )
 
     @torch.no_grad()
-    def evaluate(self, batch: Sequence[Trajectory],
-                 recipe: RecipeConfig | None = None) -> StepResult:
+    def evaluate(self, batch: Sequence[Trajectory], recipe: RecipeConfig | None = None) -> StepResult:
         """The loss and metrics of ``batch`` at the current weights under ``recipe``
         (default: the trainer's); no update, ``applied`` False, ``grad_norm`` 0."""
         t0 = time.perf_counter()
         res = self._loss_and_grad(batch, backward=False, recipe=recipe)
-        return res.result(version=self.version, applied=False, grad_norm=0.0,
-                          seconds=time.perf_counter() - t0)
+        return res.result(version=self.version, applied=False, grad_norm=0.0, seconds=time.perf_counter() - t0)
 
     def _clip(self) -> torch.Tensor:
         grads = [p.grad for p in self.params.values() if p.grad is not None]
@@ -193,20 +202,24 @@ class Trainer:
                     g.mul_(coef)
         return norm
 
-    def _loss_and_grad(self, batch: Sequence[Trajectory], *, backward: bool,
-                       recipe: RecipeConfig | None = None) -> _Accumulated:
+    def _loss_and_grad(
+        self, batch: Sequence[Trajectory], *, backward: bool, recipe: RecipeConfig | None = None
+    ) -> _Accumulated:
         cfg = recipe if recipe is not None else self.config.recipe
         keep = [t for t in batch if not t.failed and t.num_generated > 0]
         if not keep:
-            raise ValueError(f"train_step: none of the {len(batch)} trajectories has generated "
-                             f"tokens ({sum(t.failed for t in batch)} failed)")
+            raise ValueError(
+                f"train_step: none of the {len(batch)} trajectories has generated "
+                f"tokens ({sum(t.failed for t in batch)} failed)"
+            )
         vocab = self.model.config.vocab_size
         for t in keep:
-            top = max(int(t.tokens.max()),
-                      int(t.support_ids.max()) if t.support_ids.numel() else 0)
+            top = max(int(t.tokens.max()), int(t.support_ids.max()) if t.support_ids.numel() else 0)
             if top >= vocab or int(t.tokens.min()) < 0:
-                raise ValueError(f"train_step: trajectory {t.prompt_id} has token id {top} "
-                                 f"outside the model's vocabulary (size {vocab})")
+                raise ValueError(
+                    f"train_step: trajectory {t.prompt_id} has token id {top} "
+                    f"outside the model's vocabulary (size {vocab})"
+                )
         if self.world.size > 1:
             # A bad record found by one rank alone would leave the others waiting in a
             # collective: every rank checks the whole batch before the first one.
@@ -214,8 +227,9 @@ class Trainer:
                 _check_support(t)
         groups = {g: i for i, g in enumerate(sorted({t.group_id for t in keep}))}
         rewards = torch.tensor([t.reward for t in keep], dtype=torch.float64)
-        adv = grpo_advantages(rewards, torch.tensor([groups[t.group_id] for t in keep]),
-                              normalize_std=cfg.normalize_std, eps=cfg.std_eps)
+        adv = grpo_advantages(
+            rewards, torch.tensor([groups[t.group_id] for t in keep]), normalize_std=cfg.normalize_std, eps=cfg.std_eps
+        )
         pools = sorted({t.pool for t in keep})
         pool_of = {p: i for i, p in enumerate(pools)}
         n_global = sum(t.num_generated for t in keep)
@@ -228,8 +242,7 @@ class Trainer:
         parts = []
         for k in range(passes):
             if k < len(mbs):
-                loss, metrics = self._micro_batch(cfg, mbs[k], local, adv[mine], pool_of, pools,
-                                                  n_global)
+                loss, metrics = self._micro_batch(cfg, mbs[k], local, adv[mine], pool_of, pools, n_global)
                 parts.append(metrics)
             else:
                 loss = self._idle_pass()
@@ -237,22 +250,28 @@ class Trainer:
                 loss.backward()
         merged = LossMetrics.merge(parts) if parts else None
         if self.world.size > 1:
-            every = gather_json(merged.model_dump(mode="json") if merged else None, self.world,
-                                self.device)
+            every = gather_json(merged.model_dump(mode="json") if merged else None, self.world, self.device)
             merged = LossMetrics.merge([LossMetrics.model_validate(m) for m in every if m])
         assert merged is not None
-        return _Accumulated(merged, n_global, len(keep), len(batch) - len(keep), passes,
-                            float(rewards.mean()))
+        return _Accumulated(merged, n_global, len(keep), len(batch) - len(keep), passes, float(rewards.mean()))
 
     def _idle_pass(self) -> torch.Tensor:
         one = torch.full((1, 1), self.pad_id, dtype=torch.int64, device=self.device)
         zero = torch.zeros(1, dtype=torch.int64, device=self.device)
-        return self.policy(one, torch.ones_like(one), zero, zero,
-                           lambda hidden, weight, bias: (hidden.sum() + weight.sum()) * 0.0)
+        return self.policy(
+            one, torch.ones_like(one), zero, zero, lambda hidden, weight, bias: (hidden.sum() + weight.sum()) * 0.0
+        )
 
-    def _micro_batch(self, cfg: RecipeConfig, mb: MicroBatch, batch: Sequence[Trajectory], adv: torch.Tensor,
-                     pool_of: dict[str, int], pools: list[str],
-                     n_global: int) -> tuple[torch.Tensor, LossMetrics]:
+    def _micro_batch(
+        self,
+        cfg: RecipeConfig,
+        mb: MicroBatch,
+        batch: Sequence[Trajectory],
+        adv: torch.Tensor,
+        pool_of: dict[str, int],
+        pools: list[str],
+        n_global: int,
+    ) -> tuple[torch.Tensor, LossMetrics]:
         dev = self.device
         members = [batch[i] for i in mb.members]
         support = _concat_support(members, dev)
@@ -261,22 +280,22 @@ class Trainer:
         seq_ids = torch.arange(len(members)).repeat_interleave(counts).to(dev)
         pool_ids = torch.tensor([pool_of[t.pool] for t in members]).repeat_interleave(counts).to(dev)
         targets = mb.targets.to(dev)
-        common = {"num_loss_tokens": n_global, "seq_ids": seq_ids, "pool_ids": pool_ids,
-                  "pool_names": pools}
+        common = {"num_loss_tokens": n_global, "seq_ids": seq_ids, "pool_ids": pool_ids, "pool_names": pools}
 
-        def loss_fn(hidden: torch.Tensor, weight: torch.Tensor,
-                    bias: torch.Tensor | None) -> tuple[torch.Tensor, LossMetrics]:
+        def loss_fn(
+            hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+        ) -> tuple[torch.Tensor, LossMetrics]:
             if cfg.mask_replay:
-                replay = replay_logprobs_from_hidden(hidden, weight, support, targets,
-                                                     cfg.temperature, bias)
+                replay = replay_logprobs_from_hidden(hidden, weight, support, targets, cfg.temperature, bias)
                 return recipe_loss(cfg, support, targets, adv_tok, replay=replay, **common)
             logits = torch.nn.functional.linear(hidden, weight, bias)
             full = full_vocab_logprobs(logits, targets, cfg.temperature)
             return recipe_loss(cfg, support, targets, adv_tok, logp_token_full=full, **common)
 
         try:
-            return self.policy(mb.input_ids.to(dev), mb.attention_mask.to(dev), mb.rows.to(dev),
-                               mb.cols.to(dev), loss_fn)
+            return self.policy(
+                mb.input_ids.to(dev), mb.attention_mask.to(dev), mb.rows.to(dev), mb.cols.to(dev), loss_fn
+            )
         except ValueError as e:
             names = ", ".join(t.prompt_id for t in members)
             raise ValueError(f"train_step: bad trajectory among [{names}]: {e}") from e
@@ -339,22 +358,35 @@ class Trainer:
 class _Accumulated:
     """Merged micro-batch metrics and counts of one pass over a batch."""
 
-    def __init__(self, metrics: LossMetrics, tokens: int, trajectories: int, failed: int,
-                 micro_batches: int, reward_mean: float) -> None:
+    def __init__(
+        self, metrics: LossMetrics, tokens: int, trajectories: int, failed: int, micro_batches: int, reward_mean: float
+    ) -> None:
         self.metrics, self.tokens, self.trajectories = metrics, tokens, trajectories
         self.failed, self.micro_batches, self.reward_mean = failed, micro_batches, reward_mean
 
-    def result(self, *, version: int, applied: bool, grad_norm: float,
-               seconds: float) -> StepResult:
+    def result(self, *, version: int, applied: bool, grad_norm: float, seconds: float) -> StepResult:
         m = self.metrics
-        overall = PoolMetrics(tokens=m.tokens, mismatch_kl=m.mismatch_kl,
-                              masked_fraction=m.masked_fraction, mean_weight=m.mean_weight,
-                              entropy=m.entropy)
-        return StepResult(version=version, applied=applied, loss=m.loss, grad_norm=grad_norm,
-                          tokens=self.tokens, trajectories=self.trajectories,
-                          failed_skipped=self.failed, micro_batches=self.micro_batches,
-                          reward_mean=self.reward_mean, seconds=seconds, overall=overall,
-                          per_pool=dict(m.per_pool))
+        overall = PoolMetrics(
+            tokens=m.tokens,
+            mismatch_kl=m.mismatch_kl,
+            masked_fraction=m.masked_fraction,
+            mean_weight=m.mean_weight,
+            entropy=m.entropy,
+        )
+        return StepResult(
+            version=version,
+            applied=applied,
+            loss=m.loss,
+            grad_norm=grad_norm,
+            tokens=self.tokens,
+            trajectories=self.trajectories,
+            failed_skipped=self.failed,
+            micro_batches=self.micro_batches,
+            reward_mean=self.reward_mean,
+            seconds=seconds,
+            overall=overall,
+            per_pool=dict(m.per_pool),
+        )
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -365,17 +397,24 @@ def _check_support(t: Trajectory) -> None:
     """The record checks ``recipe_loss`` makes, done up front (see ``_loss_and_grad``)."""
     off = t.support_offsets.long()
     n = t.num_generated
-    ok = (off.numel() == n + 1 and int(off[0]) == 0 and int(off[-1]) == t.support_ids.numel()
-          and bool((off[1:] >= off[:-1]).all()) and t.support_logq.numel() == t.support_ids.numel())
+    ok = (
+        off.numel() == n + 1
+        and int(off[0]) == 0
+        and int(off[-1]) == t.support_ids.numel()
+        and bool((off[1:] >= off[:-1]).all())
+        and t.support_logq.numel() == t.support_ids.numel()
+    )
     if ok:
         ys = t.tokens[t.loss_mask.bool()]
         for i in range(n):
-            if not bool((t.support_ids[off[i]:off[i + 1]] == ys[i]).any()):
+            if not bool((t.support_ids[off[i] : off[i + 1]] == ys[i]).any()):
                 ok = False
                 break
     if not ok:
-        raise ValueError(f"train_step: bad trajectory among [{t.prompt_id}]: malformed support "
-                         "record (offsets, sizes, or a sampled token outside its support)")
+        raise ValueError(
+            f"train_step: bad trajectory among [{t.prompt_id}]: malformed support "
+            "record (offsets, sizes, or a sampled token outside its support)"
+        )
 
 
 def _raw(t: torch.Tensor) -> bytes:
@@ -388,5 +427,4 @@ def _concat_support(members: Sequence[Trajectory], device: torch.device) -> Supp
     counts = torch.cat([(t.support_offsets[1:] - t.support_offsets[:-1]).long() for t in members])
     offsets = torch.zeros(counts.numel() + 1, dtype=torch.int64)
     offsets[1:] = torch.cumsum(counts, 0)
-    return SupportRecord(ids.to(device, torch.int32), offsets.to(device, torch.int32),
-                         logq.to(device, torch.float32))
+    return SupportRecord(ids.to(device, torch.int32), offsets.to(device, torch.int32), logq.to(device, torch.float32))

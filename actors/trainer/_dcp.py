@@ -18,6 +18,7 @@ pickle: resume only from checkpoints you wrote. A single-process checkpoint
 (``flotilla.trainer/1``) also loads here: its weights were read when the model was built,
 its Adam state is scattered from the full tensors.
 """
+
 from __future__ import annotations
 
 import json
@@ -62,17 +63,23 @@ def save(trainer: Trainer, directory: str) -> str:
     if main:
         (root / "model").mkdir(parents=True, exist_ok=True)
         if (root / "trainer.json").exists():
-            (root / "trainer.json").unlink()   # incomplete until the new one lands
-        write_file_atomic(root / "model" / "config.json",
-                          json.dumps(trainer.model_config, indent=1, sort_keys=True).encode())
+            (root / "trainer.json").unlink()  # incomplete until the new one lands
+        write_file_atomic(
+            root / "model" / "config.json", json.dumps(trainer.model_config, indent=1, sort_keys=True).encode()
+        )
     _barrier()
     osd = get_optimizer_state_dict(trainer.model, trainer.optimizer)
     state = {"model": get_model_state_dict(trainer.model), "optim": osd["state"]}
     dcp.save(state, checkpoint_id=str(root / "state"))
     if main:
         write_file_atomic(root / "rng.safetensors", safetensors_bytes({"torch_cpu": torch.get_rng_state()}))
-        meta = {"format": FORMAT, "version": trainer.version, "params": list(trainer.params),
-                "ranks": trainer.world.size, "config": trainer.config.model_dump(mode="json")}
+        meta = {
+            "format": FORMAT,
+            "version": trainer.version,
+            "params": list(trainer.params),
+            "ranks": trainer.world.size,
+            "config": trainer.config.model_dump(mode="json"),
+        }
         write_file_atomic(root / "trainer.json", json.dumps(meta, indent=1).encode())
     _barrier()
     return str(root)
@@ -88,28 +95,29 @@ def load(trainer: Trainer, directory: str) -> int:
     """
     meta = read_meta(directory)
     if meta["params"] != list(trainer.params):
-        raise CheckpointError(f"{directory}: trained parameters differ from the checkpoint's "
-                         f"({len(meta['params'])} there, {len(trainer.params)} here; "
-                         "same model and LoRA settings?)")
+        raise CheckpointError(
+            f"{directory}: trained parameters differ from the checkpoint's "
+            f"({len(meta['params'])} there, {len(trainer.params)} here; "
+            "same model and LoRA settings?)"
+        )
     if meta["format"] == SINGLE_FORMAT:
         _load_single(trainer, directory)
         return int(meta["version"])
-    osd = get_optimizer_state_dict(trainer.model, trainer.optimizer)   # creates empty moments
+    osd = get_optimizer_state_dict(trainer.model, trainer.optimizer)  # creates empty moments
     state: dict[str, Any] = {"model": get_model_state_dict(trainer.model), "optim": osd["state"]}
     dcp.load(state, checkpoint_id=str(Path(directory) / "state"))
     set_model_state_dict(trainer.model, state["model"])
-    set_optimizer_state_dict(trainer.model, trainer.optimizer,
-                             {"state": state["optim"], "param_groups": osd["param_groups"]})
+    set_optimizer_state_dict(
+        trainer.model, trainer.optimizer, {"state": state["optim"], "param_groups": osd["param_groups"]}
+    )
     torch.set_rng_state(read_tensors(Path(directory) / "rng.safetensors")["torch_cpu"])
     return int(meta["version"])
 
 
 def _load_single(trainer: Trainer, directory: str) -> None:
     flat = read_tensors(Path(directory) / "optimizer.safetensors")
-    full = get_optimizer_state_dict(trainer.model, trainer.optimizer,
-                                    options=StateDictOptions(full_state_dict=True))
+    full = get_optimizer_state_dict(trainer.model, trainer.optimizer, options=StateDictOptions(full_state_dict=True))
     for name in trainer.params:
         full["state"][name] = {k: flat[f"{k}/{name}"] for k in _MOMENTS}
-    set_optimizer_state_dict(trainer.model, trainer.optimizer, full,
-                             options=StateDictOptions(full_state_dict=True))
+    set_optimizer_state_dict(trainer.model, trainer.optimizer, full, options=StateDictOptions(full_state_dict=True))
     torch.set_rng_state(flat["rng/torch_cpu"])

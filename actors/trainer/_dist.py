@@ -13,6 +13,7 @@ trains on its share of the trajectories, chosen by tokens (``token_shares``). Be
 the loss of every token is divided by the same N and the ranks' gradients are SUMMED
 (not averaged), the step equals the single-process step on the whole batch.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,8 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["World", "all_max", "free_port", "gather_json", "init_group",
-           "rendezvous_address", "token_shares"]
+__all__ = ["World", "all_max", "free_port", "gather_json", "init_group", "rendezvous_address", "token_shares"]
 
 
 @dataclass(frozen=True)
@@ -75,11 +75,16 @@ def init_group(address: str, world: World, device: str, timeout_s: float = 300.0
     if device == "cuda":
         local = world.rank % max(1, torch.cuda.device_count())
         torch.cuda.set_device(local)
-    os.environ.update(MASTER_ADDR=host, MASTER_PORT=port, RANK=str(world.rank),
-                      WORLD_SIZE=str(world.size), LOCAL_RANK=str(local))
-    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method="env://",
-                            rank=world.rank, world_size=world.size,
-                            timeout=timedelta(seconds=timeout_s))
+    os.environ.update(
+        MASTER_ADDR=host, MASTER_PORT=port, RANK=str(world.rank), WORLD_SIZE=str(world.size), LOCAL_RANK=str(local)
+    )
+    dist.init_process_group(
+        "nccl" if device == "cuda" else "gloo",
+        init_method="env://",
+        rank=world.rank,
+        world_size=world.size,
+        timeout=timedelta(seconds=timeout_s),
+    )
 
 
 def token_shares(sizes: Sequence[int], parts: int) -> list[list[int]]:
@@ -112,8 +117,7 @@ def gather_json(value: Any, world: World, device: torch.device) -> list[Any]:
     dist.all_gather(sizes, torch.tensor([raw.numel()], dtype=torch.int64, device=device))
     width = max(int(s.item()) for s in sizes)
     buf = torch.zeros(width, dtype=torch.uint8, device=device)
-    buf[:raw.numel()] = raw.to(device)
+    buf[: raw.numel()] = raw.to(device)
     bufs = [torch.empty_like(buf) for _ in range(world.size)]
     dist.all_gather(bufs, buf)
-    return [json.loads(bytes(b[:int(s.item())].cpu().numpy().tobytes()))
-            for b, s in zip(bufs, sizes, strict=True)]
+    return [json.loads(bytes(b[: int(s.item())].cpu().numpy().tobytes())) for b, s in zip(bufs, sizes, strict=True)]

@@ -15,6 +15,7 @@ may be stuck in a collective, which is harmless: leaving the mesh stops (SIGTERM
 SIGKILL) every rank. ``flotilla run --resume`` continues from the last checkpoint.
 Cancellation: cancelling a call abandons it at the caller; the ranks finish the step.
 """
+
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping
@@ -34,8 +35,7 @@ __all__ = ["TrainerGroup", "TrainerRankDied", "open_trainer", "trainer_mesh"]
 
 ERROR_WAIT_S = 10.0
 """After one rank raises, how long the others may take to finish or fail."""
-COLLECTIVE = ("train_step", "evaluate", "save_checkpoint", "digest", "full_weights",
-              "adapter_weights")
+COLLECTIVE = ("train_step", "evaluate", "save_checkpoint", "digest", "full_weights", "adapter_weights")
 """Endpoints every rank must take together."""
 
 
@@ -43,8 +43,10 @@ class TrainerRankDied(RuntimeError):
     """A rank of the trainer group died; the group cannot go on (resume from a checkpoint)."""
 
     def __init__(self, rank: int, endpoint: str, reason: str) -> None:
-        super().__init__(f"trainer rank {rank} died during {endpoint}: {reason}; the trainer "
-                         "group cannot continue without it (resume with --resume RUN_DIR)")
+        super().__init__(
+            f"trainer rank {rank} died during {endpoint}: {reason}; the trainer "
+            "group cannot continue without it (resume with --resume RUN_DIR)"
+        )
         self.rank = rank
 
 
@@ -85,8 +87,7 @@ class _AllRanks:
             raise TrainerRankDied(died[0].rank, self._name, died[0].reason) from died[0]
         if errors:
             rank, err = errors[0]
-            raise ActorError(err.remote_type, f"trainer rank {rank}: {err.message}",
-                             err.traceback_text) from err
+            raise ActorError(err.remote_type, f"trainer rank {rank}: {err.message}", err.traceback_text) from err
         return results[0]
 
 
@@ -136,8 +137,9 @@ class TrainerGroup:
     async def update_path(self, receiver: str, have: int, precision: str, part_bytes: int) -> dict[str, Any]:
         return await self._main.update_path.call_one(receiver, have, precision, part_bytes)
 
-    async def keyframe_part(self, precision: str, version: int, seq: int,
-                            part_bytes: int) -> tuple[dict[str, Any], list[bytes]]:
+    async def keyframe_part(
+        self, precision: str, version: int, seq: int, part_bytes: int
+    ) -> tuple[dict[str, Any], list[bytes]]:
         return await self._main.keyframe_part.call_one(precision, version, seq, part_bytes)
 
     async def ack(self, receiver: str, version: int) -> None:
@@ -161,28 +163,50 @@ class TrainerGroup:
         broken); raises ``TrainerRankDied`` for the dead rank: the run stops and resumes
         from its last checkpoint with ``--resume``."""
         dead = self.mesh.dead_ranks
-        raise TrainerRankDied(dead[0] if dead else -1, "restart",
-                              f"a {self.size}-rank trainer group does not restart in place")
+        raise TrainerRankDied(
+            dead[0] if dead else -1, "restart", f"a {self.size}-rank trainer group does not restart in place"
+        )
 
 
-def trainer_mesh(config: TrainerConfig, resume_from: str | None = None, missing_ok: bool = False,
-                 *, weights_key: str | None = None, name: str = "trainer",
-                 env: Mapping[str, str] | None = None,
-                 grace: float = 5.0) -> AbstractAsyncContextManager[Mesh[TrainerActor]]:
+def trainer_mesh(
+    config: TrainerConfig,
+    resume_from: str | None = None,
+    missing_ok: bool = False,
+    *,
+    weights_key: str | None = None,
+    name: str = "trainer",
+    env: Mapping[str, str] | None = None,
+    grace: float = 5.0,
+) -> AbstractAsyncContextManager[Mesh[TrainerActor]]:
     """``open_mesh`` of ``config.procs`` trainer ranks (one process each). With several
     ranks they meet at ``config.rendezvous``, torchrun's ``MASTER_ADDR``/``MASTER_PORT``,
     or a free loopback port (``_dist.rendezvous_address``). Leaving the block stops every
     rank, also on error and cancellation. ``weights_key`` seals rank 0's weight messages
     (see ``TrainerActor``)."""
     address = rendezvous_address(config.rendezvous) if config.procs > 1 else None
-    return open_mesh(TrainerActor, config, resume_from, missing_ok, weights_key, address,
-                     procs=config.procs, name=name, env=env, grace=grace)
+    return open_mesh(
+        TrainerActor,
+        config,
+        resume_from,
+        missing_ok,
+        weights_key,
+        address,
+        procs=config.procs,
+        name=name,
+        env=env,
+        grace=grace,
+    )
 
 
 @asynccontextmanager
-async def open_trainer(config: TrainerConfig, resume_from: str | None = None, *,
-                       name: str = "trainer", env: Mapping[str, str] | None = None,
-                       grace: float = 5.0) -> AsyncIterator[TrainerGroup]:
+async def open_trainer(
+    config: TrainerConfig,
+    resume_from: str | None = None,
+    *,
+    name: str = "trainer",
+    env: Mapping[str, str] | None = None,
+    grace: float = 5.0,
+) -> AsyncIterator[TrainerGroup]:
     """``trainer_mesh`` as a ``TrainerGroup``."""
     async with trainer_mesh(config, resume_from, name=name, env=env, grace=grace) as mesh:
         yield TrainerGroup(mesh)

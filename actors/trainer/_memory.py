@@ -7,6 +7,7 @@ estimated: the process's resident-set high-water mark (``getrusage`` ``ru_maxrss
 which includes the interpreter, libraries and allocator slack) and, on CUDA,
 ``torch.cuda.max_memory_allocated``.
 """
+
 from __future__ import annotations
 
 import os
@@ -33,16 +34,18 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def size_report(model: torch.nn.Module, trained: dict[str, torch.Tensor],
-                optimizer: torch.optim.Optimizer, rank: int, ranks: int) -> dict[str, Any]:
+def size_report(
+    model: torch.nn.Module, trained: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer, rank: int, ranks: int
+) -> dict[str, Any]:
     """Counts and this rank's bytes; optimizer bytes count the state that exists now (zero
     before the first step), so call it again after one step for the steady state."""
     params = list(model.parameters())
-    opt: list[torch.Tensor] = [v for st in optimizer.state.values() for v in st.values()
-                               if isinstance(v, torch.Tensor)]
+    opt: list[torch.Tensor] = [v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
     fp32 = 4
     report: dict[str, Any] = {
-        "rank": rank, "ranks": ranks, "pid": os.getpid(),
+        "rank": rank,
+        "ranks": ranks,
+        "pid": os.getpid(),
         "params": sum(p.numel() for p in params),
         "trainable_params": sum(p.numel() for p in trained.values()),
         "param_bytes": _bytes(params),
@@ -58,11 +61,13 @@ def size_report(model: torch.nn.Module, trained: dict[str, torch.Tensor],
 def memory_line(report: dict[str, Any]) -> str:
     """One human line of a ``size_report``."""
     mb = 2**20
-    line = (f"trainer: {report['params']:,} parameters ({report['trainable_params']:,} trained), "
-            f"{report['ranks']} rank(s); per rank: parameters {report['param_bytes'] / mb:.1f} MiB, "
-            f"gradients {report['grad_bytes'] / mb:.1f} MiB, optimizer "
-            f"{report['optimizer_bytes'] / mb:.1f} MiB; peak RSS after the first step "
-            f"{report['peak_rss_mb']:.0f} MiB")
+    line = (
+        f"trainer: {report['params']:,} parameters ({report['trainable_params']:,} trained), "
+        f"{report['ranks']} rank(s); per rank: parameters {report['param_bytes'] / mb:.1f} MiB, "
+        f"gradients {report['grad_bytes'] / mb:.1f} MiB, optimizer "
+        f"{report['optimizer_bytes'] / mb:.1f} MiB; peak RSS after the first step "
+        f"{report['peak_rss_mb']:.0f} MiB"
+    )
     if "peak_cuda_mb" in report:
         line += f", peak CUDA {report['peak_cuda_mb']:.0f} MiB"
     return line

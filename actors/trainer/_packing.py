@@ -7,6 +7,7 @@ gathered back in trajectory order, so the support rows (one per generated token)
 line up with the hidden states that predicted them: the token at position p is
 predicted by the hidden state at p − 1.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -59,15 +60,17 @@ def pack(batch: Sequence[Trajectory], micro_batch_tokens: int, pad_id: int) -> l
         raise ValueError(f"micro_batch_tokens={micro_batch_tokens} must be >= 1")
     for i, t in enumerate(batch):
         if t.loss_mask.numel() and bool(t.loss_mask[0]):
-            raise ValueError(f"trajectory {i} ({t.prompt_id}): a generated token at position 0 "
-                             "has no context; the prompt must be at least one token")
+            raise ValueError(
+                f"trajectory {i} ({t.prompt_id}): a generated token at position 0 "
+                "has no context; the prompt must be at least one token"
+            )
     order = sorted(range(len(batch)), key=lambda i: -batch[i].tokens.numel())
     groups: list[list[int]] = []
     for i in order:
         n = batch[i].tokens.numel()
         if groups:
             g = groups[-1]
-            width = max(n, batch[g[0]].tokens.numel())   # g[0] is the longest in g
+            width = max(n, batch[g[0]].tokens.numel())  # g[0] is the longest in g
             if width * (len(g) + 1) <= micro_batch_tokens:
                 g.append(i)
                 continue
@@ -89,5 +92,11 @@ def _block(batch: Sequence[Trajectory], members: list[int], pad_id: int) -> Micr
         rows.append(torch.full_like(pos, r))
         cols.append(pos - 1)
         targets.append(t.tokens[pos])
-    return MicroBatch(members=members, input_ids=ids, attention_mask=att,
-                      rows=torch.cat(rows), cols=torch.cat(cols), targets=torch.cat(targets))
+    return MicroBatch(
+        members=members,
+        input_ids=ids,
+        attention_mask=att,
+        rows=torch.cat(rows),
+        cols=torch.cat(cols),
+        targets=torch.cat(targets),
+    )

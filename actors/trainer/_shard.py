@@ -13,6 +13,7 @@ checkpointing per decoder layer, then FSDP2 with a ``MixedPrecisionPolicy``
 (bf16 compute, fp32 master weights and reductions). Gradients are reduced by SUM
 (divide factor 1): every rank's loss is already divided by the global token count.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -37,8 +38,14 @@ class Policy(nn.Module):
         super().__init__()
         self.hf = hf
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, rows: torch.Tensor,
-                cols: torch.Tensor, loss_fn: Callable[..., Any]) -> Any:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        rows: torch.Tensor,
+        cols: torch.Tensor,
+        loss_fn: Callable[..., Any],
+    ) -> Any:
         out = self.hf.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         hidden = out.last_hidden_state[rows, cols]
         head = self.hf.lm_head
@@ -73,14 +80,17 @@ def prepare(hf: nn.Module, config: TrainerConfig, *, sharded: bool, seed: int) -
         mesh = init_device_mesh(config.device, (dist.get_world_size(),))
         mp = MixedPrecisionPolicy(
             param_dtype=torch.bfloat16 if config.dtype == "bf16" else None,
-            reduce_dtype=torch.float32, output_dtype=None, cast_forward_inputs=True)
+            reduce_dtype=torch.float32,
+            output_dtype=None,
+            cast_forward_inputs=True,
+        )
         for layer in _layers(hf):
             fully_shard(layer, mesh=mesh, mp_policy=mp)
         fully_shard(policy, mesh=mesh, mp_policy=mp)
         for m in policy.modules():
             if isinstance(m, FSDPModule):
                 m.set_gradient_divide_factor(1.0)
-                m.set_force_sum_reduction_for_comms(True)   # gloo has no PREMUL_SUM
+                m.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
     elif config.dtype != "fp32":
         raise ValueError(f"trainer.dtype={config.dtype!r} needs the FSDP2 path (sharded=True)")
     return policy
@@ -89,11 +99,16 @@ def prepare(hf: nn.Module, config: TrainerConfig, *, sharded: bool, seed: int) -
 def _add_lora(hf: nn.Module, config: TrainerConfig, seed: int) -> None:
     try:
         from peft import LoraConfig, inject_adapter_in_model
-    except ImportError as e:   # pragma: no cover - depends on the install
+    except ImportError as e:  # pragma: no cover - depends on the install
         raise ImportError("trainer.lora needs peft: pip install 'flotilla[lora]'") from e
     assert config.lora is not None
-    lc = LoraConfig(r=config.lora.r, lora_alpha=config.lora.alpha, lora_dropout=0.0,
-                    target_modules=list(config.lora.target_modules), bias="none")
+    lc = LoraConfig(
+        r=config.lora.r,
+        lora_alpha=config.lora.alpha,
+        lora_dropout=0.0,
+        target_modules=list(config.lora.target_modules),
+        bias="none",
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed + 1)
         inject_adapter_in_model(lc, hf, adapter_name=LORA_ADAPTER)
@@ -103,8 +118,9 @@ def _add_lora(hf: nn.Module, config: TrainerConfig, seed: int) -> None:
         p.requires_grad_(is_adapter)
         found |= is_adapter
     if not found:
-        raise ValueError(f"trainer.lora.target_modules {config.lora.target_modules} matched no "
-                         "linear module of the model")
+        raise ValueError(
+            f"trainer.lora.target_modules {config.lora.target_modules} matched no linear module of the model"
+        )
 
 
 def lora_merge_plan(hf: nn.Module) -> dict[str, tuple[str, str, str, float]]:
@@ -114,8 +130,11 @@ def lora_merge_plan(hf: nn.Module) -> dict[str, tuple[str, str, str, float]]:
     for mod_name, mod in hf.named_modules():
         if hasattr(mod, "base_layer") and hasattr(mod, "lora_A") and LORA_ADAPTER in mod.lora_A:
             plan[f"{mod_name}.weight"] = (
-                f"{mod_name}.base_layer.weight", f"{mod_name}.lora_A.{LORA_ADAPTER}.weight",
-                f"{mod_name}.lora_B.{LORA_ADAPTER}.weight", float(mod.scaling[LORA_ADAPTER]))
+                f"{mod_name}.base_layer.weight",
+                f"{mod_name}.lora_A.{LORA_ADAPTER}.weight",
+                f"{mod_name}.lora_B.{LORA_ADAPTER}.weight",
+                float(mod.scaling[LORA_ADAPTER]),
+            )
     return plan
 
 

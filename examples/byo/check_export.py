@@ -8,6 +8,7 @@ weights, built the way the trainer builds it); the export is loaded with
 exported chat template.  Prints one JSON line; exits 1 when the logits differ by more
 than the export dtype's rounding allows.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -15,12 +16,12 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository root
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
-import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from actors.models import build_model  # noqa: E402
+from actors.models import build_model
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 
@@ -33,8 +34,9 @@ def main() -> int:
     tok = AutoTokenizer.from_pretrained(args.export_dir, local_files_only=True)
     exported = AutoModelForCausalLM.from_pretrained(args.export_dir, local_files_only=True).eval()
     trainer = build_model(Path(args.run_dir) / "checkpoint" / "model")
-    text = tok.apply_chat_template([{"role": "user", "content": "The opposite of hot is"}],
-                                   tokenize=False, add_generation_prompt=True)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "The opposite of hot is"}], tokenize=False, add_generation_prompt=True
+    )
     ids = torch.tensor([tok.encode(text, add_special_tokens=False)])
     with torch.no_grad():
         want = trainer(ids).logits
@@ -42,9 +44,18 @@ def main() -> int:
     dtype = next(exported.parameters()).dtype
     diff = float((got - want).abs().max())
     ok = diff <= TOLERANCE[dtype]
-    print(json.dumps({"architectures": exported.config.architectures, "dtype": str(dtype),
-                      "tokens": ids.shape[1], "max_abs_logit_diff": diff,
-                      "tolerance": TOLERANCE[dtype], "equal": ok}))
+    print(
+        json.dumps(
+            {
+                "architectures": exported.config.architectures,
+                "dtype": str(dtype),
+                "tokens": ids.shape[1],
+                "max_abs_logit_diff": diff,
+                "tolerance": TOLERANCE[dtype],
+                "equal": ok,
+            }
+        )
+    )
     return 0 if ok else 1
 
 

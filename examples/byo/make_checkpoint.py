@@ -9,6 +9,7 @@ here, nothing downloaded.
     python examples/byo/make_checkpoint.py                  # -> examples/byo/model/
     python examples/byo/make_checkpoint.py --family llama   # Llama 3 (rope scaling)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,9 +18,9 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parents[1]))   # the repository root, when run from a clone
+sys.path.insert(0, str(HERE.parents[1]))  # the repository root, when run from a clone
 
-from actors.tiny import FAMILIES, make_checkpoint, train_tokenizer  # noqa: E402
+from actors.tiny import FAMILIES, make_checkpoint, train_tokenizer
 
 
 def corpus() -> list[str]:
@@ -39,8 +40,9 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the random init")
     args = p.parse_args()
     tok = train_tokenizer(corpus(), vocab_size=args.vocab)
-    out = make_checkpoint(args.out, args.family, tokenizer=tok, seed=args.seed,
-                          max_position_embeddings=256, shard_size="100KB")
+    out = make_checkpoint(
+        args.out, args.family, tokenizer=tok, seed=args.seed, max_position_embeddings=256, shard_size="100KB"
+    )
     files = sorted(f.name for f in out.iterdir())
     print(f"wrote {out}: {args.family}, vocab {len(tok)}, files {files}")
 

@@ -4,6 +4,7 @@ Loaded by ``[task] modules = ["examples/byo/tasks.py"]`` in every environment pr
 Each dataset row (``{"word": ..., "answer": ...}``) becomes this task's constructor
 arguments through ``TaskSpec.params``.
 """
+
 from __future__ import annotations
 
 import re
@@ -40,8 +41,10 @@ class Opposite(Environment):
         self.word, self.answer, self.max_new_tokens = word, answer, max_new_tokens
 
     def reset(self, task):
-        return [{"role": "system", "content": "Answer with one word."},
-                {"role": "user", "content": f"The opposite of {self.word} is"}]
+        return [
+            {"role": "system", "content": "Answer with one word."},
+            {"role": "user", "content": f"The opposite of {self.word} is"},
+        ]
 
     def step(self, action_text: str, action_ids: list[int]) -> StepOutcome:
         return StepOutcome(observation="", reward=score(action_text, self.answer), done=True)

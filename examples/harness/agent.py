@@ -18,6 +18,7 @@ The model is the tiny built-in one with the word tokenizer, which has no tool-ca
 format, so the *agent* calls the tool; a model with a chat template that supports
 tools would get ``tools=[...]`` and call it itself (see docs/harness.md).
 """
+
 from __future__ import annotations
 
 import json
@@ -48,8 +49,9 @@ async def play(base_url: str, task: dict) -> dict:
     global _http
     if _http is None:
         _http = DefaultAsyncHttpxClient()
-    client = AsyncOpenAI(base_url=base_url, api_key=os.environ.get("OPENAI_API_KEY", "flotilla"),
-                         max_retries=0, http_client=_http)
+    client = AsyncOpenAI(
+        base_url=base_url, api_key=os.environ.get("OPENAI_API_KEY", "flotilla"), max_retries=0, http_client=_http
+    )
     messages = [{"role": "user", "content": f"guess the number from 0 to {n - 1} in {turns} turns"}]
     for _ in range(turns):
         r = await client.chat.completions.create(model="flotilla", messages=messages, max_tokens=1)

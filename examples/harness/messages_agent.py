@@ -13,6 +13,7 @@ ANTHROPIC_API_KEY for it). The built-in
 model's word tokenizer has only user and assistant turns, so the agent sends no
 ``system`` prompt and no tools (a checkpoint with a tool template takes both).
 """
+
 from __future__ import annotations
 
 import json
@@ -43,8 +44,12 @@ async def play(base_url: str, task: dict) -> dict:
     global _http
     if _http is None:
         _http = anthropic.DefaultAsyncHttpxClient()
-    client = anthropic.AsyncAnthropic(base_url=base_url.removesuffix("/v1"), max_retries=0, http_client=_http,
-                                      api_key=os.environ.get("ANTHROPIC_API_KEY", "flotilla"))
+    client = anthropic.AsyncAnthropic(
+        base_url=base_url.removesuffix("/v1"),
+        max_retries=0,
+        http_client=_http,
+        api_key=os.environ.get("ANTHROPIC_API_KEY", "flotilla"),
+    )
     messages: list = [{"role": "user", "content": f"guess the number from 0 to {n - 1} in {turns} turns"}]
     for _ in range(turns):
         r = await client.messages.create(model="flotilla", max_tokens=1, messages=messages)

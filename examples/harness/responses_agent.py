@@ -11,6 +11,7 @@ Run as Flotilla's environment with examples/harness/responses.toml
 The built-in model's word tokenizer has only user and assistant turns, so the agent
 sends no ``instructions`` and no tools (a checkpoint with a tool template takes both).
 """
+
 from __future__ import annotations
 
 import json
@@ -40,12 +41,14 @@ async def play(base_url: str, task: dict) -> dict:
     global _http
     if _http is None:
         _http = DefaultAsyncHttpxClient()
-    client = AsyncOpenAI(base_url=base_url, api_key=os.environ.get("OPENAI_API_KEY", "flotilla"),
-                         max_retries=0, http_client=_http)
+    client = AsyncOpenAI(
+        base_url=base_url, api_key=os.environ.get("OPENAI_API_KEY", "flotilla"), max_retries=0, http_client=_http
+    )
     text, previous = f"guess the number from 0 to {n - 1} in {turns} turns", None
     for _ in range(turns):
-        r = await client.responses.create(model="flotilla", input=text, previous_response_id=previous,
-                                          max_output_tokens=1)
+        r = await client.responses.create(
+            model="flotilla", input=text, previous_response_id=previous, max_output_tokens=1
+        )
         answer = guess(secret, r.output_text)
         if answer == "correct":
             return {"reward": 1.0}

@@ -6,6 +6,7 @@ model, saved with ``save_pretrained``: nothing is downloaded.
 
     python examples/libraries/make_checkpoint.py            # -> examples/libraries/model/
 """
+
 from __future__ import annotations
 
 import argparse
@@ -13,7 +14,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parents[1]))   # the repository root, when run from a clone
+sys.path.insert(0, str(HERE.parents[1]))  # the repository root, when run from a clone
 
 from actors.tiny import make_checkpoint, train_tokenizer
 
@@ -31,8 +32,13 @@ def main() -> None:
     p.add_argument("--out", default=str(HERE / "model"), help="output directory")
     p.add_argument("--seed", type=int, default=0, help="seed of the random init")
     args = p.parse_args()
-    out = make_checkpoint(args.out, "qwen2", tokenizer=train_tokenizer(CORPUS, vocab_size=400),
-                          seed=args.seed, max_position_embeddings=1024)
+    out = make_checkpoint(
+        args.out,
+        "qwen2",
+        tokenizer=train_tokenizer(CORPUS, vocab_size=400),
+        seed=args.seed,
+        max_position_embeddings=1024,
+    )
     print(out)
 
 

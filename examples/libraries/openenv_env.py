@@ -10,6 +10,7 @@ Serve it (one environment per WebSocket session) before the run:
 
 The words are the built-in tiny model's vocabulary, so the example trains that model.
 """
+
 from __future__ import annotations
 
 import random
@@ -71,14 +72,16 @@ class GuessClient(EnvClient[GuessAction, GuessObservation, State]):
 
     def _parse_result(self, payload: dict[str, Any]) -> StepResult[GuessObservation]:
         obs = payload.get("observation", {})
-        return StepResult(observation=GuessObservation(message=obs.get("message", ""),
-                                                       done=payload.get("done", False),
-                                                       reward=payload.get("reward")),
-                          reward=payload.get("reward"), done=payload.get("done", False))
+        return StepResult(
+            observation=GuessObservation(
+                message=obs.get("message", ""), done=payload.get("done", False), reward=payload.get("reward")
+            ),
+            reward=payload.get("reward"),
+            done=payload.get("done", False),
+        )
 
     def _parse_state(self, payload: dict[str, Any]) -> State:
         return State(episode_id=payload.get("episode_id"), step_count=payload.get("step_count", 0))
 
 
-app = create_app(GuessEnvironment, GuessAction, GuessObservation, env_name="guess",
-                 max_concurrent_envs=64)
+app = create_app(GuessEnvironment, GuessAction, GuessObservation, env_name="guess", max_concurrent_envs=64)

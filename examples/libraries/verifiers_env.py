@@ -4,6 +4,7 @@ the right answer or after ``max_turns``; the rubric rewards a right final answer
 took more turns. ``[task] name = "examples/libraries/verifiers_env.py:load_environment"``
 (or, installed as a package, its environment id).
 """
+
 from __future__ import annotations
 
 import verifiers as vf
@@ -12,8 +13,7 @@ from datasets import Dataset
 
 def _rows(n: int) -> dict[str, list[str]]:
     pairs = [(a, b) for a in range(10) for b in range(10)][:n]
-    return {"question": [f"What is {a} + {b}?" for a, b in pairs],
-            "answer": [str(a + b) for a, b in pairs]}
+    return {"question": [f"What is {a} + {b}?" for a, b in pairs], "answer": [str(a + b) for a, b in pairs]}
 
 
 def _last_reply(completion) -> str:
@@ -40,6 +40,9 @@ def correct_soon(completion, answer, state, **kwargs) -> float:
 
 
 def load_environment(num_examples: int = 50, max_turns: int = 3) -> vf.Environment:
-    return TryAgain(dataset=Dataset.from_dict(_rows(num_examples)), max_turns=max_turns,
-                    system_prompt="Answer with the number only.",
-                    rubric=vf.Rubric(funcs=[correct_soon]))
+    return TryAgain(
+        dataset=Dataset.from_dict(_rows(num_examples)),
+        max_turns=max_turns,
+        system_prompt="Answer with the number only.",
+        rubric=vf.Rubric(funcs=[correct_soon]),
+    )

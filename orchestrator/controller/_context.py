@@ -10,13 +10,13 @@ import trio
 
 from actors.types import SamplingParams, TaskSpec
 from hardware import CostLedger, Scheduler
-from orchestrator.state.buffer import Drop, RolloutBuffer
-from orchestrator.state.config import RunConfig
 from orchestrator.controller._liveness import Health, respawn_due
 from orchestrator.controller.links import Checkpointer, Links, PoolLink
 from orchestrator.controller.state import ControllerState
-from orchestrator.state.progress import Progress
 from orchestrator.runtime import ActorDied, span
+from orchestrator.state.buffer import Drop, RolloutBuffer
+from orchestrator.state.config import RunConfig
+from orchestrator.state.progress import Progress
 
 __all__ = ["Backoff", "PoolView", "RunContext"]
 
@@ -38,8 +38,16 @@ class PoolView:
     def of(cls, link: PoolLink) -> PoolView:
         n = link.size
         name = link.config.name
-        return cls(link, [-1] * n, [0] * n, [(0, 0.0)] * n,
-                   [Health(f"sampler {name}/{r}") for r in range(n)], [None] * n, [None] * n, [0] * n)
+        return cls(
+            link,
+            [-1] * n,
+            [0] * n,
+            [(0, 0.0)] * n,
+            [Health(f"sampler {name}/{r}") for r in range(n)],
+            [None] * n,
+            [None] * n,
+            [0] * n,
+        )
 
     @property
     def name(self) -> str:
@@ -48,8 +56,7 @@ class PoolView:
     def usable(self) -> list[int]:
         """Ranks that can take a rollout now: constructed, answering, holding weights."""
         down = set(self.link.dead_ranks()) | set(self.link.starting_ranks())
-        return [r for r, h in enumerate(self.health) if h.responsive and r not in down
-                and self.versions[r] >= 0]
+        return [r for r, h in enumerate(self.health) if h.responsive and r not in down and self.versions[r] >= 0]
 
     def held_version(self) -> int:
         """The oldest weights among the usable ranks (-1 when none is usable)."""
@@ -86,9 +93,18 @@ class RunContext:
     """State shared by the producer, the trainer loop, the weight-sync workers and the
     signal watcher. Single trio thread: no locks; changes are announced with `notify`."""
 
-    def __init__(self, cfg: RunConfig, links: Links, state: ControllerState, *,
-                 scheduler: Scheduler, ledger: CostLedger, metrics: Any, progress: Progress,
-                 checkpoints: Checkpointer | None = None) -> None:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        links: Links,
+        state: ControllerState,
+        *,
+        scheduler: Scheduler,
+        ledger: CostLedger,
+        metrics: Any,
+        progress: Progress,
+        checkpoints: Checkpointer | None = None,
+    ) -> None:
         self.cfg = cfg
         self.links = links
         self.state = state
@@ -104,8 +120,12 @@ class RunContext:
         self.env_in_flight = [0] * links.envs.size  # episodes running on each env rank
         self.nursery: trio.Nursery | None = None  # the controller's, for background calls
         self.sampling = SamplingParams(
-            temperature=cfg.recipe.temperature, top_k=cfg.recipe.top_k, top_p=cfg.recipe.top_p,
-            min_keep=cfg.recipe.min_keep, max_new_tokens=cfg.task.max_new_tokens)
+            temperature=cfg.recipe.temperature,
+            top_k=cfg.recipe.top_k,
+            top_p=cfg.recipe.top_p,
+            min_keep=cfg.recipe.min_keep,
+            max_new_tokens=cfg.task.max_new_tokens,
+        )
         self.due: dict[str, int] = {}  # group id -> trainer version when its batch is due
         self.replay: list[TaskSpec] = list(state.buffered)  # prompts to play before new ones
         self.dataset: Any = None  # actors.env.TaskDataset of `[task] dataset`, or None
@@ -169,8 +189,7 @@ class RunContext:
         an unresponsive or restarting rank is not waited for)."""
         for p in self.pools.values():
             down = set(p.link.dead_ranks()) | set(p.link.starting_ranks())
-            if any(v < self.version for r, v in enumerate(p.versions)
-                   if p.health[r].responsive and r not in down):
+            if any(v < self.version for r, v in enumerate(p.versions) if p.health[r].responsive and r not in down):
                 return False
         return True
 
@@ -195,9 +214,15 @@ class RunContext:
 
     def trace_drops(self, drops: list[Drop]) -> None:
         for d in drops:
-            with span("rollout.dropped", pool=d.pool, reason=d.reason, group_id=d.slot.group_id,
-                      prompt_id=d.slot.prompt_id, staleness=-1 if d.staleness is None else d.staleness,
-                      error=d.error or ""):
+            with span(
+                "rollout.dropped",
+                pool=d.pool,
+                reason=d.reason,
+                group_id=d.slot.group_id,
+                prompt_id=d.slot.prompt_id,
+                staleness=-1 if d.staleness is None else d.staleness,
+                error=d.error or "",
+            ):
                 pass
 
     @property
@@ -224,8 +249,10 @@ class RunContext:
         limit = self.failure_limit
         if self.failed_in_a_row >= limit and self.failure is None:
             last = _one_line(error)
-            self.failure = (f"{self.failed_in_a_row} episodes failed in a row with none succeeding "
-                            f"([task] max_failed_in_a_row = {limit}); the last: {last}")
+            self.failure = (
+                f"{self.failed_in_a_row} episodes failed in a row with none succeeding "
+                f"([task] max_failed_in_a_row = {limit}); the last: {last}"
+            )
             self.stopping = True
             self.notify()
 
@@ -271,4 +298,4 @@ def _one_line(text: str, limit: int = 800) -> str:
     if len(lines) > 5:
         lines = [lines[0], "…", *lines[-4:]]
     out = " | ".join(lines)
-    return out if len(out) <= limit else out[: limit // 3] + " … " + out[-(2 * limit // 3):]
+    return out if len(out) <= limit else out[: limit // 3] + " … " + out[-(2 * limit // 3) :]

@@ -23,16 +23,16 @@ from typing import Any
 import trio
 
 from hardware import CostLedger, Scheduler
-from orchestrator.state.config import RunConfig
 from orchestrator.controller._context import RunContext
 from orchestrator.controller._liveness import watch
 from orchestrator.controller._producer import produce
 from orchestrator.controller._signals import request_stop, watch_sigint
 from orchestrator.controller._training import checkpoint, train_loop
 from orchestrator.controller._weights import sync_worker
+from orchestrator.controller.evaluation import eval_loop
 from orchestrator.controller.links import Checkpointer, Links
 from orchestrator.controller.state import ControllerState
-from orchestrator.controller.evaluation import eval_loop
+from orchestrator.state.config import RunConfig
 from orchestrator.state.progress import Progress
 
 __all__ = ["Controller", "MetricsSink"]
@@ -67,12 +67,31 @@ class Controller:
     docstring). `checkpoints` None: no periodic checkpoints, and a dead trainer ends the run.
     """
 
-    def __init__(self, cfg: RunConfig, links: Links, state: ControllerState, *,
-                 scheduler: Scheduler, ledger: CostLedger, metrics: MetricsSink,
-                 progress: Progress, checkpoints: Checkpointer | None = None,
-                 handle_sigint: bool = True, dataset: Any = None, eval_dataset: Any = None) -> None:
-        self.ctx = RunContext(cfg, links, state, scheduler=scheduler, ledger=ledger,
-                              metrics=metrics, progress=progress, checkpoints=checkpoints)
+    def __init__(
+        self,
+        cfg: RunConfig,
+        links: Links,
+        state: ControllerState,
+        *,
+        scheduler: Scheduler,
+        ledger: CostLedger,
+        metrics: MetricsSink,
+        progress: Progress,
+        checkpoints: Checkpointer | None = None,
+        handle_sigint: bool = True,
+        dataset: Any = None,
+        eval_dataset: Any = None,
+    ) -> None:
+        self.ctx = RunContext(
+            cfg,
+            links,
+            state,
+            scheduler=scheduler,
+            ledger=ledger,
+            metrics=metrics,
+            progress=progress,
+            checkpoints=checkpoints,
+        )
         self.ctx.dataset = dataset  # TaskDataset rows become TaskSpec.params (`task_for`)
         self.ctx.eval_dataset = eval_dataset
         self._handle_sigint = handle_sigint
@@ -151,22 +170,37 @@ class Controller:
         ctx = self.ctx
         trainer = ctx.links.trainer
         nursery.start_soon(
-            watch, ctx, ctx.trainer_health, trainer.ping,
-            lambda: ctx.trainer_alive.is_set() and not trainer.is_dead(), None,
-            "training waits for it")
+            watch,
+            ctx,
+            ctx.trainer_health,
+            trainer.ping,
+            lambda: ctx.trainer_alive.is_set() and not trainer.is_dead(),
+            None,
+            "training waits for it",
+        )
         for pool in ctx.pools.values():
             link = pool.link
             for rank, health in enumerate(pool.health):
                 nursery.start_soon(
-                    watch, ctx, health, partial(link.ping, rank),
-                    partial(_live, link, rank), partial(ctx.respawn_sampler, pool, rank),
-                    "its rollouts go to the ranks that answer; waiting for it")
+                    watch,
+                    ctx,
+                    health,
+                    partial(link.ping, rank),
+                    partial(_live, link, rank),
+                    partial(ctx.respawn_sampler, pool, rank),
+                    "its rollouts go to the ranks that answer; waiting for it",
+                )
         envs = ctx.links.envs
         for rank, health in enumerate(ctx.env_health):
             nursery.start_soon(
-                watch, ctx, health, partial(envs.ping, rank), partial(_live, envs, rank),
+                watch,
+                ctx,
+                health,
+                partial(envs.ping, rank),
+                partial(_live, envs, rank),
                 partial(envs.respawn, rank),
-                "its episodes go to the environment actors that answer; waiting for it")
+                "its episodes go to the environment actors that answer; waiting for it",
+            )
 
     async def _supervise(self) -> None:
         """Respawn ranks that died while nothing was calling them."""

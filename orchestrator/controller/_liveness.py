@@ -105,8 +105,14 @@ def _clock(trio_t: float) -> str:
     return time.strftime("%H:%M:%S", time.localtime(time.time() - (trio.current_time() - trio_t)))
 
 
-async def watch(ctx: RunContext, health: Health, ping: Callable[[], Awaitable[None]],
-                live: Callable[[], bool], give_up: Callable[[], None] | None, effect: str) -> None:
+async def watch(
+    ctx: RunContext,
+    health: Health,
+    ping: Callable[[], Awaitable[None]],
+    live: Callable[[], bool],
+    give_up: Callable[[], None] | None,
+    effect: str,
+) -> None:
     """Ping one rank forever (see the module docstring). `live`: the rank is neither dead
     nor (re)starting (the death path and the start own those states); `give_up`: stop its
     process and start a fresh one (None: never; it is waited for); `effect`: what the
@@ -144,12 +150,14 @@ async def watch(ctx: RunContext, health: Health, ping: Callable[[], Awaitable[No
             health.mark_unresponsive()
             ctx.progress.message(
                 f"{health.label} is unresponsive: no answer since {_clock(health.last_answer)} "
-                f"({now - health.last_answer:.1f} s); {effect}")
+                f"({now - health.last_answer:.1f} s); {effect}"
+            )
             ctx.notify()
         else:
             ctx.progress.message(
                 f"{health.label}: unresponsive for {now - (health.since or now):.0f} s, giving up "
-                f"on it; stopping its process and starting a fresh one")
+                f"on it; stopping its process and starting a fresh one"
+            )
             give_up()
             # A fresh process: judged from now (while it starts, `live` is false).
             health.mark_responsive()
@@ -160,8 +168,9 @@ async def watch(ctx: RunContext, health: Health, ping: Callable[[], Awaitable[No
 def _answered(ctx: RunContext, health: Health, now: float) -> None:
     if not health.responsive:
         assert health.since is not None
-        ctx.progress.message(f"{health.label} answers again after {now - health.since:.1f} s "
-                             f"unresponsive; it rejoins the run")
+        ctx.progress.message(
+            f"{health.label} answers again after {now - health.since:.1f} s unresponsive; it rejoins the run"
+        )
         health.mark_responsive()
         ctx.notify()
         ctx.bump_versions()
@@ -189,8 +198,7 @@ def respawn_due(ctx: RunContext, health: Health) -> bool:
     if n == 1:
         ctx.progress.message(f"{health.label} died; respawning it")
     elif n & (n - 1) == 0:  # 2, 4, 8, ...
-        ctx.progress.message(f"{health.label} still down: {n} respawn attempts so far; next "
-                             f"in {wait:g} s")
+        ctx.progress.message(f"{health.label} still down: {n} respawn attempts so far; next in {wait:g} s")
     return True
 
 

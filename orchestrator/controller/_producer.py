@@ -19,10 +19,10 @@ from __future__ import annotations
 import trio
 
 from actors.types import TaskSpec
-from orchestrator.state.buffer import Slot
 from orchestrator.controller._context import PoolView, RunContext
 from orchestrator.controller._liveness import bind
 from orchestrator.runtime import ActorDied, span
+from orchestrator.state.buffer import Slot
 
 __all__ = ["produce", "task_for"]
 
@@ -35,8 +35,9 @@ def task_for(ctx: RunContext, i: int) -> TaskSpec:
     params = dict(cfg.task.params)
     if ctx.dataset is not None:
         params.update(ctx.dataset.params(i, cfg.seed))
-    return TaskSpec(task=cfg.task.task_name, prompt_id=f"p{i}", group_id=f"g{i}",
-                    seed=cfg.seed * 1_000_003 + i, params=params)
+    return TaskSpec(
+        task=cfg.task.task_name, prompt_id=f"p{i}", group_id=f"g{i}", seed=cfg.seed * 1_000_003 + i, params=params
+    )
 
 
 def _new_group(ctx: RunContext) -> None:
@@ -105,8 +106,7 @@ async def produce(ctx: RunContext, nursery: trio.Nursery) -> None:
             if task is None:  # its group was skipped meanwhile
                 ctx.buffer.requeue(slot)
                 continue
-            if not any(v.pick_rank(_need_version(ctx, slot, name)) is not None
-                       for name, v in ctx.pools.items()):
+            if not any(v.pick_rank(_need_version(ctx, slot, name)) is not None for name, v in ctx.pools.items()):
                 # Due at a version no pool holds yet: the slots behind it (a group due now) may
                 # be what that version waits for, so look past it.
                 waiting.append(slot)
@@ -129,19 +129,30 @@ async def produce(ctx: RunContext, nursery: trio.Nursery) -> None:
         _put_back(ctx, waiting)
 
 
-async def _rollout(ctx: RunContext, slot: Slot, task: TaskSpec, pool: PoolView, rank: int,
-                   min_version: int, env: int) -> None:
+async def _rollout(
+    ctx: RunContext, slot: Slot, task: TaskSpec, pool: PoolView, rank: int, min_version: int, env: int
+) -> None:
     traj = None
     scope = trio.CancelScope()
     ctx.rollout_scopes.add(scope)
     try:
         # Abandoned (re-queued) when the trainer restarts or its sampler or env actor freezes.
-        with bind(scope, pool.health[rank], ctx.env_health[env]), scope, \
-                span("rollout", task=task.task, prompt_id=slot.prompt_id, group_id=slot.group_id,
-                     sample=slot.index, attempt=slot.attempt, pool=pool.name,
-                     gpu=pool.link.config.gpu, precision=pool.link.config.precision) as s:
-            traj = await ctx.links.envs.run_episode(pool.link, rank, task, ctx.sampling, min_version,
-                                                    env_rank=env)
+        with (
+            bind(scope, pool.health[rank], ctx.env_health[env]),
+            scope,
+            span(
+                "rollout",
+                task=task.task,
+                prompt_id=slot.prompt_id,
+                group_id=slot.group_id,
+                sample=slot.index,
+                attempt=slot.attempt,
+                pool=pool.name,
+                gpu=pool.link.config.gpu,
+                precision=pool.link.config.precision,
+            ) as s,
+        ):
+            traj = await ctx.links.envs.run_episode(pool.link, rank, task, ctx.sampling, min_version, env_rank=env)
             s.set_attribute("policy_version", traj.oldest_version)
             s.set_attribute("policy_version_max", traj.newest_version)
             s.set_attribute("staleness", ctx.version - traj.oldest_version)
@@ -160,12 +171,12 @@ async def _rollout(ctx: RunContext, slot: Slot, task: TaskSpec, pool: PoolView, 
             ctx.buffer.requeue(slot)
         else:
             ctx.scheduler.complete(pool.name, traj.num_generated)
-            ctx.episode_ended(f"episode {slot.prompt_id}#{slot.index}: {traj.error or 'failed'}"
-                              if traj.failed else None)
+            ctx.episode_ended(
+                f"episode {slot.prompt_id}#{slot.index}: {traj.error or 'failed'}" if traj.failed else None
+            )
             drop = ctx.buffer.complete(slot, traj)
             if drop is not None:
                 ctx.trace_drops([drop])
                 if drop.error:
-                    ctx.progress.failure(f"episode {slot.prompt_id}#{slot.index} failed "
-                                         f"({drop.reason}): {drop.error}")
+                    ctx.progress.failure(f"episode {slot.prompt_id}#{slot.index} failed ({drop.reason}): {drop.error}")
         ctx.notify()

@@ -14,14 +14,14 @@ __all__ = ["watch_sigint"]
 
 def request_stop(ctx: RunContext) -> None:
     if not ctx.stopping:
-        ctx.progress.message("interrupt: finishing the current step, then checkpointing "
-                             "(Ctrl-C again to abandon it)")
+        ctx.progress.message("interrupt: finishing the current step, then checkpointing (Ctrl-C again to abandon it)")
         ctx.stopping = ctx.interrupted = True
         ctx.notify()
 
 
-async def watch_sigint(ctx: RunContext, cancel_scope: trio.CancelScope, *,
-                       task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+async def watch_sigint(
+    ctx: RunContext, cancel_scope: trio.CancelScope, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+) -> None:
     with trio.open_signal_receiver(signal.SIGINT) as signals:
         task_status.started()
         async for _ in signals:

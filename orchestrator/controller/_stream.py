@@ -31,8 +31,9 @@ class KeyframeGone(Exception):
     """The trainer no longer holds the keyframe being streamed (a newer one replaced it)."""
 
 
-async def send_path(trainer: TrainerLink, pool: PoolLink, rank: int, precision: str,
-                    path: dict[str, Any], part_bytes: int = PART_BYTES) -> tuple[int, int]:
+async def send_path(
+    trainer: TrainerLink, pool: PoolLink, rank: int, precision: str, path: dict[str, Any], part_bytes: int = PART_BYTES
+) -> tuple[int, int]:
     """Apply `path` (from `trainer.update_path(..., part_bytes)`) on sampler `rank` of
     `pool`; returns the version it uses afterwards and the wire bytes moved."""
     wire = 0
@@ -43,8 +44,9 @@ async def send_path(trainer: TrainerLink, pool: PoolLink, rank: int, precision: 
             try:
                 header, frames = await trainer.keyframe_part(precision, keyframe["version"], seq, part_bytes)
             except ActorError as e:
-                raise KeyframeGone(f"keyframe v{keyframe['version']} part {seq}: "
-                                   f"{e.remote_type}: {e.message}") from None
+                raise KeyframeGone(
+                    f"keyframe v{keyframe['version']} part {seq}: {e.remote_type}: {e.message}"
+                ) from None
             wire += sum(len(memoryview(f)) for f in frames)
             now = await pool.apply_weights_part(rank, header, frames)
             del header, frames  # hold one part at a time

@@ -25,10 +25,10 @@ import trio
 
 from actors.trainer import StepResult, memory_line
 from actors.types import Trajectory
-from orchestrator.state.buffer import Group
 from orchestrator.controller._context import Backoff, RunContext
 from orchestrator.controller._liveness import refresh_stats
 from orchestrator.runtime import ActorDied, span
+from orchestrator.state.buffer import Group
 
 __all__ = ["TrainerLost", "checkpoint", "train_loop"]
 
@@ -58,8 +58,13 @@ async def _train_on(ctx: RunContext, groups: list[Group]) -> None:
     stale = [ctx.version - t.oldest_version for t in trajs]
     ctx.train_started = ctx.now()
     try:
-        with span("train_step", version=ctx.version, batch=len(trajs),
-                  staleness_mean=sum(stale) / len(stale), staleness_max=max(stale)) as s:
+        with span(
+            "train_step",
+            version=ctx.version,
+            batch=len(trajs),
+            staleness_mean=sum(stale) / len(stale),
+            staleness_max=max(stale),
+        ) as s:
             result = await ctx.links.trainer.train_step(trajs)
             s.set_attribute("loss", result.loss)
             s.set_attribute("grad_norm", result.grad_norm)
@@ -117,11 +122,15 @@ async def restart_trainer(ctx: RunContext, death: ActorDied) -> None:
     backoff = Backoff()
     while True:
         if ctx.state.trainer_restarts >= limit:
-            raise TrainerLost(f"the trainer actor died ({death.reason}) and {limit} restart(s) "
-                              f"are used up; the last checkpoint is in the run directory")
+            raise TrainerLost(
+                f"the trainer actor died ({death.reason}) and {limit} restart(s) "
+                f"are used up; the last checkpoint is in the run directory"
+            )
         ctx.state.trainer_restarts += 1
-        ctx.progress.message(f"trainer died ({death.reason}); restoring it from the last "
-                             f"checkpoint (restart {ctx.state.trainer_restarts} of {limit})")
+        ctx.progress.message(
+            f"trainer died ({death.reason}); restoring it from the last "
+            f"checkpoint (restart {ctx.state.trainer_restarts} of {limit})"
+        )
         try:
             with span("trainer.restart", restart=ctx.state.trainer_restarts) as s:
                 assert ctx.checkpoints is not None
@@ -145,45 +154,57 @@ async def restart_trainer(ctx: RunContext, death: ActorDied) -> None:
     ctx.notify()
 
 
-async def _account(ctx: RunContext, trajs: list[Trajectory], stale: list[int],
-                   result: StepResult) -> None:
+async def _account(ctx: RunContext, trajs: list[Trajectory], stale: list[int], result: StepResult) -> None:
     now = ctx.now()
     async with trio.open_nursery() as nursery:  # every pool's counters at once, bounded
         for view in ctx.pools.values():
             nursery.start_soon(refresh_stats, ctx, view)
     pool_stats = {name: _pool_step_stats(ctx, name, now) for name in ctx.pools}
     by_pool: dict[str, list[int]] = {}
-    for t, st in zip(trajs, stale):
+    for t, st in zip(trajs, stale, strict=False):
         by_pool.setdefault(t.pool, []).append(st)
         ctx.ledger.record_rollout(t.pool, tokens=t.num_generated, staleness=st)
     per_pool = result.per_pool
     for name, m in per_pool.items():
-        ctx.ledger.record_mismatch(name, kl=m.mismatch_kl, masked_fraction=m.masked_fraction,
-                                   tokens=m.tokens)
+        ctx.ledger.record_mismatch(name, kl=m.mismatch_kl, masked_fraction=m.masked_fraction, tokens=m.tokens)
     counts = ctx.buffer.counters
     rewards = [float(t.reward) for t in trajs]
     record: dict[str, Any] = {
-        "step": ctx.state.step, "version": ctx.version, "wall_s": round(now - ctx.t_start, 3),
-        "reward_mean": sum(rewards) / len(rewards), "rollouts": len(trajs),
-        "staleness_mean": sum(stale) / len(stale), "staleness_max": max(stale),
-        "dropped_stale": counts.dropped_stale, "dropped_failed": counts.dropped_failed,
+        "step": ctx.state.step,
+        "version": ctx.version,
+        "wall_s": round(now - ctx.t_start, 3),
+        "reward_mean": sum(rewards) / len(rewards),
+        "rollouts": len(trajs),
+        "staleness_mean": sum(stale) / len(stale),
+        "staleness_max": max(stale),
+        "dropped_stale": counts.dropped_stale,
+        "dropped_failed": counts.dropped_failed,
         "dropped_rollback": counts.dropped_rollback,
         "dropped_total": counts.dropped_stale + counts.dropped_failed + counts.dropped_rollback,
-        "prompts_skipped": counts.groups_skipped, "trainer_restarts": ctx.state.trainer_restarts,
-        "loss": result.loss, "grad_norm": result.grad_norm,
-        "mismatch_kl": result.overall.mismatch_kl, "masked_fraction": result.overall.masked_fraction,
-        "mean_weight": result.overall.mean_weight, "entropy": result.overall.entropy,
-        "train_s": result.seconds, "cost_usd": ctx.ledger.report().totals.cost_usd,
+        "prompts_skipped": counts.groups_skipped,
+        "trainer_restarts": ctx.state.trainer_restarts,
+        "loss": result.loss,
+        "grad_norm": result.grad_norm,
+        "mismatch_kl": result.overall.mismatch_kl,
+        "masked_fraction": result.overall.masked_fraction,
+        "mean_weight": result.overall.mean_weight,
+        "entropy": result.overall.entropy,
+        "train_s": result.seconds,
+        "cost_usd": ctx.ledger.report().totals.cost_usd,
         "segments_mean": sum(t.segments for t in trajs) / len(trajs),
-        "pools": {name: {**pool_stats[name],
-                         "staleness_mean": sum(by_pool[name]) / len(by_pool[name]) if name in by_pool else None,
-                         "staleness_max": max(by_pool[name]) if name in by_pool else None,
-                         "rollouts": len(by_pool.get(name, [])),
-                         "mismatch_kl": per_pool[name].mismatch_kl if name in per_pool else None,
-                         "masked_fraction": per_pool[name].masked_fraction if name in per_pool else None}
-                  for name in ctx.pools},
+        "pools": {
+            name: {
+                **pool_stats[name],
+                "staleness_mean": sum(by_pool[name]) / len(by_pool[name]) if name in by_pool else None,
+                "staleness_max": max(by_pool[name]) if name in by_pool else None,
+                "rollouts": len(by_pool.get(name, [])),
+                "mismatch_kl": per_pool[name].mismatch_kl if name in per_pool else None,
+                "masked_fraction": per_pool[name].masked_fraction if name in per_pool else None,
+            }
+            for name in ctx.pools
+        },
     }
-    if result.memory is not None:   # a trainer process's first step: its sizes and peak
+    if result.memory is not None:  # a trainer process's first step: its sizes and peak
         record["trainer_memory"] = result.memory
         ctx.progress.message(memory_line(result.memory))
     ctx.metrics.write(record)
@@ -218,5 +239,11 @@ def _pool_step_stats(ctx: RunContext, name: str, now: float) -> dict[str, Any]:
     ctx.ledger.record_busy(name, seconds=d_busy)
     if d_busy > 0 and d_tok > 0:
         ctx.scheduler.observe(name, tokens=d_tok, gpu_seconds=d_busy * pool.link.config.count)
-    return {"tokens_per_s": d_tok / max(now - ctx.step_t0, 1e-9), "busy_s": busy, "tokens": tokens,
-            "requests": requests, "prefill_batches": prefills, "prefix_hits": prefix_hits}
+    return {
+        "tokens_per_s": d_tok / max(now - ctx.step_t0, 1e-9),
+        "busy_s": busy,
+        "tokens": tokens,
+        "requests": requests,
+        "prefill_batches": prefills,
+        "prefix_hits": prefix_hits,
+    }

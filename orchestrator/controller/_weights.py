@@ -39,9 +39,18 @@ async def sync_worker(ctx: RunContext, pool: PoolView, rank: int) -> None:
         scope = trio.CancelScope()
         try:
             # Abandoned when the sampler stops answering: it gets a keyframe once it does.
-            with bind(scope, health), scope, \
-                    span("weights.apply", pool=pool.name, rank=rank, precision=precision,
-                         from_version=have, to_version=ctx.version) as s:
+            with (
+                bind(scope, health),
+                scope,
+                span(
+                    "weights.apply",
+                    pool=pool.name,
+                    rank=rank,
+                    precision=precision,
+                    from_version=have,
+                    to_version=ctx.version,
+                ) as s,
+            ):
                 if have == -2:
                     await pool.link.reset_weights(rank)
                     have = pool.versions[rank] = -1
@@ -72,8 +81,10 @@ async def sync_worker(ctx: RunContext, pool: PoolView, rank: int) -> None:
         except ActorError as e:
             # The sampler refused the update (hash mismatch, gap): it keeps its last good
             # weights; ask for a keyframe next.
-            ctx.progress.repeated(("weights refused", receiver), f"sampler {receiver} refused weights; "
-                                  f"sending a keyframe ({e.remote_type}: {e.message})")
+            ctx.progress.repeated(
+                ("weights refused", receiver),
+                f"sampler {receiver} refused weights; sending a keyframe ({e.remote_type}: {e.message})",
+            )
             pool.versions[rank] = -1
             await backoff.wait()
             continue

@@ -19,6 +19,7 @@ Cancellation: leaving the controller's nursery abandons an evaluation in progres
 ``eval_failed``; a dead sampler or env actor fails that episode, not the run; one
 that stops answering has its episode played again elsewhere.
 """
+
 from __future__ import annotations
 
 import time
@@ -44,8 +45,15 @@ def eval_tasks(cfg: Any, dataset: TaskDataset | None, episodes: int) -> list[Any
         params = dict(cfg.task.params)
         if dataset is not None:
             params.update(dataset.rows[i % len(dataset)])
-        out.append(TaskSpec(task=cfg.task.task_name, prompt_id=f"eval{i}", group_id=f"eval{i}",
-                            seed=EVAL_SEED_OFFSET + cfg.seed * 1_000_003 + i, params=params))
+        out.append(
+            TaskSpec(
+                task=cfg.task.task_name,
+                prompt_id=f"eval{i}",
+                group_id=f"eval{i}",
+                seed=EVAL_SEED_OFFSET + cfg.seed * 1_000_003 + i,
+                params=params,
+            )
+        )
     return out
 
 
@@ -59,14 +67,19 @@ async def evaluate(ctx: RunContext, step: int) -> dict[str, Any]:
     ev = ctx.cfg.eval
     pool = ctx.pools[ev.pool or next(iter(ctx.pools))]
     version = ctx.version
-    sampling = SamplingParams(temperature=ev.temperature, top_k=ctx.cfg.recipe.top_k,
-                              top_p=ctx.cfg.recipe.top_p, min_keep=ctx.cfg.recipe.min_keep,
-                              max_new_tokens=ctx.cfg.task.max_new_tokens)
+    sampling = SamplingParams(
+        temperature=ev.temperature,
+        top_k=ctx.cfg.recipe.top_k,
+        top_p=ctx.cfg.recipe.top_p,
+        min_keep=ctx.cfg.recipe.min_keep,
+        max_new_tokens=ctx.cfg.task.max_new_tokens,
+    )
     tasks = eval_tasks(ctx.cfg, ctx.eval_dataset, ev.episodes)
     rewards: list[float] = []
     failed = 0
     t0 = time.perf_counter()
     with span("eval", step=step, version=version, pool=pool.name, episodes=len(tasks)) as sp:
+
         async def one(task: Any) -> None:
             nonlocal failed
             from orchestrator.controller._liveness import bind
@@ -81,8 +94,7 @@ async def evaluate(ctx: RunContext, step: int) -> dict[str, Any]:
                 scope = trio.CancelScope()
                 try:
                     with bind(scope, pool.health[rank], ctx.env_health[env]), scope:
-                        traj = await ctx.links.envs.run_episode(pool.link, rank, task, sampling,
-                                                                version, env_rank=env)
+                        traj = await ctx.links.envs.run_episode(pool.link, rank, task, sampling, version, env_rank=env)
                         failed += traj.failed
                         rewards.append(0.0 if traj.failed else float(traj.reward))
                 except ActorDied:
@@ -100,9 +112,14 @@ async def evaluate(ctx: RunContext, step: int) -> dict[str, Any]:
         reward = sum(rewards) / len(rewards)
         sp.set_attribute("reward", reward)
         sp.set_attribute("failed", failed)
-    return {"step": step, "eval_reward": reward, "eval_version": version,
-            "eval_s": time.perf_counter() - t0, "eval_episodes": len(rewards),
-            "eval_failed": failed}
+    return {
+        "step": step,
+        "eval_reward": reward,
+        "eval_version": version,
+        "eval_s": time.perf_counter() - t0,
+        "eval_episodes": len(rewards),
+        "eval_failed": failed,
+    }
 
 
 async def eval_loop(ctx: RunContext, done: Any = None) -> None:
@@ -131,5 +148,6 @@ async def _evaluate_every(ctx: RunContext) -> None:
         ctx.progress.message(
             f"eval @ step {step} (version {line['eval_version']}): reward "
             f"{line['eval_reward']:.3f} over {line['eval_episodes']} episodes "
-            f"({line['eval_failed']} failed) in {line['eval_s']:.1f}s")
+            f"({line['eval_failed']} failed) in {line['eval_s']:.1f}s"
+        )
         next_step = (step // every + 1) * every

@@ -39,8 +39,9 @@ class TrainerLink(Protocol):
         "wire_bytes"}, "deltas": [frames, ...]}`; the keyframe's parts (of at most
         `part_bytes` wire bytes) come from `keyframe_part`."""
 
-    async def keyframe_part(self, precision: str, version: int, seq: int,
-                            part_bytes: int) -> tuple[dict[str, Any], list[bytes]]:
+    async def keyframe_part(
+        self, precision: str, version: int, seq: int, part_bytes: int
+    ) -> tuple[dict[str, Any], list[bytes]]:
         """Part `seq` (header, frames) of the stored keyframe `version`; ActorError when a
         newer keyframe has replaced it."""
 
@@ -107,8 +108,9 @@ class EnvLink(Protocol):
     @property
     def size(self) -> int: ...
 
-    async def run_episode(self, pool: PoolLink, rank: int, task: TaskSpec,
-                          sampling: SamplingParams, min_version: int, env_rank: int) -> Trajectory:
+    async def run_episode(
+        self, pool: PoolLink, rank: int, task: TaskSpec, sampling: SamplingParams, min_version: int, env_rank: int
+    ) -> Trajectory:
         """Play `task` on environment actor `env_rank` with sampler `rank` of `pool`, weights
         no older than `min_version`."""
 

@@ -31,8 +31,9 @@ class MeshTrainer:
     async def update_path(self, receiver: str, have: int, precision: str, part_bytes: int) -> dict[str, Any]:
         return await self._actor.update_path.call_one(receiver, have, precision, part_bytes)
 
-    async def keyframe_part(self, precision: str, version: int, seq: int,
-                            part_bytes: int) -> tuple[dict[str, Any], list[bytes]]:
+    async def keyframe_part(
+        self, precision: str, version: int, seq: int, part_bytes: int
+    ) -> tuple[dict[str, Any], list[bytes]]:
         return await self._actor.keyframe_part.call_one(precision, version, seq, part_bytes)
 
     async def ack(self, receiver: str, version: int) -> None:
@@ -107,8 +108,9 @@ class MeshEnvs:
     def size(self) -> int:
         return self.mesh.size
 
-    async def run_episode(self, pool: MeshPool, rank: int, task: TaskSpec,
-                          sampling: SamplingParams, min_version: int, env_rank: int) -> Trajectory:
+    async def run_episode(
+        self, pool: MeshPool, rank: int, task: TaskSpec, sampling: SamplingParams, min_version: int, env_rank: int
+    ) -> Trajectory:
         return await self.mesh[env_rank].run_episode.call_one(pool.sampler(rank), task, sampling, min_version)
 
     async def ping(self, rank: int) -> None:

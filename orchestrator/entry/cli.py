@@ -26,8 +26,14 @@ def _parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("run", help="train from a TOML config (or resume a run)")
     r.add_argument("config", nargs="?", help="run config (TOML); optional with --resume")
-    r.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config field, e.g. --set rollout.group_size=4 (repeatable)")
+    r.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config field, e.g. --set rollout.group_size=4 (repeatable)",
+    )
     r.add_argument("--steps", type=int, help="optimizer steps (overrides the config)")
     r.add_argument("--mode", choices=["async", "sync"], help="async (default) or the sync baseline")
     r.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
@@ -46,14 +52,16 @@ def _parser() -> argparse.ArgumentParser:
     cmp.add_argument("-o", "--out", default="compare.html", help="output file (default: compare.html)")
 
     cf = sub.add_parser("config", help="every config field: type, default and what it does")
-    cf.add_argument("section", nargs="?", help="one section (model, task, rollout, recipe, "
-                    "trainer, placement, checkpoint, eval, pools)")
+    cf.add_argument(
+        "section",
+        nargs="?",
+        help="one section (model, task, rollout, recipe, trainer, placement, checkpoint, eval, pools)",
+    )
 
     hw = sub.add_parser("hardware", help="the GPU catalog, and a config's pools with estimated cost")
     hw.add_argument("config", nargs="?")
 
-    host = sub.add_parser("host", help="serve actors for a controller on another machine",
-                          add_help=False)
+    host = sub.add_parser("host", help="serve actors for a controller on another machine", add_help=False)
     host.add_argument("args", nargs=argparse.REMAINDER)
     return p
 
@@ -66,14 +74,20 @@ def main(argv: list[str] | None = None) -> int:
         return host_main(argv[1:]) or 0
     args = _parser().parse_args(argv)
     if args.command == "run":
-        from orchestrator.state.checkpoints import CheckpointError
-        from orchestrator.state.config import ConfigError
         from orchestrator.controller import TrainerLost
         from orchestrator.entry.runner import run_from_cli
+        from orchestrator.state.checkpoints import CheckpointError
+        from orchestrator.state.config import ConfigError
 
         try:
-            return run_from_cli(args.config, overrides=args.overrides, steps=args.steps,
-                                mode=args.mode, resume=args.resume, quiet=args.quiet)
+            return run_from_cli(
+                args.config,
+                overrides=args.overrides,
+                steps=args.steps,
+                mode=args.mode,
+                resume=args.resume,
+                quiet=args.quiet,
+            )
         except (ConfigError, CheckpointError) as e:
             print(f"flotilla: {e}", file=sys.stderr)
             return 2
@@ -99,8 +113,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return compare_runs(args.run_dirs, args.out)
     if args.command == "config":
-        from orchestrator.state.config import ConfigError
         from orchestrator.entry.confighelp import config_help
+        from orchestrator.state.config import ConfigError
 
         try:
             print(config_help(args.section))

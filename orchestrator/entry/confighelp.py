@@ -56,10 +56,19 @@ def _lines(model: type[BaseModel], prefix: str, out: list[str]) -> None:
     for name, field in model.model_fields.items():
         sub = _model_of(field.annotation)
         if sub is not None:
-            nested.append((name, sub, typing.get_origin(field.annotation) is list
-                           or typing.get_origin(typing.get_args(field.annotation)[0] if
-                                                typing.get_origin(field.annotation) is typing.Annotated
-                                                else None) is list))
+            nested.append(
+                (
+                    name,
+                    sub,
+                    typing.get_origin(field.annotation) is list
+                    or typing.get_origin(
+                        typing.get_args(field.annotation)[0]
+                        if typing.get_origin(field.annotation) is typing.Annotated
+                        else None
+                    )
+                    is list,
+                )
+            )
             continue
         out.append(f"  {name}: {_type_name(field.annotation)} = {_default(field)}")
         for doc_line in (field.description or "(undocumented)").split("\n"):

@@ -29,16 +29,15 @@ class ExportError(ValueError):
     """The run cannot be exported as asked; the message names the file or the option."""
 
 
-def export_run(run_dir: str | Path, out_dir: str | Path, *, step: int | None = None,
-               dtype: str = "bfloat16") -> Path:
+def export_run(run_dir: str | Path, out_dir: str | Path, *, step: int | None = None, dtype: str = "bfloat16") -> Path:
     """Export the checkpoint of `run_dir` to `out_dir` (see the module docstring)."""
     import torch
 
     from actors.chat import HFChatFormat, load_chat_format
     from actors.models import build_model
     from actors.tokenizer import build_tokenizer
-    from orchestrator.state.checkpoints import MARKER, verify_checkpoint
     from orchestrator.controller import STATE_FILE, ControllerState
+    from orchestrator.state.checkpoints import MARKER, verify_checkpoint
 
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     if dtype not in DTYPES:
@@ -47,8 +46,10 @@ def export_run(run_dir: str | Path, out_dir: str | Path, *, step: int | None = N
     if not (ckpt / "trainer.json").is_file():
         raise ExportError(f"{run_dir}: no complete checkpoint ({ckpt / 'trainer.json'} missing)")
     if (ckpt / MARKER).is_file() and (problem := verify_checkpoint(ckpt)) is not None:
-        raise ExportError(f"{problem}; the checkpoint is damaged (`flotilla run --resume` falls back "
-                          "to an older one if the run has one)")
+        raise ExportError(
+            f"{problem}; the checkpoint is damaged (`flotilla run --resume` falls back "
+            "to an older one if the run has one)"
+        )
     have = ControllerState.load(ckpt).step if (ckpt / STATE_FILE).is_file() else None
     if step is not None and step != have:
         raise ExportError(f"{run_dir}: --step {step} is not kept; the checkpoint is at step {have}")
@@ -60,15 +61,18 @@ def export_run(run_dir: str | Path, out_dir: str | Path, *, step: int | None = N
     if model_path:
         fmt = load_chat_format(model_path)
         if not isinstance(fmt, HFChatFormat):
-            raise ExportError(f"the run's model.path {model_path!r} holds no tokenizer (moved, or "
-                              f"not relative to {Path.cwd()}?)")
+            raise ExportError(
+                f"the run's model.path {model_path!r} holds no tokenizer (moved, or not relative to {Path.cwd()}?)"
+            )
         tokenizer = fmt.tokenizer
     else:
-        tokenizer = build_tokenizer()   # carries the word layout's chat template
+        tokenizer = build_tokenizer()  # carries the word layout's chat template
     model = build_model(ckpt / "model").to(getattr(torch, dtype))
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
-    (out_dir / "flotilla_export.json").write_text(json.dumps(
-        {"run_dir": str(run_dir.resolve()), "step": have, "dtype": dtype,
-         "source_model": model_path}, indent=1))
+    (out_dir / "flotilla_export.json").write_text(
+        json.dumps(
+            {"run_dir": str(run_dir.resolve()), "step": have, "dtype": dtype, "source_model": model_path}, indent=1
+        )
+    )
     return out_dir

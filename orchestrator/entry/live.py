@@ -29,8 +29,9 @@ def sparkline(values: list[float], width: int = 48) -> str:
         return ""
     lo, hi = min(vals), max(vals)
     span = hi - lo
-    return "".join(_BLOCKS[0 if span == 0 else min(len(_BLOCKS) - 1, int((v - lo) / span * len(_BLOCKS)))]
-                   for v in vals)
+    return "".join(
+        _BLOCKS[0 if span == 0 else min(len(_BLOCKS) - 1, int((v - lo) / span * len(_BLOCKS)))] for v in vals
+    )
 
 
 def _clock(seconds: float) -> str:
@@ -50,8 +51,13 @@ class LiveProgress(Progress):
         self.rewards: list[float] = []
         self.last: dict[str, Any] | None = None
         self._first_step: tuple[int, float] | None = None  # (step, time) of this session's first
-        self._live = Live(self._render(), console=self.console, refresh_per_second=refresh_per_second,
-                          transient=False, get_renderable=self._render)
+        self._live = Live(
+            self._render(),
+            console=self.console,
+            refresh_per_second=refresh_per_second,
+            transient=False,
+            get_renderable=self._render,
+        )
         self._live.start()
 
     def eta(self, now: float | None = None) -> float | None:
@@ -78,24 +84,38 @@ class LiveProgress(Progress):
             return Panel(Text(f"starting actors… {_clock(elapsed)}"), title="flotilla", expand=False)
         eta = self.eta()
         head = Table.grid(padding=(0, 2))
-        head.add_row(Text(f"step {r['step']}/{self.total}", style="bold"),
-                     ProgressBar(total=self.total, completed=r["step"], width=40),
-                     Text(f"elapsed {_clock(elapsed)}  ETA {_clock(eta) if eta is not None else '…'}"))
+        head.add_row(
+            Text(f"step {r['step']}/{self.total}", style="bold"),
+            ProgressBar(total=self.total, completed=r["step"], width=40),
+            Text(f"elapsed {_clock(elapsed)}  ETA {_clock(eta) if eta is not None else '…'}"),
+        )
         mean10 = sum(self.rewards[-10:]) / len(self.rewards[-10:])
-        reward = Text.assemble(("reward ", "dim"), (f"{r['reward_mean']:.3f}", "bold"),
-                               ("  10-step mean ", "dim"), f"{mean10:.3f}  ",
-                               (sparkline(self.rewards), "green"))
+        reward = Text.assemble(
+            ("reward ", "dim"),
+            (f"{r['reward_mean']:.3f}", "bold"),
+            ("  10-step mean ", "dim"),
+            f"{mean10:.3f}  ",
+            (sparkline(self.rewards), "green"),
+        )
         pools = Table(box=None, padding=(0, 2), show_edge=False)
         for col in ("pool", "tok/s", "staleness mean/max", "rollouts this step"):
             pools.add_column(col, justify="left" if col == "pool" else "right")
         for name, p in sorted((r.get("pools") or {}).items()):
             sm, sx = p.get("staleness_mean"), p.get("staleness_max")
-            pools.add_row(name, f"{p.get('tokens_per_s', 0.0):.0f}",
-                          "—" if sm is None else f"{sm:.2f} / {sx}", str(p.get("rollouts", 0)))
-        tail = Text.assemble(("staleness ", "dim"), f"{r['staleness_mean']:.2f} (max {r['staleness_max']})  ",
-                             ("dropped ", "dim"), f"{r.get('dropped_stale', 0)} stale, "
-                             f"{r.get('dropped_failed', 0)} failed  ",
-                             ("cost ", "dim"), (f"${r['cost_usd']:.4f}", "bold"))
+            pools.add_row(
+                name,
+                f"{p.get('tokens_per_s', 0.0):.0f}",
+                "—" if sm is None else f"{sm:.2f} / {sx}",
+                str(p.get("rollouts", 0)),
+            )
+        tail = Text.assemble(
+            ("staleness ", "dim"),
+            f"{r['staleness_mean']:.2f} (max {r['staleness_max']})  ",
+            ("dropped ", "dim"),
+            f"{r.get('dropped_stale', 0)} stale, {r.get('dropped_failed', 0)} failed  ",
+            ("cost ", "dim"),
+            (f"${r['cost_usd']:.4f}", "bold"),
+        )
         return Panel(Group(head, reward, pools, tail), title="flotilla", expand=False)
 
     def step(self, record: dict[str, Any]) -> None:

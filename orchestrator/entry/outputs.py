@@ -30,9 +30,10 @@ def finish_outputs(run_dir: Path, sinks: Sinks, cost_report: Any, step: int, pro
 
     try:
         path = write_report(run_dir)
-    except Exception as e:  # noqa: BLE001 - see the module docstring
-        progress.message(f"flotilla: report.html not written ({type(e).__name__}: {e}); "
-                         f"rebuild it with `flotilla report {run_dir}`")
+    except Exception as e:
+        progress.message(
+            f"flotilla: report.html not written ({type(e).__name__}: {e}); rebuild it with `flotilla report {run_dir}`"
+        )
         return None
     progress.message(f"flotilla: report {path}")
     return path

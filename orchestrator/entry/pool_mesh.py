@@ -28,8 +28,8 @@ from typing import Any
 
 import trio
 
-from orchestrator.state.config import ConfigError
 from orchestrator.runtime import ActorDied, ActorError, Curve, HostSpec, Mesh, open_mesh
+from orchestrator.state.config import ConfigError
 
 __all__ = ["PoolStartError", "check_hosts", "gpu_warnings", "pool_gpus", "pool_mesh", "pool_procs"]
 
@@ -96,8 +96,14 @@ async def check_hosts(pools: list[Any], timeout_s: float = HOST_TIMEOUT_S) -> No
     failures: list[str] = []
 
     async def ping(pool: Any, spec: HostSpec, curve: Curve, source: str) -> None:
-        mesh: Mesh[Any] = Mesh(f"host {spec.address}", "orchestrator.runtime.host:HostActor",
-                               ["ping"], [spec.address], [spec.public_key], identity=curve)
+        mesh: Mesh[Any] = Mesh(
+            f"host {spec.address}",
+            "orchestrator.runtime.host:HostActor",
+            ["ping"],
+            [spec.address],
+            [spec.public_key],
+            identity=curve,
+        )
         reason = None
         with trio.move_on_after(timeout_s):
             try:
@@ -111,8 +117,9 @@ async def check_hosts(pools: list[Any], timeout_s: float = HOST_TIMEOUT_S) -> No
         failures.append(
             f"pool {pool.name!r}: host {spec.address} cannot be used: {reason}. Check that "
             f"`flotilla host` runs there, that its public key is {source}, and that this "
-            f"controller's key ({Path(os.path.expanduser(pool.keys)) / 'id.key'}) is in the "
-            "host's allowed/ directory")
+            f"controller's key ({Path(os.path.expanduser(pool.keys)) / 'id.key'}) is in the "  # noqa: ASYNC240 - no I/O
+            "host's allowed/ directory"
+        )
 
     async with trio.open_nursery() as nursery:
         for pool in pools:
@@ -124,10 +131,16 @@ async def check_hosts(pools: list[Any], timeout_s: float = HOST_TIMEOUT_S) -> No
         raise PoolStartError("\n".join(sorted(failures)))
 
 
-def pool_mesh(pool: Any, model_config: dict[str, Any] | str, *, seed: int,
-              env: dict[str, str], max_len: int | None = None,
-              weights_key: str | None = None,
-              restart_timeout: float | None = None) -> AbstractAsyncContextManager[Mesh[Any]]:
+def pool_mesh(
+    pool: Any,
+    model_config: dict[str, Any] | str,
+    *,
+    seed: int,
+    env: dict[str, str],
+    max_len: int | None = None,
+    weights_key: str | None = None,
+    restart_timeout: float | None = None,
+) -> AbstractAsyncContextManager[Mesh[Any]]:
     """The ``open_mesh`` context of the pool's samplers (see the module docstring).
 
     Samplers start with no weights (version -1) and wait for the trainer's keyframe.
@@ -143,16 +156,34 @@ def pool_mesh(pool: Any, model_config: dict[str, Any] | str, *, seed: int,
         placement = {"hosts": specs, "curve": curve}
     sglang = None
     if pool.backend == "sglang":
-        sglang = {"urls": pool.urls, "weights_dir": pool.weights_dir,
-                  "launch": pool.launch.model_dump() if pool.launch is not None else None}
+        sglang = {
+            "urls": pool.urls,
+            "weights_dir": pool.weights_dir,
+            "launch": pool.launch.model_dump() if pool.launch is not None else None,
+        }
     return open_mesh(
-        SamplerActor, pool.name, pool.precision, model_config, pool.device,
-        init_seed=None, max_batch=pool.capacity, max_len=max_len,
-        staleness_budget=pool.staleness_budget, weights_key=weights_key,
-        seed=seed, backend=pool.backend, sglang=sglang, gpus=pool_gpus(pool),
-        prefix_cache=pool.prefix_cache, stale_prefix=pool.stale_prefix,
-        procs=pool_procs(pool), name=f"sampler-{pool.name}", env=env,
-        restart_timeout=restart_timeout, **placement)
+        SamplerActor,
+        pool.name,
+        pool.precision,
+        model_config,
+        pool.device,
+        init_seed=None,
+        max_batch=pool.capacity,
+        max_len=max_len,
+        staleness_budget=pool.staleness_budget,
+        weights_key=weights_key,
+        seed=seed,
+        backend=pool.backend,
+        sglang=sglang,
+        gpus=pool_gpus(pool),
+        prefix_cache=pool.prefix_cache,
+        stale_prefix=pool.stale_prefix,
+        procs=pool_procs(pool),
+        name=f"sampler-{pool.name}",
+        env=env,
+        restart_timeout=restart_timeout,
+        **placement,
+    )
 
 
 async def gpu_warnings(pool: Any, mesh: Mesh[Any]) -> list[str]:
@@ -177,6 +208,7 @@ def identity_env(pools: list[Any]) -> dict[str, str]:
     if not dirs:
         return {}
     if len(dirs) > 1:
-        raise PoolStartError(f"pools with hosts name different keys directories ({', '.join(dirs)}); "
-                             "use one for all of them")
+        raise PoolStartError(
+            f"pools with hosts name different keys directories ({', '.join(dirs)}); use one for all of them"
+        )
     return Curve.from_dir(dirs[0]).to_env()

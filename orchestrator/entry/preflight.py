@@ -82,8 +82,7 @@ def _check_model(cfg: RunConfig) -> int:
         if not Path(path).is_dir():
             raise ConfigError(f"model.path {path!r}: no such directory")
         if cfg.model.overrides:
-            raise ConfigError("model.overrides: only for the built-in model (a checkpoint's "
-                              "config.json is its own)")
+            raise ConfigError("model.overrides: only for the built-in model (a checkpoint's config.json is its own)")
         try:
             hf = load_model_config(path)
             params, _ = checkpoint_params(path)
@@ -92,8 +91,9 @@ def _check_model(cfg: RunConfig) -> int:
         _check_tokenizer(path, hf.vocab_size, cfg.model.chat_template_kwargs)
     positions = getattr(hf, "max_position_embeddings", None)
     if positions is not None and cfg.model.max_seq_len > positions:
-        raise ConfigError(f"model.max_seq_len={cfg.model.max_seq_len} exceeds the model's "
-                          f"max_position_embeddings={positions}")
+        raise ConfigError(
+            f"model.max_seq_len={cfg.model.max_seq_len} exceeds the model's max_position_embeddings={positions}"
+        )
     return params
 
 
@@ -104,12 +104,14 @@ def _check_tokenizer(path: str, model_vocab: int, template_kwargs: dict[str, Any
         fmt = load_chat_format(path, template_kwargs)
         if isinstance(fmt, HFChatFormat):  # the template must render (Jinja errors surface here)
             fmt.render([{"role": "user", "content": "hi"}], generation_prompt=True)
-    except Exception as e:  # noqa: BLE001 - tokenizer/Jinja errors of many types, one line
+    except Exception as e:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(f"model.path {path!r}: tokenizer: {msg}") from None
     if isinstance(fmt, HFChatFormat) and fmt.vocab_size > model_vocab:
-        raise ConfigError(f"model.path {path!r}: the tokenizer has {fmt.vocab_size} tokens but "
-                          f"the model only {model_vocab} embedding rows")
+        raise ConfigError(
+            f"model.path {path!r}: the tokenizer has {fmt.vocab_size} tokens but "
+            f"the model only {model_vocab} embedding rows"
+        )
 
 
 def _check_memory(params: int, cfg: RunConfig) -> None:
@@ -121,25 +123,24 @@ def _check_memory(params: int, cfg: RunConfig) -> None:
         where = cfg.model.path or "the built-in model"
         raise ConfigError(
             f"model {where}: {params / 1e9:.3g}B parameters need about {_gib(need)} of memory "
-            f"for the trainer and the CPU samplers on this machine; {_gib(available)} available")
+            f"for the trainer and the CPU samplers on this machine; {_gib(available)} available"
+        )
 
 
 def _check_task(cfg: RunConfig, dataset: Any, eval_dataset: Any) -> list[str]:
     from actors.env import TaskCheckError, check_task
 
-    modules = [str(Path(m).resolve()) if m.endswith(".py") or "/" in m else m
-               for m in cfg.task.modules]
-    if cfg.task.kind == "harness":   # no registered environment: the harness is the task
+    modules = [str(Path(m).resolve()) if m.endswith(".py") or "/" in m else m for m in cfg.task.modules]
+    if cfg.task.kind == "harness":  # no registered environment: the harness is the task
         _check_harness(cfg)
         return modules
-    if cfg.task.kind == "verifiers":   # played via the gateway: load the environment once
+    if cfg.task.kind == "verifiers":  # played via the gateway: load the environment once
         _check_verifiers(cfg, modules)
         return modules
     if cfg.eval.every and dataset is not None and eval_dataset is None:
-        raise ConfigError("eval: task.dataset is set but task.eval_dataset is not (evaluation "
-                          "plays held-out rows)")
+        raise ConfigError("eval: task.dataset is set but task.eval_dataset is not (evaluation plays held-out rows)")
     samples = [(d.rows[0], d.where(0)) for d in (dataset, eval_dataset) if d is not None]
-    if dataset is None:   # the task's own params make the instances
+    if dataset is None:  # the task's own params make the instances
         samples.insert(0, ({}, ""))
     for row, where in samples:
         try:
@@ -157,17 +158,19 @@ def _check_verifiers(cfg: RunConfig, modules: list[str]) -> None:
     from actors.env.libs._verifiers import check_environment
 
     try:
-        import_task_modules(modules)   # the environment may live in one of them
+        import_task_modules(modules)  # the environment may live in one of them
     except TaskModuleError as e:
         raise ConfigError(f"task.modules: {e}") from None
     try:
         check_environment(cfg.task.name, cfg.task.params)
     except LibraryMissing as e:
         raise ConfigError(str(e)) from None
-    except Exception as e:  # noqa: BLE001 - whatever loading the user's environment raises
+    except Exception as e:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise ConfigError(f"task.name: verifiers environment {cfg.task.name!r} with params "
-                          f"{cfg.task.params} failed to load: {type(e).__name__}: {msg}") from None
+        raise ConfigError(
+            f"task.name: verifiers environment {cfg.task.name!r} with params "
+            f"{cfg.task.params} failed to load: {type(e).__name__}: {msg}"
+        ) from None
 
 
 def _check_harness(cfg: RunConfig) -> None:
@@ -182,13 +185,12 @@ def _check_harness(cfg: RunConfig) -> None:
         if spec is not None:
             try:
                 resolve(spec)
-            except Exception as e:  # noqa: BLE001 - whatever importing the user's module raises
+            except Exception as e:
                 raise ConfigError(f"task.{key} {spec!r}: {type(e).__name__}: {e}") from None
     if cfg.task.command is not None:
         argv = shlex.split(cfg.task.command)
         if not argv or shutil.which(argv[0]) is None:
-            raise ConfigError(f"task.command {cfg.task.command!r}: program "
-                              f"{argv[0] if argv else ''!r} not found")
+            raise ConfigError(f"task.command {cfg.task.command!r}: program {argv[0] if argv else ''!r} not found")
 
 
 def _load_datasets(cfg: RunConfig) -> tuple[Any, Any]:
@@ -213,5 +215,4 @@ def preflight(cfg: RunConfig) -> Preflight:
     _check_memory(params, cfg)
     dataset, eval_dataset = _load_datasets(cfg)
     modules = _check_task(cfg, dataset, eval_dataset)
-    return Preflight(params=params, task_modules=modules, dataset=dataset,
-                     eval_dataset=eval_dataset)
+    return Preflight(params=params, task_modules=modules, dataset=dataset, eval_dataset=eval_dataset)

@@ -30,19 +30,23 @@ def training_summary(run_dir: Path) -> str:
     first = sum(r["reward_mean"] for r in rows[:k]) / k
     last = sum(r["reward_mean"] for r in rows[-k:]) / k
     end = rows[-1]
-    return (f"steps {rows[0]['step']}..{end['step']} in {end['wall_s']:.0f}s of the last session | "
-            f"reward {first:.3f} (first {k}) -> {last:.3f} (last {k}) | "
-            f"dropped stale {end['dropped_stale']}, failed {end['dropped_failed']} | "
-            f"cost ${end['cost_usd']:.4f}" + _eval_summary(evals))
+    return (
+        f"steps {rows[0]['step']}..{end['step']} in {end['wall_s']:.0f}s of the last session | "
+        f"reward {first:.3f} (first {k}) -> {last:.3f} (last {k}) | "
+        f"dropped stale {end['dropped_stale']}, failed {end['dropped_failed']} | "
+        f"cost ${end['cost_usd']:.4f}" + _eval_summary(evals)
+    )
 
 
 def _eval_summary(evals: list[dict]) -> str:
     if not evals:
         return ""
     first, last = evals[0], evals[-1]
-    return (f"\neval reward {first['eval_reward']:.3f} (step {first['step']}) -> "
-            f"{last['eval_reward']:.3f} (step {last['step']}, version {last['eval_version']}), "
-            f"{len(evals)} evaluations")
+    return (
+        f"\neval reward {first['eval_reward']:.3f} (step {first['step']}) -> "
+        f"{last['eval_reward']:.3f} (step {last['step']}, version {last['eval_version']}), "
+        f"{len(evals)} evaluations"
+    )
 
 
 def print_report(run_dir: str | Path) -> int:
@@ -53,8 +57,7 @@ def print_report(run_dir: str | Path) -> int:
     html = _write_html(run_dir)
     path = run_dir / "cost_report.json"
     if not path.exists():
-        print(f"flotilla: {path} not found (is {run_dir} a run directory of a finished run?)",
-              file=sys.stderr)
+        print(f"flotilla: {path} not found (is {run_dir} a run directory of a finished run?)", file=sys.stderr)
         return 2 if html is None else 0
     report = CostReport.model_validate_json(path.read_text())
     markdown = report.to_markdown()

@@ -24,14 +24,6 @@ from typing import Any
 
 import trio
 
-from orchestrator.state.checkpoints import (
-    CheckpointError,
-    latest_checkpoint,
-    repair_jsonl,
-    save_checkpoint_dir,
-    write_file_atomic,
-)
-from orchestrator.state.config import ConfigError, RunConfig, check_runnable, load_config
 from orchestrator.controller import (
     STATE_FILE,
     Controller,
@@ -44,8 +36,16 @@ from orchestrator.entry.live import make_progress
 from orchestrator.entry.outputs import finish_outputs
 from orchestrator.entry.pool_mesh import check_hosts, gpu_warnings, identity_env, pool_mesh
 from orchestrator.entry.preflight import preflight
-from orchestrator.state.progress import Progress
 from orchestrator.runtime import ActorError, open_mesh, span
+from orchestrator.state.checkpoints import (
+    CheckpointError,
+    latest_checkpoint,
+    repair_jsonl,
+    save_checkpoint_dir,
+    write_file_atomic,
+)
+from orchestrator.state.config import ConfigError, RunConfig, check_runnable, load_config
+from orchestrator.state.progress import Progress
 from orchestrator.state.sinks import open_sinks
 from orchestrator.state.telemetry import MetricsLog, setup_run_telemetry
 
@@ -112,8 +112,7 @@ class DiskCheckpoints:
             await trainer.save_checkpoint(str(staging))
             state.save(staging)
 
-        await save_checkpoint_dir(self.directory.parent, write, meta={"step": state.step},
-                                  name=self.directory.name)
+        await save_checkpoint_dir(self.directory.parent, write, meta={"step": state.step}, name=self.directory.name)
 
     async def restore(self, trainer: TrainerLink) -> tuple[int, int]:
         # Finish an interrupted swap and fall back past a checkpoint that fails verification
@@ -150,8 +149,13 @@ def _checkpoint_error(exc: BaseException) -> CheckpointError | None:
     return None
 
 
-async def run_async(cfg: RunConfig, *, resume: bool = False, progress: Progress | None = None,
-                    observer: Callable[[RunHandles], Awaitable[None]] | None = None) -> RunResult:
+async def run_async(
+    cfg: RunConfig,
+    *,
+    resume: bool = False,
+    progress: Progress | None = None,
+    observer: Callable[[RunHandles], Awaitable[None]] | None = None,
+) -> RunResult:
     """Run (or resume) training to `cfg.steps`; see the module docstring.
 
     Cancellation stops every actor process; an interrupt (SIGINT) finishes the step in
@@ -171,8 +175,9 @@ async def run_async(cfg: RunConfig, *, resume: bool = False, progress: Progress 
         raise found from None
 
 
-async def _run_async(cfg: RunConfig, *, resume: bool, progress: Progress | None,
-                     observer: Callable[[RunHandles], Awaitable[None]] | None) -> RunResult:
+async def _run_async(
+    cfg: RunConfig, *, resume: bool, progress: Progress | None, observer: Callable[[RunHandles], Awaitable[None]] | None
+) -> RunResult:
     from actors.env import EnvActor, EnvConfig
     from actors.trainer import TrainerGroup, trainer_mesh
     from hardware import CostLedger, Scheduler, ThroughputModel
@@ -199,8 +204,9 @@ async def _run_async(cfg: RunConfig, *, resume: bool, progress: Progress | None,
         _truncate_metrics(run_dir / "metrics.jsonl", state.step)
     else:
         if (run_dir / "metrics.jsonl").exists():
-            raise ConfigError(f"{run_dir}: a run with this name exists; use --resume {run_dir} "
-                              f"or another name (--set name=...)")
+            raise ConfigError(
+                f"{run_dir}: a run with this name exists; use --resume {run_dir} or another name (--set name=...)"
+            )
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(cfg.resolved_json())
     setup_run_telemetry(run_dir)
@@ -209,8 +215,9 @@ async def _run_async(cfg: RunConfig, *, resume: bool, progress: Progress | None,
 
     model_cfg = _model_config(cfg)
     precisions = sorted({p.precision for p in cfg.pools})
-    trainer_cfg = cfg.trainer.model_copy(update={
-        "recipe": cfg.recipe, "seed": cfg.model.seed, "model": model_cfg, "precisions": precisions})
+    trainer_cfg = cfg.trainer.model_copy(
+        update={"recipe": cfg.recipe, "seed": cfg.model.seed, "model": model_cfg, "precisions": precisions}
+    )
     env = _actor_env(cfg, cfg.placement.sampler_cpus)
     scheduler = Scheduler(cfg.pools, ThroughputModel(cfg.pools, _model_spec(checked.params)))
     # Emulated pools are billed their measured busy seconds at the labelled GPU's price
@@ -223,8 +230,10 @@ async def _run_async(cfg: RunConfig, *, resume: bool, progress: Progress | None,
         except ValueError as e:
             raise ConfigError(f"{ckpt_dir / STATE_FILE}: {e}") from None
 
-    progress.message(f"flotilla: run {cfg.name} → {run_dir} ({cfg.mode}, {len(cfg.pools)} pools, "
-                     f"{'resuming at step ' + str(state.step) if resume else 'starting'})")
+    progress.message(
+        f"flotilla: run {cfg.name} → {run_dir} ({cfg.mode}, {len(cfg.pools)} pools, "
+        f"{'resuming at step ' + str(state.step) if resume else 'starting'})"
+    )
     sinks = open_sinks(cfg.telemetry, run_dir, cfg.name, json.loads(cfg.resolved_json()))
     metrics = MetricsLog(run_dir / "metrics.jsonl", sinks=sinks)
     # The trainer always names the checkpoint directory: a trainer respawned mid-run
@@ -233,20 +242,42 @@ async def _run_async(cfg: RunConfig, *, resume: bool, progress: Progress | None,
     # travels in their constructor arguments: CurveZMQ-encrypted across machines).
     weights_key = secrets.token_hex(32)
     meshes: dict[str, Any] = {
-        "trainer": trainer_mesh(trainer_cfg, str(ckpt_dir), not resume, weights_key=weights_key,
-                                name="trainer", env=_actor_env(cfg, cfg.placement.trainer_cpus)),
-        "env": open_mesh(EnvActor, _env_config(cfg, EnvConfig(
-                             step_timeout_s=cfg.task.episode_timeout_s, max_seq_len=cfg.model.max_seq_len,
-                             model_path=model_cfg if isinstance(model_cfg, str) else None,
-                             chat_template_kwargs=cfg.model.chat_template_kwargs,
-                             task_modules=checked.task_modules)),
-                         procs=cfg.task.env_actors, name="env", env={**env, **identity_env(cfg.pools)},
-                         restart_timeout=cfg.faults.restart_timeout_s),
+        "trainer": trainer_mesh(
+            trainer_cfg,
+            str(ckpt_dir),
+            not resume,
+            weights_key=weights_key,
+            name="trainer",
+            env=_actor_env(cfg, cfg.placement.trainer_cpus),
+        ),
+        "env": open_mesh(
+            EnvActor,
+            _env_config(
+                cfg,
+                EnvConfig(
+                    step_timeout_s=cfg.task.episode_timeout_s,
+                    max_seq_len=cfg.model.max_seq_len,
+                    model_path=model_cfg if isinstance(model_cfg, str) else None,
+                    chat_template_kwargs=cfg.model.chat_template_kwargs,
+                    task_modules=checked.task_modules,
+                ),
+            ),
+            procs=cfg.task.env_actors,
+            name="env",
+            env={**env, **identity_env(cfg.pools)},
+            restart_timeout=cfg.faults.restart_timeout_s,
+        ),
     }
     for pc in cfg.pools:  # samplers start without weights and wait for the trainer's keyframe
-        meshes[f"pool:{pc.name}"] = pool_mesh(pc, model_cfg, seed=cfg.seed, env=env,
-                                              max_len=cfg.model.max_seq_len, weights_key=weights_key,
-                                              restart_timeout=cfg.faults.restart_timeout_s)
+        meshes[f"pool:{pc.name}"] = pool_mesh(
+            pc,
+            model_cfg,
+            seed=cfg.seed,
+            env=env,
+            max_len=cfg.model.max_seq_len,
+            weights_key=weights_key,
+            restart_timeout=cfg.faults.restart_timeout_s,
+        )
     checkpoints = DiskCheckpoints(ckpt_dir, warn)
     async with trio.open_nursery() as actors:
         with span("startup", pools=len(cfg.pools)):
@@ -255,14 +286,25 @@ async def _run_async(cfg: RunConfig, *, resume: bool, progress: Progress | None,
             for warning in await gpu_warnings(pc, opened[f"pool:{pc.name}"]):
                 progress.message(f"flotilla: warning: {warning}")
         # Several trainer ranks (FSDP2) are one link too; the controller cannot tell.
-        trainer = (MeshTrainer(opened["trainer"]) if opened["trainer"].size == 1
-                   else TrainerGroup(opened["trainer"]))
-        links = Links(trainer=trainer, envs=MeshEnvs(opened["env"]),
-                      pools={pc.name: MeshPool(pc, opened[f"pool:{pc.name}"]) for pc in cfg.pools})
+        trainer = MeshTrainer(opened["trainer"]) if opened["trainer"].size == 1 else TrainerGroup(opened["trainer"])
+        links = Links(
+            trainer=trainer,
+            envs=MeshEnvs(opened["env"]),
+            pools={pc.name: MeshPool(pc, opened[f"pool:{pc.name}"]) for pc in cfg.pools},
+        )
         state.version = await trainer.version()
-        controller = Controller(cfg, links, state, scheduler=scheduler, ledger=ledger,
-                                metrics=metrics, progress=progress, checkpoints=checkpoints,
-                                dataset=checked.dataset, eval_dataset=checked.eval_dataset)
+        controller = Controller(
+            cfg,
+            links,
+            state,
+            scheduler=scheduler,
+            ledger=ledger,
+            metrics=metrics,
+            progress=progress,
+            checkpoints=checkpoints,
+            dataset=checked.dataset,
+            eval_dataset=checked.eval_dataset,
+        )
         try:
             async with trio.open_nursery() as beside:
                 if observer is not None:
@@ -278,8 +320,15 @@ async def _run_async(cfg: RunConfig, *, resume: bool, progress: Progress | None,
     cost_report = ledger.report()
     cost_report.write(run_dir)
     finish_outputs(run_dir, sinks, cost_report, state.step, progress)
-    result = RunResult(run_dir, state.step, state.version, controller.interrupted,
-                       controller.counts(), time.monotonic() - t0, controller.failure)
+    result = RunResult(
+        run_dir,
+        state.step,
+        state.version,
+        controller.interrupted,
+        controller.counts(),
+        time.monotonic() - t0,
+        controller.failure,
+    )
     how = "stopped" if result.failure else "interrupted" if result.interrupted else "done"
     progress.message(f"flotilla: {how} at step {result.steps_done}, {result.wall_s:.0f}s; reports in {run_dir}")
     return result
@@ -294,8 +343,13 @@ def _env_config(cfg: RunConfig, env_config: Any) -> Any:
         return env_config
     from actors.gateway import HarnessConfig
 
-    harness = HarnessConfig(command=cfg.task.command, entrypoint=cfg.task.entrypoint, grader=cfg.task.grader,
-                            timeout_s=cfg.task.episode_timeout_s, max_new_tokens=cfg.task.max_new_tokens)
+    harness = HarnessConfig(
+        command=cfg.task.command,
+        entrypoint=cfg.task.entrypoint,
+        grader=cfg.task.grader,
+        timeout_s=cfg.task.episode_timeout_s,
+        max_new_tokens=cfg.task.max_new_tokens,
+    )
     return env_config.model_copy(update={"harness": harness})
 
 
@@ -319,8 +373,9 @@ async def _open_all(actors: trio.Nursery, meshes: dict[str, Any]) -> dict[str, A
     return opened
 
 
-def run(config: RunConfig | str | Path, *, overrides: list[str] | None = None,
-        resume: bool = False, quiet: bool = False) -> RunResult:
+def run(
+    config: RunConfig | str | Path, *, overrides: list[str] | None = None, resume: bool = False, quiet: bool = False
+) -> RunResult:
     """Blocking entry point: `from orchestrator import run; run("examples/guess_number.toml")`."""
     cfg = config if isinstance(config, RunConfig) else load_config(config, overrides)
     progress = make_progress(cfg.steps, quiet=quiet)
@@ -330,8 +385,9 @@ def run(config: RunConfig | str | Path, *, overrides: list[str] | None = None,
         progress.close()
 
 
-def run_from_cli(config: str | None, *, overrides: list[str], steps: int | None, mode: str | None,
-                 resume: str | None, quiet: bool) -> int:
+def run_from_cli(
+    config: str | None, *, overrides: list[str], steps: int | None, mode: str | None, resume: str | None, quiet: bool
+) -> int:
     extra = list(overrides)
     if steps is not None:
         extra.append(f"steps={steps}")

@@ -80,9 +80,9 @@ def _adapter(ann: Any) -> TypeAdapter[Any] | None:
     except PydanticUserError:  # models and dataclasses carry their own config
         try:
             return TypeAdapter(ann)
-        except Exception:  # noqa: BLE001 - an annotation pydantic cannot check is not checked
+        except Exception:
             return None
-    except Exception:  # noqa: BLE001
+    except Exception:
         return None
 
 
@@ -90,13 +90,13 @@ def _hints(fn: Callable[..., Any]) -> dict[str, Any]:
     fn = inspect.unwrap(fn)
     try:
         return typing.get_type_hints(fn)
-    except Exception:  # noqa: BLE001 - names imported only under TYPE_CHECKING
+    except Exception:
         hints: dict[str, Any] = {}
         for name, ann in getattr(fn, "__annotations__", {}).items():
             if isinstance(ann, str):
                 try:
                     ann = eval(ann, fn.__globals__)
-                except Exception:  # noqa: BLE001
+                except Exception:
                     ann = Any
             hints[name] = ann
         return hints
@@ -112,13 +112,12 @@ class _Spec:
         self.signature = sig.replace(parameters=params)
         hints = _hints(fn)
         self.params = {p.name: _Param(p.name, hints.get(p.name, Any)) for p in params}
-        self.var_kw = next((self.params[p.name] for p in params
-                            if p.kind is p.VAR_KEYWORD), None)
-        self.var_pos = next((self.params[p.name] for p in params
-                             if p.kind is p.VAR_POSITIONAL), None)
+        self.var_kw = next((self.params[p.name] for p in params if p.kind is p.VAR_KEYWORD), None)
+        self.var_pos = next((self.params[p.name] for p in params if p.kind is p.VAR_POSITIONAL), None)
         # Positional-or-keyword parameters that a plain positional call fills in order.
-        self.positional = [self.params[p.name] for p in params
-                           if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        self.positional = [
+            self.params[p.name] for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
         self.simple = all(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
         self.required = sum(1 for p in params if p.default is p.empty)
         ret = hints.get("return", Any)
@@ -134,8 +133,7 @@ class _Spec:
         except TypeError as exc:
             raise TypeError(f"{self.qualname}: {exc}") from None
 
-    def validate_args(self, args: list[Any], kwargs: dict[str, Any]
-                      ) -> tuple[list[Any], dict[str, Any]]:
+    def validate_args(self, args: list[Any], kwargs: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
         """Receiver side: bind and validate; raises TypeError/ValidationError on bad input."""
         if self.simple and not kwargs and self.required <= len(args) <= len(self.positional):
             return [p.check(v) for p, v in zip(self.positional, args, strict=False)], kwargs
@@ -167,8 +165,7 @@ class EndpointDef(Generic[P, R]):
     def __init__(self, fn: Callable[..., Any]) -> None:
         self.fn = fn
         self.name: str = fn.__name__
-        self.is_async = inspect.iscoroutinefunction(inspect.unwrap(fn)) or \
-            inspect.iscoroutinefunction(fn)
+        self.is_async = inspect.iscoroutinefunction(inspect.unwrap(fn)) or inspect.iscoroutinefunction(fn)
         self._spec: _Spec | None = None
         self._owner = ""
 

@@ -44,8 +44,7 @@ R = TypeVar("R")
 class EndpointRef(Generic[P, R]):
     """One endpoint on a set of ranks of a mesh (all of them, or one for ``mesh[i]``)."""
 
-    def __init__(self, src: ConnectionSource, ranks: list[int], name: str,
-                 ep: EndpointDef[P, R] | None) -> None:
+    def __init__(self, src: ConnectionSource, ranks: list[int], name: str, ep: EndpointDef[P, R] | None) -> None:
         self._src = src
         self._ranks = ranks
         self._name = name
@@ -56,17 +55,17 @@ class EndpointRef(Generic[P, R]):
         return f"<endpoint {self._qual} on ranks {self._ranks}>"
 
     # -- building requests ------------------------------------------------------
-    def _header(self, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]
-                ) -> tuple[dict[str, Any], list[Any]]:
+    def _header(self, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
         if self._ep is not None:
             self._ep.spec.check_call(args, kwargs)
         frames: list[Any] = []
-        a = [v if type(v) in SCALARS else encode(v, frames, where=f"{self._qual} argument {i}")
-             for i, v in enumerate(args)]
+        a = [
+            v if type(v) in SCALARS else encode(v, frames, where=f"{self._qual} argument {i}")
+            for i, v in enumerate(args)
+        ]
         header: dict[str, Any] = {"kind": kind, "endpoint": self._name, "args": a}
         if kwargs:
-            header["kwargs"] = {k: encode(v, frames, where=f"{self._qual} argument {k!r}")
-                           for k, v in kwargs.items()}
+            header["kwargs"] = {k: encode(v, frames, where=f"{self._qual} argument {k!r}") for k, v in kwargs.items()}
         tp = current_traceparent()
         if tp is not None:
             header["trace"] = tp
@@ -80,9 +79,8 @@ class EndpointRef(Generic[P, R]):
             return self._ep.spec.validate_return(value)
         except TypeError:
             raise
-        except Exception as exc:  # noqa: BLE001 - pydantic ValidationError
-            raise TypeError(f"{self._qual} returned a value that does not match its "
-                            f"annotation: {exc}") from None
+        except Exception as exc:
+            raise TypeError(f"{self._qual} returned a value that does not match its annotation: {exc}") from None
 
     async def _wait(self, p: Pending) -> Any:
         await p.wait()
@@ -94,8 +92,7 @@ class EndpointRef(Generic[P, R]):
     async def call_one(self, *args: P.args, **kwargs: P.kwargs) -> R:
         """Call exactly one actor (the target must have one rank) and return its value."""
         if len(self._ranks) != 1:
-            raise ValueError(f"call_one on {len(self._ranks)} actors; index the mesh "
-                             "(mesh[i]) or use call/choose")
+            raise ValueError(f"call_one on {len(self._ranks)} actors; index the mesh (mesh[i]) or use call/choose")
         rank = self._ranks[0]
         header, frames = self._header("call", args, kwargs)
         try:
@@ -146,8 +143,7 @@ class EndpointRef(Generic[P, R]):
                 await trio.lowlevel.checkpoint()
                 raise first_death
             # Every candidate is restarting: wait for the first rank to come back.
-            return await EndpointRef(self._src, self._ranks[:1], self._name, self._ep
-                                     ).call_one(*args, **kwargs)
+            return await EndpointRef(self._src, self._ranks[:1], self._name, self._ep).call_one(*args, **kwargs)
         try:
             p = best[2].request(header, frames, reply=True, rank=best[1])
         except ActorDied:
@@ -180,8 +176,7 @@ class _Stream(AsyncIterator[Any]):
     ``aclose()`` is called (which abandons them); their replies are dropped.
     """
 
-    def __init__(self, ref: EndpointRef[Any, Any], header: dict[str, Any],
-                 frames: list[Any]) -> None:
+    def __init__(self, ref: EndpointRef[Any, Any], header: dict[str, Any], frames: list[Any]) -> None:
         self._ref = ref
         self._header = header
         self._frames = frames
@@ -202,8 +197,7 @@ class _Stream(AsyncIterator[Any]):
         self._remaining = len(self._ref._ranks)
         for rank in self._ref._ranks:
             conn = await self._ref._src.connect(rank)
-            p = conn.request(dict(self._header), self._frames, reply=True, sink=self._sink,
-                             rank=rank)
+            p = conn.request(dict(self._header), self._frames, reply=True, sink=self._sink, rank=rank)
             assert p is not None
             self._pending.append(p)
 

@@ -22,6 +22,7 @@ from ._zsock import context, tune
 
 __all__ = ["main"]
 
+
 async def _stop_with_parent(parent_pid: int, scope: trio.CancelScope) -> None:
     """Stop when the spawning process exits (a pidfd: no polling).
 
@@ -47,8 +48,11 @@ async def _serve(cls: Any, args: argparse.Namespace) -> None:
     ctx = context()
     curve = Curve.from_env()
     trust_self = os.environ.get(TRUST_SELF_ENV, "1") != "0"
-    auth = start_authenticator(ctx, curve, trust_self=trust_self) if curve is not None and args.bind.startswith(
-        "tcp://") else None
+    auth = (
+        start_authenticator(ctx, curve, trust_self=trust_self)
+        if curve is not None and args.bind.startswith("tcp://")
+        else None
+    )
     sock = ctx.socket(zmq.ROUTER)
     try:
         tune(sock, tcp=args.bind.startswith("tcp://"))
@@ -107,8 +111,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ready-fd", type=int, default=None)
     p.add_argument("--parent-pid", type=int, default=None)
     p.add_argument("--advertise", default=None, help="host name to report instead of the bind IP")
-    p.add_argument("--autostart", action="store_true",
-                   help="construct the actor without arguments instead of waiting for init")
+    p.add_argument(
+        "--autostart", action="store_true", help="construct the actor without arguments instead of waiting for init"
+    )
     args = p.parse_args(argv)
     _actor.rank_of_this_process = args.rank
     if args.parent_pid is not None:

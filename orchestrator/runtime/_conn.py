@@ -33,8 +33,13 @@ from ._zsock import SPIN_S, ZSocket, context, log, log_repeated, tune
 
 __all__ = ["Connection", "ConnectionSource", "Pending", "close_connection", "connection", "reply_value"]
 
-_EVENTS = (zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-           | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+_EVENTS = (
+    zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
 _monitor_ids = itertools.count()
 
 
@@ -47,8 +52,7 @@ class Pending:
 
     __slots__ = ("conn", "done", "error", "frames", "header", "rank", "rid", "sink", "t0", "task")
 
-    def __init__(self, conn: Connection, rid: int, sink: Callable[[Pending], None] | None,
-                 rank: int) -> None:
+    def __init__(self, conn: Connection, rid: int, sink: Callable[[Pending], None] | None, rank: int) -> None:
         self.conn = conn
         self.rid = rid
         self.done = False
@@ -109,8 +113,16 @@ class Pending:
 class Connection:
     """A DEALER socket to one actor address with request-id demultiplexing."""
 
-    def __init__(self, address: str, *, name: str, rank: int, server_key: bytes | None,
-                 identity: Any | None, connect_timeout: float | None) -> None:
+    def __init__(
+        self,
+        address: str,
+        *,
+        name: str,
+        rank: int,
+        server_key: bytes | None,
+        identity: Any | None,
+        connect_timeout: float | None,
+    ) -> None:
         self.address = address
         self.name = name
         self.rank = rank
@@ -128,8 +140,9 @@ class Connection:
         tune(sock, tcp=address.startswith("tcp://"))
         if server_key is not None:
             if identity is None:
-                raise ValueError(f"{address} needs CurveZMQ: pass curve= to open_mesh "
-                                 "or set FLOTILLA_CURVE_* in this process")
+                raise ValueError(
+                    f"{address} needs CurveZMQ: pass curve= to open_mesh or set FLOTILLA_CURVE_* in this process"
+                )
             sock.curve_serverkey = server_key
             sock.curve_publickey = identity.public
             sock.curve_secretkey = identity.secret
@@ -147,8 +160,15 @@ class Connection:
         self._mon = ZSocket(mon, self._on_event, close_on_exit=False, copy_parts=2)
 
     # -- sending ---------------------------------------------------------------
-    def request(self, header: dict[str, Any], frames: list[Any], *, reply: bool,
-                sink: Callable[[Pending], None] | None = None, rank: int = 0) -> Pending | None:
+    def request(
+        self,
+        header: dict[str, Any],
+        frames: list[Any],
+        *,
+        reply: bool,
+        sink: Callable[[Pending], None] | None = None,
+        rank: int = 0,
+    ) -> Pending | None:
         """Send a request; returns its pending entry (None for fire-and-forget).
 
         Raises ActorDied at once when the connection is dead.
@@ -200,9 +220,14 @@ class Connection:
             self.connected = False
             self.fail(ActorDied(self.name, self.rank, f"connection to {self.address} lost"))
         elif ev == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-            self.fail(ActorDied(self.name, self.rank,
-                                f"refused by {self.address}: CurveZMQ authentication failed "
-                                "(this process's public key is not in the actor's allowed keys)"))
+            self.fail(
+                ActorDied(
+                    self.name,
+                    self.rank,
+                    f"refused by {self.address}: CurveZMQ authentication failed "
+                    "(this process's public key is not in the actor's allowed keys)",
+                )
+            )
         else:
             self.fail(ActorDied(self.name, self.rank, f"handshake with {self.address} failed"))
 
@@ -222,8 +247,9 @@ class Connection:
         assert self._connect_timeout is not None
         await trio.sleep(self._connect_timeout)
         if not self.connected and self.dead is None:
-            self.fail(ActorDied(self.name, self.rank, f"no connection to {self.address} "
-                                f"within {self._connect_timeout:g} s"))
+            self.fail(
+                ActorDied(self.name, self.rank, f"no connection to {self.address} within {self._connect_timeout:g} s")
+            )
 
     async def run(self) -> None:
         """Reader and monitor tasks; on exit the sockets are closed and pending calls fail."""
@@ -234,7 +260,7 @@ class Connection:
                     nursery.start_soon(self._mon.run)
                     if self._connect_timeout is not None:
                         nursery.start_soon(self._watch_connect)
-        except Exception as exc:  # noqa: BLE001 - a system task must never crash the run
+        except Exception as exc:
             log(f"connection to {self.address} failed: {exc!r}")
         finally:
             if not self.z.closed:
@@ -263,16 +289,24 @@ def _conns() -> dict[_ConnKey, Connection]:
         return conns
 
 
-def connection(address: str, *, name: str, rank: int, server_key: bytes | None = None,
-               identity: Any | None = None, connect_timeout: float | None = 10.0) -> Connection:
+def connection(
+    address: str,
+    *,
+    name: str,
+    rank: int,
+    server_key: bytes | None = None,
+    identity: Any | None = None,
+    connect_timeout: float | None = 10.0,
+) -> Connection:
     """The shared connection of this trio loop to ``address`` (for this server key and
     client identity), opened on first use."""
     conns = _conns()
     key = (address, server_key, identity.public if identity is not None else None)
     conn = conns.get(key)
     if conn is None or conn.z.closed:
-        conn = Connection(address, name=name, rank=rank, server_key=server_key,
-                          identity=identity, connect_timeout=connect_timeout)
+        conn = Connection(
+            address, name=name, rank=rank, server_key=server_key, identity=identity, connect_timeout=connect_timeout
+        )
         conn.registry_key = key
         conns[key] = conn
         trio.lowlevel.spawn_system_task(conn.run, name=f"flotilla-conn {address}")

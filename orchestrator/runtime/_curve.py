@@ -45,8 +45,7 @@ def _check_private(path: Path, *, want: int) -> None:
     mode = stat.S_IMODE(path.stat().st_mode)
     if mode & 0o077:
         what = "key directory" if path.is_dir() else "secret key file"
-        raise KeyFileError(f"{what} {path} is accessible to other users (mode {mode:04o}); "
-                           f"run: chmod {want:o} {path}")
+        raise KeyFileError(f"{what} {path} is accessible to other users (mode {mode:04o}); run: chmod {want:o} {path}")
 
 
 @dataclass(frozen=True)
@@ -89,9 +88,11 @@ class Curve:
 
     def to_env(self) -> dict[str, str]:
         """How a spawner hands this identity to a child process it trusts."""
-        return {"FLOTILLA_CURVE_PUBLIC": self.public.decode(),
-                "FLOTILLA_CURVE_SECRET": self.secret.decode(),
-                "FLOTILLA_CURVE_ALLOWED": ",".join(k.decode() for k in sorted(self.allowed))}
+        return {
+            "FLOTILLA_CURVE_PUBLIC": self.public.decode(),
+            "FLOTILLA_CURVE_SECRET": self.secret.decode(),
+            "FLOTILLA_CURVE_ALLOWED": ",".join(k.decode() for k in sorted(self.allowed)),
+        }
 
     @classmethod
     def from_env(cls) -> Curve | None:
@@ -100,8 +101,7 @@ class Curve:
         if not public or not secret:
             return None
         allowed = os.environ.get("FLOTILLA_CURVE_ALLOWED", "")
-        return cls(public.encode(), secret.encode(),
-                   frozenset(k.encode() for k in allowed.split(",") if k))
+        return cls(public.encode(), secret.encode(), frozenset(k.encode() for k in allowed.split(",") if k))
 
     def serve(self, sock: zmq.Socket[Any]) -> None:
         """Make ``sock`` a CurveZMQ server with this keypair."""
@@ -143,6 +143,7 @@ def start_authenticator(ctx: zmq.Context[Any], curve: Curve, *, trust_self: bool
 
     auth = ThreadAuthenticator(ctx)
     auth.start()
-    auth.configure_curve_callback(domain="*", credentials_provider=_Allowed(
-        curve.allowed | ({curve.public} if trust_self else set())))
+    auth.configure_curve_callback(
+        domain="*", credentials_provider=_Allowed(curve.allowed | ({curve.public} if trust_self else set()))
+    )
     return auth

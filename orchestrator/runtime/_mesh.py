@@ -50,9 +50,16 @@ class Mesh(Generic[A]):
     ``respawn``, ``endpoint``) are reached with ``mesh.endpoint("name")``.
     """
 
-    def __init__(self, name: str, cls_path: str, endpoints: list[str], addresses: list[str],
-                 keys: list[str | None], owner: Owner | None = None,
-                 identity: Curve | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        cls_path: str,
+        endpoints: list[str],
+        addresses: list[str],
+        keys: list[str | None],
+        owner: Owner | None = None,
+        identity: Curve | None = None,
+    ) -> None:
         self.name = name
         self._identity = identity  # client keypair for tcp; None: this process's default
         self._cls_path = cls_path
@@ -109,15 +116,26 @@ class Mesh(Generic[A]):
         return {"kind": "mesh", **self._desc()}
 
     def _desc(self) -> dict[str, Any]:
-        return {"name": self.name, "cls": self._cls_path, "eps": self._ep_names,
-                "addrs": list(self._addresses), "keys": list(self._keys)}
+        return {
+            "name": self.name,
+            "cls": self._cls_path,
+            "eps": self._ep_names,
+            "addrs": list(self._addresses),
+            "keys": list(self._keys),
+        }
 
     @classmethod
     def _from_desc(cls, d: dict[str, Any]) -> Mesh[Any]:
         name, path, eps, addrs, keys = d["name"], d["cls"], d["eps"], d["addrs"], d["keys"]
-        if not (isinstance(name, str) and isinstance(path, str) and _strs(eps)
-                and _strs(addrs) and isinstance(keys, list) and len(keys) == len(addrs)
-                and all(k is None or isinstance(k, str) for k in keys)):
+        if not (
+            isinstance(name, str)
+            and isinstance(path, str)
+            and _strs(eps)
+            and _strs(addrs)
+            and isinstance(keys, list)
+            and len(keys) == len(addrs)
+            and all(k is None or isinstance(k, str) for k in keys)
+        ):
             raise ValueError("malformed mesh descriptor")
         return cls(name, path, eps, addrs, keys)
 
@@ -151,9 +169,13 @@ class Mesh(Generic[A]):
 
     def _remote_connection(self, rank: int) -> Connection:
         key = self._keys[rank]
-        return connection(self._addresses[rank], name=self.name, rank=rank,
-                          server_key=key.encode() if key else None,
-                          identity=(self._identity or default_identity()) if key else None)
+        return connection(
+            self._addresses[rank],
+            name=self.name,
+            rank=rank,
+            server_key=key.encode() if key else None,
+            identity=(self._identity or default_identity()) if key else None,
+        )
 
     # -- supervision ----------------------------------------------------------------
     def respawn(self, rank: int) -> None:
@@ -235,12 +257,21 @@ register_handle_decoder("actor", ActorRef._from_desc)
 
 
 @asynccontextmanager
-async def open_mesh(cls: type[A], *args: Any, procs: int = 1, name: str | None = None,
-                    env: Mapping[str, str] | None = None,
-                    transport: Literal["ipc", "tcp"] = "ipc", curve: Curve | None = None,
-                    hosts: Sequence[HostSpec] | None = None, tcp_host: str = "127.0.0.1",
-                    grace: float = 5.0, on_death: Callable[[ActorDied], None] | None = None,
-                    restart_timeout: float | None = None, **kwargs: Any) -> AsyncIterator[Mesh[A]]:
+async def open_mesh(
+    cls: type[A],
+    *args: Any,
+    procs: int = 1,
+    name: str | None = None,
+    env: Mapping[str, str] | None = None,
+    transport: Literal["ipc", "tcp"] = "ipc",
+    curve: Curve | None = None,
+    hosts: Sequence[HostSpec] | None = None,
+    tcp_host: str = "127.0.0.1",
+    grace: float = 5.0,
+    on_death: Callable[[ActorDied], None] | None = None,
+    restart_timeout: float | None = None,
+    **kwargs: Any,
+) -> AsyncIterator[Mesh[A]]:
     """Spawn ``procs`` processes each running ``cls(*args, **kwargs)``; yield the mesh.
 
     Every rank is constructed before the block starts (a constructor error
@@ -260,8 +291,10 @@ async def open_mesh(cls: type[A], *args: Any, procs: int = 1, name: str | None =
     if not (isinstance(cls, type) and issubclass(cls, Actor)):
         raise TypeError(f"open_mesh needs an Actor subclass, got {cls!r}")
     if "<locals>" in cls.__qualname__ or cls.__module__ == "__main__":
-        raise TypeError(f"{cls.__qualname__} must be defined at top level of an importable "
-                        "module (actor processes import it by name)")
+        raise TypeError(
+            f"{cls.__qualname__} must be defined at top level of an importable "
+            "module (actor processes import it by name)"
+        )
     if procs < 1:
         raise ValueError(f"procs must be >= 1, got {procs}")
     if (transport == "tcp" or hosts) and curve is None:
@@ -277,9 +310,21 @@ async def open_mesh(cls: type[A], *args: Any, procs: int = 1, name: str | None =
     # ActorError or their own exception, not an ExceptionGroup.
     unwrapped: BaseException | None = None
     try:
-        async with _mesh_lifetime(cls, cls_path, name, procs, env, transport, curve, hosts,
-                                  tcp_host, grace, on_death, ((a, w), frames),
-                                  restart_timeout) as mesh:
+        async with _mesh_lifetime(
+            cls,
+            cls_path,
+            name,
+            procs,
+            env,
+            transport,
+            curve,
+            hosts,
+            tcp_host,
+            grace,
+            on_death,
+            ((a, w), frames),
+            restart_timeout,
+        ) as mesh:
             yield mesh
     except BaseExceptionGroup as group:
         if len(group.exceptions) != 1:
@@ -290,32 +335,62 @@ async def open_mesh(cls: type[A], *args: Any, procs: int = 1, name: str | None =
 
 
 @asynccontextmanager
-async def _mesh_lifetime(cls: type[A], cls_path: str, name: str, procs: int,
-                         env: Mapping[str, str] | None, transport: str, curve: Curve | None,
-                         hosts: Sequence[HostSpec] | None, tcp_host: str, grace: float,
-                         on_death: Callable[[ActorDied], None] | None,
-                         init: tuple[Any, list[Any]],
-                         restart_timeout: float | None = None) -> AsyncIterator[Mesh[A]]:
+async def _mesh_lifetime(
+    cls: type[A],
+    cls_path: str,
+    name: str,
+    procs: int,
+    env: Mapping[str, str] | None,
+    transport: str,
+    curve: Curve | None,
+    hosts: Sequence[HostSpec] | None,
+    tcp_host: str,
+    grace: float,
+    on_death: Callable[[ActorDied], None] | None,
+    init: tuple[Any, list[Any]],
+    restart_timeout: float | None = None,
+) -> AsyncIterator[Mesh[A]]:
     async with trio.open_nursery() as nursery:
         host_meshes = []
         if hosts:
             importlib.import_module(".host", __package__)  # typed endpoints for host handles
         for h in hosts or ():
-            host_meshes.append(Mesh(f"host {h.address}", "orchestrator.runtime.host:HostActor",
-                                    ["spawn", "wait_exit", "stop", "signal"], [h.address],
-                                    [h.public_key], identity=curve))
+            host_meshes.append(
+                Mesh(
+                    f"host {h.address}",
+                    "orchestrator.runtime.host:HostActor",
+                    ["spawn", "wait_exit", "stop", "signal"],
+                    [h.address],
+                    [h.public_key],
+                    identity=curve,
+                )
+            )
         keys: list[str | None] = [
-            host_meshes[r % len(host_meshes)]._keys[0] if host_meshes
-            else curve.public.decode() if curve is not None and transport == "tcp" else None
-            for r in range(procs)]
+            host_meshes[r % len(host_meshes)]._keys[0]
+            if host_meshes
+            else curve.public.decode()
+            if curve is not None and transport == "tcp"
+            else None
+            for r in range(procs)
+        ]
         if curve is not None:
             set_default_identity(curve)
-        owner = Owner(name=name, cls_path=cls_path, procs=procs, init=init,
-                      nursery=nursery, env=dict(env or {}), transport=transport, curve=curve,
-                      hosts=host_meshes, tcp_host=tcp_host, grace=grace, on_death=on_death,
-                      restart_timeout=restart_timeout)
-        mesh: Mesh[A] = Mesh(name, cls_path, list(endpoints_of(cls)), [], keys, owner=owner,
-                             identity=curve)
+        owner = Owner(
+            name=name,
+            cls_path=cls_path,
+            procs=procs,
+            init=init,
+            nursery=nursery,
+            env=dict(env or {}),
+            transport=transport,
+            curve=curve,
+            hosts=host_meshes,
+            tcp_host=tcp_host,
+            grace=grace,
+            on_death=on_death,
+            restart_timeout=restart_timeout,
+        )
+        mesh: Mesh[A] = Mesh(name, cls_path, list(endpoints_of(cls)), [], keys, owner=owner, identity=curve)
         try:
             await owner.start_all()
             yield mesh

@@ -45,11 +45,23 @@ class RankSlot:
 class Owner:
     """The owner's view of a mesh: processes, slots, supervision tasks."""
 
-    def __init__(self, *, name: str, cls_path: str, procs: int, init: tuple[Any, list[Any]],
-                 nursery: trio.Nursery, env: dict[str, str], transport: str, curve: Curve | None,
-                 hosts: list[Mesh[Any]], tcp_host: str, grace: float,
-                 on_death: Callable[[ActorDied], None] | None,
-                 restart_timeout: float | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        name: str,
+        cls_path: str,
+        procs: int,
+        init: tuple[Any, list[Any]],
+        nursery: trio.Nursery,
+        env: dict[str, str],
+        transport: str,
+        curve: Curve | None,
+        hosts: list[Mesh[Any]],
+        tcp_host: str,
+        grace: float,
+        on_death: Callable[[ActorDied], None] | None,
+        restart_timeout: float | None = None,
+    ) -> None:
         self.addresses = [""] * procs  # each rank's address; a respawn may change it
         self.name, self.cls_path, self.init = name, cls_path, init
         self.nursery, self.env, self.transport, self.curve = nursery, env, transport, curve
@@ -58,8 +70,7 @@ class Owner:
         self.slots = [RankSlot() for _ in range(procs)]
         self.procs: list[ActorProcess] = []
         self.closing = False
-        self.tmpdir = tempfile.mkdtemp(prefix="flotilla-") if transport == "ipc" and not hosts \
-            else None
+        self.tmpdir = tempfile.mkdtemp(prefix="flotilla-") if transport == "ipc" and not hosts else None
 
     async def _spawn(self, rank: int, mine: list[ActorProcess]) -> ActorProcess:
         slot = self.slots[rank]
@@ -72,14 +83,16 @@ class Owner:
             from .host import RemoteProcess
 
             host = self.hosts[rank % len(self.hosts)][0]
-            return await RemoteProcess.spawn(host, self.cls_path, name=self.name, rank=rank,
-                                             env=self.env, register=register)
+            return await RemoteProcess.spawn(
+                host, self.cls_path, name=self.name, rank=rank, env=self.env, register=register
+            )
         if self.tmpdir is not None:
             bind = f"ipc://{self.tmpdir}/{rank}"
         else:  # tcp: a respawned rank reuses its port so handles held elsewhere stay valid
             bind = slot.address or f"tcp://{self.tcp_host}:*"
-        return await spawn_local(self.cls_path, name=self.name, rank=rank, bind=bind,
-                                 env=child_env(self.env, self.curve), register=register)
+        return await spawn_local(
+            self.cls_path, name=self.name, rank=rank, bind=bind, env=child_env(self.env, self.curve), register=register
+        )
 
     async def start(self, rank: int, mine: list[ActorProcess] | None = None) -> None:
         """Spawn, connect and construct one rank; raises ActorDied/ActorError on failure.
@@ -89,12 +102,12 @@ class Owner:
         slot.proc, slot.address = proc, proc.address
         self.addresses[rank] = proc.address
         self.nursery.start_soon(self._supervise, rank, proc)
-        key = self.curve.public if self.curve is not None and proc.address.startswith(
-            "tcp://") else None
+        key = self.curve.public if self.curve is not None and proc.address.startswith("tcp://") else None
         if self.hosts:
             key = self.hosts[rank % len(self.hosts)]._keys[0].encode()
-        conn = connection(proc.address, name=self.name, rank=rank, server_key=key,
-                          identity=self.curve, connect_timeout=None)
+        conn = connection(
+            proc.address, name=self.name, rank=rank, server_key=key, identity=self.curve, connect_timeout=None
+        )
         slot.conn = conn
         a, frames = self.init
         p = conn.request({"kind": "init", "args": a[0], "kwargs": a[1]}, frames, reply=True, rank=rank)
@@ -111,7 +124,7 @@ class Owner:
         async def one(rank: int) -> None:
             try:
                 await self.start(rank)
-            except Exception as exc:  # noqa: BLE001 - re-raised below, unwrapped
+            except Exception as exc:
                 errors[rank] = exc
                 nursery.cancel_scope.cancel()
 
@@ -126,7 +139,7 @@ class Owner:
             how = await proc.wait_exit()
         except ActorDied as exc:
             how = exc.reason
-        except Exception as exc:  # noqa: BLE001 - a supervisor must not take the mesh down
+        except Exception as exc:
             how = f"lost track of the process: {exc!r}"
         slot = self.slots[rank]
         if self.closing or slot.proc is not proc:
@@ -143,7 +156,7 @@ class Owner:
         if self.on_death is not None:
             try:
                 self.on_death(exc)
-            except Exception as err:  # noqa: BLE001
+            except Exception as err:
                 log(f"on_death callback raised: {err!r}")
 
     def respawn(self, rank: int) -> None:

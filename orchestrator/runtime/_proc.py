@@ -90,9 +90,16 @@ def child_env(extra: dict[str, str] | None, curve: Curve | None) -> dict[str, st
     return env
 
 
-async def spawn_local(cls_path: str, *, name: str, rank: int, bind: str, env: dict[str, str],
-                      advertise: str | None = None,
-                      register: Any = None) -> LocalProcess:
+async def spawn_local(
+    cls_path: str,
+    *,
+    name: str,
+    rank: int,
+    bind: str,
+    env: dict[str, str],
+    advertise: str | None = None,
+    register: Any = None,
+) -> LocalProcess:
     """Start a child serving ``cls_path`` on ``bind``; returns once it is listening.
 
     ``register(process)`` is called as soon as the OS process exists, so a
@@ -100,14 +107,27 @@ async def spawn_local(cls_path: str, *, name: str, rank: int, bind: str, env: di
     ActorDied if the child exits before listening.
     """
     read_fd, write_fd = os.pipe()
-    cmd = [sys.executable, "-m", "orchestrator.runtime._child", "--cls", cls_path,
-           "--bind", bind, "--name", name, "--rank", str(rank), "--ready-fd", str(write_fd),
-           "--parent-pid", str(os.getpid())]
+    cmd = [
+        sys.executable,
+        "-m",
+        "orchestrator.runtime._child",
+        "--cls",
+        cls_path,
+        "--bind",
+        bind,
+        "--name",
+        name,
+        "--rank",
+        str(rank),
+        "--ready-fd",
+        str(write_fd),
+        "--parent-pid",
+        str(os.getpid()),
+    ]
     if advertise:
         cmd += ["--advertise", advertise]
     try:
-        process = await trio.lowlevel.open_process(cmd, env=env, pass_fds=(write_fd,),
-                                                   stdin=subprocess.DEVNULL)
+        process = await trio.lowlevel.open_process(cmd, env=env, pass_fds=(write_fd,), stdin=subprocess.DEVNULL)
     except BaseException:
         os.close(read_fd)
         raise

@@ -38,8 +38,9 @@ class RateLimiter:
     oldest are forgotten (a forgotten key is simply allowed again).
     """
 
-    def __init__(self, interval_s: float = 1.0, *, max_keys: int = 4096,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, interval_s: float = 1.0, *, max_keys: int = 4096, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         if interval_s < 0:
             raise ValueError(f"interval_s must be >= 0, got {interval_s}")
         self.interval_s = interval_s

@@ -52,8 +52,7 @@ class Server:
     become ``err`` replies; the actor keeps serving.
     """
 
-    def __init__(self, cls: type[Actor], sock: zmq.Socket[Any], *, name: str, rank: int,
-                 local: bool = False) -> None:
+    def __init__(self, cls: type[Actor], sock: zmq.Socket[Any], *, name: str, rank: int, local: bool = False) -> None:
         self.cls = cls
         self.name = name
         self.rank = rank
@@ -84,7 +83,7 @@ class Server:
                 with trio.CancelScope(shield=True), trio.move_on_after(10):
                     try:
                         await self.actor.on_stop()
-                    except Exception as exc:  # noqa: BLE001 - report, then exit anyway
+                    except Exception as exc:
                         log(f"{self.name}[{self.rank}].on_stop raised: {exc!r}")
 
     # -- replies ---------------------------------------------------------------
@@ -99,8 +98,9 @@ class Server:
             peer = bytes(memoryview(ident)).hex()
         except TypeError:  # no frame at all
             peer = "?"
-        wire_rejects.record(peer, f"{self.name}[{self.rank}]: rejected a request from peer {clip(peer, 64)}: "
-                                  f"{clip(msg)}", log)
+        wire_rejects.record(
+            peer, f"{self.name}[{self.rank}]: rejected a request from peer {clip(peer, 64)}: {clip(msg)}", log
+        )
 
     def _bad(self, ident: bytes, rid: Any, msg: str) -> None:
         self._rejected(ident, msg)
@@ -109,9 +109,11 @@ class Server:
     def _answer(self, ident: bytes, rid: Any, value: Any, spec: _Spec | None) -> None:
         frames: list[Any] = []
         try:
-            tree = value if type(value) in SCALARS else encode(
-                value, frames, where="return value" if spec is None
-                else f"{spec.qualname} return value")
+            tree = (
+                value
+                if type(value) in SCALARS
+                else encode(value, frames, where="return value" if spec is None else f"{spec.qualname} return value")
+            )
         except TypeError as exc:
             self._reply(ident, {"id": rid, "kind": "err", "error": exception_info(exc)})
             return
@@ -164,7 +166,7 @@ class Server:
             return
         try:
             args, kwargs = ep.spec.validate_args(args, kwargs)
-        except Exception as exc:  # noqa: BLE001 - TypeError or pydantic ValidationError
+        except Exception as exc:
             self._bad(ident, rid, f"{ep.spec.qualname}: invalid arguments: {exc}")
             return
         reply = kind == "call"
@@ -185,8 +187,7 @@ class Server:
             assert self._nursery is not None
             self._nursery.start_soon(self._worker, job)
 
-    def _decode_args(self, header: dict[str, Any], frames: list[Any]
-                     ) -> tuple[list[Any], dict[str, Any]]:
+    def _decode_args(self, header: dict[str, Any], frames: list[Any]) -> tuple[list[Any], dict[str, Any]]:
         a, w = header.get("args", []), header.get("kwargs", {})
         if type(a) is not list or type(w) is not dict:
             raise WireError("arguments must be a list and keyword arguments an object")
@@ -195,11 +196,12 @@ class Server:
         args, kwargs = decode([a, w], frames)
         return args, kwargs
 
-    def _run_sync(self, ep: EndpointDef[Any, Any], ident: bytes, rid: int, args: list[Any],
-                  kwargs: dict[str, Any], reply: bool) -> None:
+    def _run_sync(
+        self, ep: EndpointDef[Any, Any], ident: bytes, rid: int, args: list[Any], kwargs: dict[str, Any], reply: bool
+    ) -> None:
         try:
             value = ep.fn(self.actor, *args, **kwargs)
-        except Exception as exc:  # noqa: BLE001 - the caller gets it as ActorError
+        except Exception as exc:
             self._error(ident, rid, exc, reply, ep.spec.qualname)
         else:
             if reply:
@@ -255,7 +257,7 @@ class Server:
                                 value = await ep.fn(self.actor, *args, **kwargs)
                             else:
                                 value = ep.fn(self.actor, *args, **kwargs)
-                except Exception as exc:  # noqa: BLE001 - the caller gets it as ActorError
+                except Exception as exc:
                     self._error(ident, rid, exc, reply, ep.spec.qualname)
                 else:
                     if reply:
@@ -285,7 +287,7 @@ class Server:
             actor = self.cls(*args, **kwargs)
             assert self._nursery is not None
             await actor.on_start(self._nursery)
-        except Exception as exc:  # noqa: BLE001 - the owner reports it and stops the process
+        except Exception as exc:
             self._reply(ident, {"id": rid, "kind": "err", "error": exception_info(exc)})
             return
         self.actor = actor
@@ -304,4 +306,3 @@ def actor_class(path: str) -> type[Actor]:
     if not (isinstance(obj, type) and issubclass(obj, Actor)):
         raise TypeError(f"{path} is not an Actor subclass")
     return obj
-

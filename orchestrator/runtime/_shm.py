@@ -95,7 +95,7 @@ class SegmentPool:
             if seg is None:
                 return None
         _STATE.pack_into(seg.mm, 0, _BUSY)
-        seg.mm[_HEAD:_HEAD + n] = buf
+        seg.mm[_HEAD : _HEAD + n] = buf
         return seg.name
 
     def _free_fitting(self, n: int) -> _Segment | None:
@@ -211,11 +211,17 @@ def import_frames(frames: list[Any], header_at: int, log: Any) -> list[Any]:
         table = None
     if type(table) is not list:
         raise ValueError("malformed shared-memory table in a message header")
-    frames[header_at] = head[cut + 1:]
+    frames[header_at] = head[cut + 1 :]
     for entry in table:
-        if not (type(entry) is list and len(entry) == 3 and type(entry[0]) is int
-                and type(entry[1]) is str and type(entry[2]) is int and entry[2] >= 0
-                and 0 < entry[0] < len(frames) - header_at):
+        if not (
+            type(entry) is list
+            and len(entry) == 3
+            and type(entry[0]) is int
+            and type(entry[1]) is str
+            and type(entry[2]) is int
+            and entry[2] >= 0
+            and 0 < entry[0] < len(frames) - header_at
+        ):
             raise ValueError(f"malformed shared-memory entry {entry!r}")
         offset, name, n = entry
         index = header_at + offset

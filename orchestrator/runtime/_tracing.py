@@ -54,16 +54,19 @@ def traced(fn: Any = None, *, name: str | None = None) -> Any:
     def wrap(f: F) -> F:
         label = name or f.__qualname__
         if inspect.iscoroutinefunction(f):
+
             @functools.wraps(f)
             async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
                 with span(label):
                     return await f(*args, **kwargs)
+
             return async_wrapper  # type: ignore[return-value]
 
         @functools.wraps(f)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             with span(label):
                 return f(*args, **kwargs)
+
         return wrapper  # type: ignore[return-value]
 
     return wrap(fn) if fn is not None else wrap
@@ -127,18 +130,20 @@ class _JsonlExporter:
             self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         for s in spans:
             ctx, parent = s.context, s.parent
-            line = json.dumps({
-                "name": s.name,
-                "trace_id": f"{ctx.trace_id:032x}",
-                "span_id": f"{ctx.span_id:016x}",
-                "parent_span_id": f"{parent.span_id:016x}" if parent is not None else None,
-                "start_ns": s.start_time,
-                "end_ns": s.end_time,
-                "attributes": {k: list(v) if isinstance(v, tuple) else v
-                               for k, v in (s.attributes or {}).items()},
-                "service": self.service,
-                "pid": os.getpid(),
-            }, default=str)
+            line = json.dumps(
+                {
+                    "name": s.name,
+                    "trace_id": f"{ctx.trace_id:032x}",
+                    "span_id": f"{ctx.span_id:016x}",
+                    "parent_span_id": f"{parent.span_id:016x}" if parent is not None else None,
+                    "start_ns": s.start_time,
+                    "end_ns": s.end_time,
+                    "attributes": {k: list(v) if isinstance(v, tuple) else v for k, v in (s.attributes or {}).items()},
+                    "service": self.service,
+                    "pid": os.getpid(),
+                },
+                default=str,
+            )
             os.write(self._fd, (line + "\n").encode())
         return SpanExportResult.SUCCESS
 

@@ -71,9 +71,27 @@ def _torch_dtypes() -> dict[str, Any]:
     if _dtypes is None:
         import torch
 
-        names = ["float32", "float64", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2",
-                 "float8_e4m3fnuz", "float8_e5m2fnuz", "int8", "int16", "int32", "int64",
-                 "uint8", "uint16", "uint32", "uint64", "bool", "complex64", "complex128"]
+        names = [
+            "float32",
+            "float64",
+            "float16",
+            "bfloat16",
+            "float8_e4m3fn",
+            "float8_e5m2",
+            "float8_e4m3fnuz",
+            "float8_e5m2fnuz",
+            "int8",
+            "int16",
+            "int32",
+            "int64",
+            "uint8",
+            "uint16",
+            "uint32",
+            "uint64",
+            "bool",
+            "complex64",
+            "complex128",
+        ]
         _dtypes = {n: getattr(torch, n) for n in names if hasattr(torch, n)}
     return _dtypes
 
@@ -97,12 +115,15 @@ def encode(value: Any, frames: list[Any], *, where: str = "value") -> Any:
     if t is dict:
         if all(type(k) is str for k in value) and "__t" not in value:
             return {k: encode(v, frames, where=f"{where}[{k!r}]") for k, v in value.items()}
-        return {"__t": "dict", "v": [[encode(k, frames, where=f"{where} key"),
-                                      encode(v, frames, where=f"{where}[{k!r}]")]
-                                     for k, v in value.items()]}
+        return {
+            "__t": "dict",
+            "v": [
+                [encode(k, frames, where=f"{where} key"), encode(v, frames, where=f"{where}[{k!r}]")]
+                for k, v in value.items()
+            ],
+        }
     if t is tuple:
-        return {"__t": "tuple", "v": [encode(v, frames, where=f"{where}[{i}]")
-                                      for i, v in enumerate(value)]}
+        return {"__t": "tuple", "v": [encode(v, frames, where=f"{where}[{i}]") for i, v in enumerate(value)]}
     if t in (bytes, bytearray, memoryview):
         buf = memoryview(value)
         if not buf.c_contiguous:
@@ -122,9 +143,11 @@ def encode(value: Any, frames: list[Any], *, where: str = "value") -> Any:
     for base in (int, float, str):
         if isinstance(value, base):
             return base(value)
-    raise TypeError(f"{where}: cannot send a value of type {t.__module__}.{t.__qualname__} "
-                    "(allowed: JSON types, bytes, torch tensors, pydantic models, lists/tuples/"
-                    "dicts of these, mesh and actor handles)")
+    raise TypeError(
+        f"{where}: cannot send a value of type {t.__module__}.{t.__qualname__} "
+        "(allowed: JSON types, bytes, torch tensors, pydantic models, lists/tuples/"
+        "dicts of these, mesh and actor handles)"
+    )
 
 
 def _encode_tensor(value: Any, frames: list[Any], where: str) -> dict[str, Any]:
@@ -167,8 +190,9 @@ def _encode_model(value: BaseModel, frames: list[Any], where: str) -> dict[str, 
             try:
                 fields[name] = to_jsonable_python(v)
             except PydanticSerializationError:
-                raise TypeError(f"{where}.{name}: cannot send a value of type "
-                                f"{type(v).__module__}.{type(v).__qualname__}") from None
+                raise TypeError(
+                    f"{where}.{name}: cannot send a value of type {type(v).__module__}.{type(v).__qualname__}"
+                ) from None
     return {"__t": "model", "c": f"{cls.__module__}:{cls.__qualname__}", "v": fields}
 
 
@@ -183,8 +207,9 @@ class _Frames:
 
     def take(self, index: Any, nbytes: Any, where: str) -> memoryview:
         if type(index) is not int or not 1 <= index < len(self.frames):
-            raise WireError(f"{where}: frame index {index!r} out of range "
-                            f"(message has {len(self.frames) - 1} data frames)")
+            raise WireError(
+                f"{where}: frame index {index!r} out of range (message has {len(self.frames) - 1} data frames)"
+            )
         frame = self.frames[index]
         if frame is None:
             raise WireError(f"{where}: frame {index} referenced twice")
@@ -194,8 +219,7 @@ class _Frames:
         if buf is None:
             buf = memoryview(frame)
         if type(nbytes) is not int or nbytes != buf.nbytes:
-            raise WireError(f"{where}: declared {nbytes!r} bytes but frame {index} has "
-                            f"{buf.nbytes}")
+            raise WireError(f"{where}: declared {nbytes!r} bytes but frame {index} has {buf.nbytes}")
         return buf
 
 
@@ -219,7 +243,7 @@ def _decode(x: Any, fr: _Frames, where: str, depth: int) -> Any:
         raise WireError(f"{where}: nesting too deep")
     if t is list:
         if all(type(v) in SCALARS for v in x):
-            return x   # freshly parsed JSON: nothing to rebuild
+            return x  # freshly parsed JSON: nothing to rebuild
         return [_decode(v, fr, where, depth + 1) for v in x]
     if t is not dict:
         raise WireError(f"{where}: unexpected JSON value of type {t.__name__}")
@@ -240,8 +264,7 @@ def _decode(x: Any, fr: _Frames, where: str, depth: int) -> Any:
         if type(items) is not list or not all(type(p) is list and len(p) == 2 for p in items):
             raise WireError(f"{where}: malformed dict")
         try:
-            return {_decode(k, fr, where, depth + 1): _decode(v, fr, where, depth + 1)
-                    for k, v in items}
+            return {_decode(k, fr, where, depth + 1): _decode(v, fr, where, depth + 1) for k, v in items}
         except TypeError as exc:  # unhashable key
             raise WireError(f"{where}: bad dict key: {exc}") from None
     if tag == "model":
@@ -296,7 +319,7 @@ def _decode_model(x: dict[str, Any], fr: _Frames, where: str, depth: int) -> Any
         return values
     try:
         return cls.model_validate(values)
-    except Exception as exc:  # noqa: BLE001 - a peer's invalid model is a bad message, not a crash
+    except Exception as exc:
         raise WireError(f"{where}: invalid {path}: {exc}") from None
 
 

@@ -83,9 +83,16 @@ class ZSocket:
     the socket has no peer pipe at all, as HWMs are unlimited).
     """
 
-    def __init__(self, sock: zmq.Socket[Any], on_message: Callable[[list[Any]], None], *,
-                 close_on_exit: bool = True, copy_parts: int = 1, spin: bool = False,
-                 shm: bool = False) -> None:
+    def __init__(
+        self,
+        sock: zmq.Socket[Any],
+        on_message: Callable[[list[Any]], None],
+        *,
+        close_on_exit: bool = True,
+        copy_parts: int = 1,
+        spin: bool = False,
+        shm: bool = False,
+    ) -> None:
         self.sock = sock
         self._close_on_exit = close_on_exit
         # Leading frames (routing id, header) arrive as bytes: cheaper than zmq.Frame
@@ -146,7 +153,7 @@ class ZSocket:
                     self._last = now
                 try:
                     handle(frames)
-                except Exception as exc:  # noqa: BLE001 - one bad message must not stop the reader
+                except Exception as exc:
                     log_repeated("dropped", f"dropped a message: {clip(repr(exc))}")
         finally:
             self._draining = False
@@ -191,7 +198,7 @@ def log(msg: str) -> None:
     """Runtime diagnostics go to stderr: they must never take a process down."""
     try:
         print(f"[flotilla.runtime] {msg}", file=sys.stderr, flush=True)
-    except Exception:  # noqa: BLE001, S110 - stderr may be gone at shutdown
+    except Exception:
         pass
 
 

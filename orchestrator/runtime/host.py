@@ -85,17 +85,24 @@ class HostActor(Actor):
         Raises PermissionError, before importing anything, for a class outside the
         host's allowlist of module prefixes."""
         if not allowed_class(cls_path, self.allow):
-            raise PermissionError(f"host refuses to spawn {cls_path!r}: its module is not under the "
-                                  f"allowed prefixes {list(self.allow)} (start the host with --allow PREFIX)")
+            raise PermissionError(
+                f"host refuses to spawn {cls_path!r}: its module is not under the "
+                f"allowed prefixes {list(self.allow)} (start the host with --allow PREFIX)"
+            )
         started: list[LocalProcess] = []
         # Actors the host starts accept their own (the host's) key again, so they can call
         # each other; only the host itself refuses it.
         env = {**env, TRUST_SELF_ENV: "1"}
         try:
-            proc = await spawn_local(cls_path, name=name, rank=rank,
-                                     bind=f"tcp://{self.bind_ip}:*",
-                                     env=child_env(env, self.curve), advertise=self.advertise,
-                                     register=started.append)
+            proc = await spawn_local(
+                cls_path,
+                name=name,
+                rank=rank,
+                bind=f"tcp://{self.bind_ip}:*",
+                env=child_env(env, self.curve),
+                advertise=self.advertise,
+                register=started.append,
+            )
         except BaseException:
             with trio.CancelScope(shield=True):
                 for p in started:
@@ -157,8 +164,9 @@ class RemoteProcess:
         self.address = address
 
     @classmethod
-    async def spawn(cls, host: Any, cls_path: str, *, name: str, rank: int, env: dict[str, str],
-                    register: Callable[[Any], None]) -> RemoteProcess:
+    async def spawn(
+        cls, host: Any, cls_path: str, *, name: str, rank: int, env: dict[str, str], register: Callable[[Any], None]
+    ) -> RemoteProcess:
         address, pid = await host.spawn.call_one(cls_path, name, rank, env)
         proc = cls(host, pid, address)
         register(proc)
@@ -182,17 +190,24 @@ class RemoteProcess:
 
 
 def main(argv: list[str] | None = None) -> int | None:
-    p = argparse.ArgumentParser(prog="python -m orchestrator.runtime.host",
-                                description="Host Flotilla actors for remote controllers.")
+    p = argparse.ArgumentParser(
+        prog="python -m orchestrator.runtime.host", description="Host Flotilla actors for remote controllers."
+    )
     p.add_argument("--bind", required=True, help="tcp://IP:PORT to listen on (PORT 0: any)")
     p.add_argument("--keys", required=True, help="key directory (id.key_secret, allowed/*.key)")
-    p.add_argument("--advertise", default=None,
-                   help="host name or IP that controllers use to reach this machine")
-    p.add_argument("--allow", action="append", metavar="PREFIX",
-                   help="module prefix whose actor classes controllers may spawn here (repeatable; "
-                        f"default: {' '.join(DEFAULT_ALLOW)})")
-    p.add_argument("--trust-own-key", action="store_true",
-                   help="also accept clients presenting this host's own key (off: only allowed/*.key)")
+    p.add_argument("--advertise", default=None, help="host name or IP that controllers use to reach this machine")
+    p.add_argument(
+        "--allow",
+        action="append",
+        metavar="PREFIX",
+        help="module prefix whose actor classes controllers may spawn here (repeatable; "
+        f"default: {' '.join(DEFAULT_ALLOW)})",
+    )
+    p.add_argument(
+        "--trust-own-key",
+        action="store_true",
+        help="also accept clients presenting this host's own key (off: only allowed/*.key)",
+    )
     args = p.parse_args(argv)
     if not args.bind.startswith("tcp://"):
         p.error("--bind must be a tcp:// address")
@@ -204,7 +219,7 @@ def main(argv: list[str] | None = None) -> int | None:
     except (KeyFileError, OSError, ValueError) as e:
         print(f"flotilla host: {e}", file=sys.stderr)
         return 2
-    ip, _, port = args.bind[len("tcp://"):].rpartition(":")
+    ip, _, port = args.bind[len("tcp://") :].rpartition(":")
     advertise = args.advertise or (ip if ip not in ("0.0.0.0", "*") else socket.getfqdn())
     os.environ.update(curve.to_env())
     os.environ["FLOTILLA_HOST_BIND_IP"] = ip
@@ -214,9 +229,19 @@ def main(argv: list[str] | None = None) -> int | None:
     print(f"flotilla host public key: {curve.public.decode()}", flush=True)
     from ._child import main as child_main
 
-    child_main(["--cls", "orchestrator.runtime.host:HostActor", "--name", "host",
-                "--bind", f"tcp://{ip}:{'*' if port in ('0', '*') else port}",
-                "--advertise", advertise, "--autostart"])
+    child_main(
+        [
+            "--cls",
+            "orchestrator.runtime.host:HostActor",
+            "--name",
+            "host",
+            "--bind",
+            f"tcp://{ip}:{'*' if port in ('0', '*') else port}",
+            "--advertise",
+            advertise,
+            "--autostart",
+        ]
+    )
     return None
 
 

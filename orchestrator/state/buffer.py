@@ -92,8 +92,7 @@ class RolloutBuffer:
     after environment failures; a group whose slot fails that often is skipped (counted).
     """
 
-    def __init__(self, group_size: int, max_attempts: int = 3,
-                 counters: BufferCounters | None = None) -> None:
+    def __init__(self, group_size: int, max_attempts: int = 3, counters: BufferCounters | None = None) -> None:
         self.group_size = group_size
         self.max_attempts = max_attempts
         self.counters = counters if counters is not None else BufferCounters()
@@ -185,8 +184,9 @@ class RolloutBuffer:
         return [g.task for g in self._groups.values()]
 
     # -- consuming -------------------------------------------------------------
-    def take_batch(self, n_groups: int, trainer_version: int,
-                   budget_of: Callable[[str], int]) -> tuple[list[Group], list[Drop]]:
+    def take_batch(
+        self, n_groups: int, trainer_version: int, budget_of: Callable[[str], int]
+    ) -> tuple[list[Group], list[Drop]]:
         """Up to `n_groups` complete groups whose every trajectory is within its pool's budget.
 
         Over-budget trajectories found on the way are dropped and their slots re-queued
@@ -236,5 +236,8 @@ class RolloutBuffer:
         return sum(g.complete for g in self._groups.values())
 
     def counts(self) -> dict[str, int]:
-        return {**self.counters.model_dump(), "groups_buffered": self.groups_buffered,
-                "rollouts_in_flight": self.in_flight}
+        return {
+            **self.counters.model_dump(),
+            "groups_buffered": self.groups_buffered,
+            "rollouts_in_flight": self.in_flight,
+        }

@@ -221,8 +221,9 @@ def stage_checkpoint_dir(ckpt_dir: Path, on_step: StepHook = _noop) -> Path:
     return staging
 
 
-def commit_checkpoint_dir(ckpt_dir: Path, staging: Path, meta: dict[str, Any] | None = None,
-                          on_step: StepHook = _noop) -> Path:
+def commit_checkpoint_dir(
+    ckpt_dir: Path, staging: Path, meta: dict[str, Any] | None = None, on_step: StepHook = _noop
+) -> Path:
     """Steps 3-8: make the files the caller wrote into `staging` the current checkpoint at
     `ckpt_dir`; returns `ckpt_dir`. `meta` (JSON) is kept in the marker.
 
@@ -233,11 +234,19 @@ def commit_checkpoint_dir(ckpt_dir: Path, staging: Path, meta: dict[str, Any] | 
     for d in sorted({f.parent for f in files} | {staging}, key=lambda p: len(p.parts), reverse=True):
         _fsync_path(d)
     on_step("fsync")
-    previous = [m for m in (checkpoint_meta(ckpt_dir), checkpoint_meta(ckpt_dir.with_name(ckpt_dir.name + _OLD)))
-                if m is not None]
+    previous = [
+        m
+        for m in (checkpoint_meta(ckpt_dir), checkpoint_meta(ckpt_dir.with_name(ckpt_dir.name + _OLD)))
+        if m is not None
+    ]
     seq = max((int(m["seq"]) for m in previous), default=0) + 1
-    marker = {"seq": seq, "meta": meta or {}, "digest": DIGEST, "digests": digests,
-              "files": {str(f.relative_to(staging)): f.stat().st_size for f in files}}
+    marker = {
+        "seq": seq,
+        "meta": meta or {},
+        "digest": DIGEST,
+        "digests": digests,
+        "files": {str(f.relative_to(staging)): f.stat().st_size for f in files},
+    }
     with open(staging / MARKER, "w", encoding="utf-8") as fh:
         fh.write(json.dumps(marker, sort_keys=True))
         fh.flush()
@@ -261,9 +270,14 @@ def commit_checkpoint_dir(ckpt_dir: Path, staging: Path, meta: dict[str, Any] | 
     return ckpt_dir
 
 
-async def save_checkpoint_dir(run_dir: Path, write: Callable[[Path], Awaitable[None]], *,
-                              meta: dict[str, Any] | None = None, name: str = "checkpoint",
-                              on_step: StepHook = _noop) -> Path:
+async def save_checkpoint_dir(
+    run_dir: Path,
+    write: Callable[[Path], Awaitable[None]],
+    *,
+    meta: dict[str, Any] | None = None,
+    name: str = "checkpoint",
+    on_step: StepHook = _noop,
+) -> Path:
     """Replace `run_dir/<name>/` crash-safely by what `write(staging_dir)` writes (see the
     module docstring); returns the checkpoint's path.
 
@@ -283,8 +297,9 @@ def _step_of(marker: dict[str, Any]) -> str:
     return f"step {step}" if step is not None else f"checkpoint #{marker['seq']}"
 
 
-def latest_checkpoint(run_dir: Path, *, name: str = "checkpoint", clean: bool = True,
-                      warn: Callable[[str], None] | None = None) -> Path | None:
+def latest_checkpoint(
+    run_dir: Path, *, name: str = "checkpoint", clean: bool = True, warn: Callable[[str], None] | None = None
+) -> Path | None:
     """The newest checkpoint of a run that verifies, or None when there is no complete one.
 
     Candidates newer than the one returned that fail verification are never returned:
@@ -323,8 +338,10 @@ def latest_checkpoint(run_dir: Path, *, name: str = "checkpoint", clean: bool = 
         return None
     chosen, marker = best
     if failed:
-        warn(f"{failed[0][1]}: not loaded; resuming from the older checkpoint ({_step_of(marker)})"
-             + (f", the failed one kept as {ckpt_dir.with_name(name + _CORRUPT)}" if clean else ""))
+        warn(
+            f"{failed[0][1]}: not loaded; resuming from the older checkpoint ({_step_of(marker)})"
+            + (f", the failed one kept as {ckpt_dir.with_name(name + _CORRUPT)}" if clean else "")
+        )
     if "digests" not in marker:
         warn(f"{chosen}: written without file digests (an earlier version): checked by file sizes only")
     if not clean:

@@ -114,8 +114,7 @@ class ModelSection(_Section):
         base = default_model_config()
         for key, value in v.items():
             if key not in base:
-                raise ValueError(f"{key}: not a field of the built-in model config "
-                                 f"(known: {', '.join(sorted(base))})")
+                raise ValueError(f"{key}: not a field of the built-in model config (known: {', '.join(sorted(base))})")
             want = type(base[key])
             if want is float and type(value) is int:
                 value = float(value)
@@ -185,11 +184,9 @@ class TaskSection(_Section):
         if self.kind != "harness" and given:
             raise ValueError(f"{', '.join(given)} only apply to kind = 'harness'")
         if self.kind == "verifiers" and (self.dataset or self.eval_dataset):
-            raise ValueError("kind = 'verifiers' plays the environment's own dataset; remove "
-                             "dataset / eval_dataset")
+            raise ValueError("kind = 'verifiers' plays the environment's own dataset; remove dataset / eval_dataset")
         if self.kind not in ("env", "harness") and "name" not in self.model_fields_set:
-            raise ValueError(f"kind = {self.kind!r} needs name (the library's dataset, "
-                             f"environment id or client class)")
+            raise ValueError(f"kind = {self.kind!r} needs name (the library's dataset, environment id or client class)")
         return self
 
     @property
@@ -255,8 +252,10 @@ class FaultsSection(_Section):
     @model_validator(mode="after")
     def _ordered(self) -> FaultsSection:
         if self.give_up_after_s <= self.unresponsive_after_s:
-            raise ValueError(f"give_up_after_s ({self.give_up_after_s:g}) must be longer than "
-                             f"unresponsive_after_s ({self.unresponsive_after_s:g})")
+            raise ValueError(
+                f"give_up_after_s ({self.give_up_after_s:g}) must be longer than "
+                f"unresponsive_after_s ({self.unresponsive_after_s:g})"
+            )
         return self
 
 
@@ -301,8 +300,7 @@ class RunConfig(_Section):
     def _plain_name(cls, v: str) -> str:
         """A single path component, so a run's outputs cannot land outside `run_root`."""
         if not v or v in (".", "..") or any(c in v for c in "/\\\0") or v.startswith("-"):
-            raise ValueError(f"run name {v!r} must be one plain folder name (no '/', '\\', "
-                             "'..', leading '-' or NUL)")
+            raise ValueError(f"run name {v!r} must be one plain folder name (no '/', '\\', '..', leading '-' or NUL)")
         return v
 
     @property
@@ -322,9 +320,11 @@ class RunConfig(_Section):
         r = self.recipe
         for i, p in enumerate(self.pools):
             if p.backend == "sglang" and r.min_keep > 1 and r.top_p < 1.0 and r.temperature > 0:
-                raise ValueError(f"pools.{i}.backend: pool {p.name!r} is an SGLang pool, whose top-p has "
-                                 f"no minimum support size; set recipe.min_keep = 1 (now {r.min_keep}) "
-                                 f"or recipe.top_p = 1")
+                raise ValueError(
+                    f"pools.{i}.backend: pool {p.name!r} is an SGLang pool, whose top-p has "
+                    f"no minimum support size; set recipe.min_keep = 1 (now {r.min_keep}) "
+                    f"or recipe.top_p = 1"
+                )
         return self
 
     def resolved_json(self) -> str:
@@ -357,8 +357,7 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
                 node = node.setdefault(part, {})
             if not isinstance(node, (dict, list)):
                 where = ".".join(parts[: i + 1])
-                raise ConfigError(f"--set {item!r}: {where} is a value ({node!r}), not a section "
-                                  f"with fields")
+                raise ConfigError(f"--set {item!r}: {where} is a value ({node!r}), not a section with fields")
         last = parts[-1]
         if isinstance(node, list):
             raise ConfigError(f"--set {item!r}: cannot replace a whole list element")
@@ -377,8 +376,9 @@ def _format_error(source: str, err: ValidationError) -> str:
     return "\n".join(lines)
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
-                raw: dict[str, Any] | None = None) -> RunConfig:
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | None = None, raw: dict[str, Any] | None = None
+) -> RunConfig:
     """Read a TOML run config (or a raw dict), apply overrides, validate.
 
     Raises ConfigError naming the file and each offending field.

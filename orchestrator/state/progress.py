@@ -39,12 +39,15 @@ class Progress:
         if self.quiet:
             return
         elapsed = int(time.monotonic() - self.t0)
-        pools = " ".join(f"{name} {_rate(p.get('tokens_per_s', 0.0))}"
-                         for name, p in sorted(record.get("pools", {}).items()))
-        line = (f"step {record['step']}/{self.total} | reward {record['reward_mean']:.3f} | "
-                f"stale {record['staleness_mean']:.2f} (max {record['staleness_max']}) | "
-                f"dropped {record['dropped_total']} | tok/s {pools} | "
-                f"${record['cost_usd']:.4f} | {elapsed // 60}:{elapsed % 60:02d}")
+        pools = " ".join(
+            f"{name} {_rate(p.get('tokens_per_s', 0.0))}" for name, p in sorted(record.get("pools", {}).items())
+        )
+        line = (
+            f"step {record['step']}/{self.total} | reward {record['reward_mean']:.3f} | "
+            f"stale {record['staleness_mean']:.2f} (max {record['staleness_max']}) | "
+            f"dropped {record['dropped_total']} | tok/s {pools} | "
+            f"${record['cost_usd']:.4f} | {elapsed // 60}:{elapsed % 60:02d}"
+        )
         print(line, file=self.stream, flush=True)
 
     def failure(self, text: str) -> None:

@@ -75,10 +75,23 @@ class WandbSink:
         digest = hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:8]
         run_id = re.sub(r"[^A-Za-z0-9_-]", "-", name)[:48] + "-" + digest
         self._run = wandb.init(
-            project=section.project, entity=section.entity, mode=section.mode, dir=str(run_dir),
-            name=name, id=run_id, resume="allow", config=config,
-            settings=wandb.Settings(console="off", silent=True, x_disable_stats=True,
-                                    x_save_requirements=False, disable_git=True, save_code=False))
+            project=section.project,
+            entity=section.entity,
+            mode=section.mode,
+            dir=str(run_dir),
+            name=name,
+            id=run_id,
+            resume="allow",
+            config=config,
+            settings=wandb.Settings(
+                console="off",
+                silent=True,
+                x_disable_stats=True,
+                x_save_requirements=False,
+                disable_git=True,
+                save_code=False,
+            ),
+        )
         self._run.define_metric("step")
         self._run.define_metric("*", step_metric="step")
         self.directory = Path(self._run.dir).parent
@@ -140,8 +153,7 @@ class Sinks:
 
 def _missing_extra(field: str, package: str) -> Exception:
 
-    return ConfigError(f"telemetry.{field}: the {package} package is not installed "
-                       f"(pip install 'flotilla[{field}]')")
+    return ConfigError(f"telemetry.{field}: the {package} package is not installed (pip install 'flotilla[{field}]')")
 
 
 def open_sinks(section: TelemetrySection, run_dir: Path, name: str, config: dict[str, Any]) -> Sinks:

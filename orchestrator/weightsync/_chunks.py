@@ -108,8 +108,11 @@ class Workspace:
     def cctx(self) -> zstandard.ZstdCompressor:
         if self._cctx is None:
             params = _fast_params(self._level)
-            self._cctx = (zstandard.ZstdCompressor(level=self._level, write_content_size=True)
-                          if params is None else zstandard.ZstdCompressor(compression_params=params))
+            self._cctx = (
+                zstandard.ZstdCompressor(level=self._level, write_content_size=True)
+                if params is None
+                else zstandard.ZstdCompressor(compression_params=params)
+            )
         return self._cctx
 
     @property
@@ -268,9 +271,9 @@ def encode_chunk(old: np.ndarray | None, new: np.ndarray, ws: Workspace, *, spar
         pos, vals = _sparse_changes(old, new, ws)
         if (4 + w) * pos.size <= m * w:
             return bytes(memoryview(ws.cctx.compress(_gaps_body(pos, vals))))
-        del pos, vals   # the sample misled: scan again below
+        del pos, vals  # the sample misled: scan again below
     changed = ws.buf("changed", m, np.dtype(bool))
-    if old is None:   # a keyframe: nearly every word nonzero, positions would be waste
+    if old is None:  # a keyframe: nearly every word nonzero, positions would be waste
         np.not_equal(new, 0, out=changed)
         nnz = int(np.count_nonzero(changed))
         pos = np.flatnonzero(changed) if nbits + w * nnz <= 0.9 * w * m else None
@@ -304,8 +307,9 @@ def encode_chunk(old: np.ndarray | None, new: np.ndarray, ws: Workspace, *, spar
     return bytes(memoryview(ws.cctx.compress(body)))
 
 
-def decode_xor_into(frame, target: np.ndarray, ws: Workspace, *, tensor: str, chunk: int,
-                    overwrite: bool = False) -> None:
+def decode_xor_into(
+    frame, target: np.ndarray, ws: Workspace, *, tensor: str, chunk: int, overwrite: bool = False
+) -> None:
     """target ^= the change words carried by `frame` (target: word array); with
     `overwrite`, target = those words (a keyframe chunk over whatever target held:
     a dense body is assembled straight into target, in half the passes of an XOR).

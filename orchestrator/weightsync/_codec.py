@@ -194,8 +194,13 @@ def _check_same(prev: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor
             )
 
 
-def _helper_rows(prev: Mapping[str, torch.Tensor] | None, new: Mapping[str, torch.Tensor], names: list[str],
-                 wsizes: list[int], spans: list[tuple[int, int, int]]) -> list[Job] | None:
+def _helper_rows(
+    prev: Mapping[str, torch.Tensor] | None,
+    new: Mapping[str, torch.Tensor],
+    names: list[str],
+    wsizes: list[int],
+    spans: list[tuple[int, int, int]],
+) -> list[Job] | None:
     """The chunks as helper processes see them (`_shared.Job`), or None unless every
     tensor of both snapshots lies in shared memory."""
     at = []
@@ -237,8 +242,11 @@ def _encode(
     hasher = HASHERS[algo]
     names = list(new)
     wsizes = [word_dtype(new[n].element_size()).itemsize for n in names]
-    spans = [(i, s, e) for i, n in enumerate(names)
-             for s, e in _split(new[n].numel() * new[n].element_size() // wsizes[i], wsizes[i], cb)]
+    spans = [
+        (i, s, e)
+        for i, n in enumerate(names)
+        for s, e in _split(new[n].numel() * new[n].element_size() // wsizes[i], wsizes[i], cb)
+    ]
     owner = [i for i, _, _ in spans]
     arrays: dict[int, tuple[np.ndarray | None, np.ndarray, bool]] = {}
 
@@ -256,9 +264,15 @@ def _encode(
     results = None
     rows = _helper_rows(prev, new, names, wsizes, spans) if threads > 1 and cb < _HELPER_CHUNK else None
     if rows is not None:  # both snapshots in shared memory: helper processes, no GIL between them
-        results = encode_on_helpers(rows, threads - 1, level=level, algo=algo, chunk_bytes=cb,
-                                    digest_size=len(hasher(b"")),
-                                    run_here=lambda idx: _run([job(k) for k in idx], 1, level))
+        results = encode_on_helpers(
+            rows,
+            threads - 1,
+            level=level,
+            algo=algo,
+            chunk_bytes=cb,
+            digest_size=len(hasher(b"")),
+            run_here=lambda idx: _run([job(k) for k in idx], 1, level),
+        )
     if results is None:
         results = _run([job(k) for k in range(len(spans))], threads, level)
     frames: list[bytes] = []
@@ -363,9 +377,7 @@ def _plan(meta: MessageMeta, target: Mapping[str, torch.Tensor]) -> tuple[list[n
         w = _words(t, tm.name)
         spans = _split(w.size, w.dtype.itemsize, meta.chunk_bytes)
         if len(spans) != len(tm.chunks):
-            raise MalformedMessageError(
-                f"{len(tm.chunks)} chunks listed, {len(spans)} expected", tensor=tm.name
-            )
+            raise MalformedMessageError(f"{len(tm.chunks)} chunks listed, {len(spans)} expected", tensor=tm.name)
         words.append(w)
         for j, (s, e) in enumerate(spans):
             chunks.append(_Chunk(i, j, frame, s, e))
@@ -460,9 +472,7 @@ def decode_keyframe(message: WeightMessage, *, threads: int = 2) -> Snapshot:
     CorruptPayloadError, HashMismatchError; nothing is returned then.
     """
     if not message.is_keyframe:
-        raise MalformedMessageError(
-            f"decode_keyframe needs a keyframe, got a delta from {message.base_version}"
-        )
+        raise MalformedMessageError(f"decode_keyframe needs a keyframe, got a delta from {message.base_version}")
     snapshot: Snapshot = {
         tm.name: torch.zeros(tm.shape, dtype=_dtype(tm.dtype, tm.name)) for tm in message.meta.tensors
     }

@@ -68,9 +68,7 @@ def quantize_fp8(weight: torch.Tensor, *, name: str = "weight") -> tuple[torch.T
     (a non-finite weight has no meaningful block scale).
     """
     if weight.dim() != 2:
-        raise ValueError(
-            f"tensor {name!r}: FP8 block quantisation needs a 2-D tensor, got shape {tuple(weight.shape)}"
-        )
+        raise ValueError(f"tensor {name!r}: FP8 block quantisation needs a 2-D tensor, got shape {tuple(weight.shape)}")
     w = weight.detach().to(device="cpu", dtype=torch.float32)
     if not bool(torch.isfinite(w).all()):
         raise ValueError(f"tensor {name!r}: cannot quantise non-finite values to FP8")
@@ -85,9 +83,7 @@ def quantize_fp8(weight: torch.Tensor, *, name: str = "weight") -> tuple[torch.T
     return q, scale.contiguous()
 
 
-def dequantize_fp8(
-    q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32
-) -> torch.Tensor:
+def dequantize_fp8(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """weight ~= q * scale_inv per 128x128 block, as `dtype`. Raises ValueError
     when scale_inv's shape does not match q's block grid."""
     blocks, rows, cols = _blocks(q.to(torch.float32))

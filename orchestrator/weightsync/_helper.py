@@ -53,8 +53,9 @@ def _read(sock: socket.socket, n: int) -> bytes:
     return data
 
 
-def _encode(C: types.ModuleType, maps: dict[int, mmap.mmap], rows: list[tuple[int, ...]],
-            ws: object, hasher, chunk_bytes: int) -> tuple[list[bytes], list[bytes]]:
+def _encode(
+    C: types.ModuleType, maps: dict[int, mmap.mmap], rows: list[tuple[int, ...]], ws: object, hasher, chunk_bytes: int
+) -> tuple[list[bytes], list[bytes]]:
     def view(aid: int, off: int, n: int, w: int) -> np.ndarray:
         mm = maps.get(aid)
         if mm is None:

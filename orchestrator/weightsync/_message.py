@@ -243,9 +243,7 @@ def _parse_meta(raw: bytes) -> MessageMeta:
     except ValidationError as e:
         first = e.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "<root>"
-        raise MalformedMessageError(
-            f"bad metadata at {where}: {first['msg']} ({e.error_count()} error(s))"
-        ) from None
+        raise MalformedMessageError(f"bad metadata at {where}: {first['msg']} ({e.error_count()} error(s))") from None
 
 
 def _check_frames(meta: MessageMeta, frames: list[Buffer]) -> None:

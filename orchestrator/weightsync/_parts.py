@@ -61,8 +61,12 @@ def part_plan(meta: MessageMeta, part_bytes: int) -> list[tuple[int, int]]:
     return plan
 
 
-def message_part(message: WeightMessage, seq: int, part_bytes: int = DEFAULT_PART_BYTES,
-                 plan: Sequence[tuple[int, int]] | None = None) -> tuple[dict[str, Any], list[Buffer]]:
+def message_part(
+    message: WeightMessage,
+    seq: int,
+    part_bytes: int = DEFAULT_PART_BYTES,
+    plan: Sequence[tuple[int, int]] | None = None,
+) -> tuple[dict[str, Any], list[Buffer]]:
     """Part ``seq`` of ``message`` (frames are the message's own buffers, not copies).
     Raises ValueError for a ``seq`` outside the plan."""
     plan = part_plan(message.meta, part_bytes) if plan is None else plan
@@ -75,8 +79,9 @@ def message_part(message: WeightMessage, seq: int, part_bytes: int = DEFAULT_PAR
     return header, list(message.frames[first : first + count])
 
 
-def message_parts(message: WeightMessage, part_bytes: int = DEFAULT_PART_BYTES
-                  ) -> Iterator[tuple[dict[str, Any], list[Buffer]]]:
+def message_parts(
+    message: WeightMessage, part_bytes: int = DEFAULT_PART_BYTES
+) -> Iterator[tuple[dict[str, Any], list[Buffer]]]:
     """Every part of ``message``, in order."""
     plan = part_plan(message.meta, part_bytes)
     for seq in range(len(plan)):
@@ -86,8 +91,9 @@ def message_parts(message: WeightMessage, part_bytes: int = DEFAULT_PART_BYTES
 def parse_first(header: Mapping[str, Any]) -> MessageMeta:
     """The metadata carried by part 0 (not yet checked against its seal)."""
     if header.get("seq") != 0 or not isinstance(header.get("meta"), str):
-        raise MalformedMessageError(f"part {header.get('seq')!r} arrived first; a stream starts with part 0 "
-                                    "and its metadata")
+        raise MalformedMessageError(
+            f"part {header.get('seq')!r} arrived first; a stream starts with part 0 and its metadata"
+        )
     return _parse_meta(header["meta"].encode())
 
 
@@ -136,15 +142,19 @@ class PartAssembler:
         if not isinstance(parts, int) or parts < 1 or (self._parts is not None and parts != self._parts):
             raise MalformedMessageError(f"part count {parts!r} changed or invalid (was {self._parts})")
         if first != self._cursor or len(frames) > len(self._lengths) - self._cursor:
-            raise MalformedMessageError(f"part {seq} holds frames {first!r}..+{len(frames)}, "
-                                        f"expected from {self._cursor} of {len(self._lengths)}")
+            raise MalformedMessageError(
+                f"part {seq} holds frames {first!r}..+{len(frames)}, "
+                f"expected from {self._cursor} of {len(self._lengths)}"
+            )
         self._parts = parts
         views = [memoryview(f).cast("B") for f in frames]
         for k, v in enumerate(views):
             c = self._chunks[self._cursor + k]
             if v.nbytes != self._lengths[self._cursor + k]:
-                raise MalformedMessageError(f"chunk {c.index} is {v.nbytes} bytes, metadata says "
-                                            f"{self._lengths[self._cursor + k]}", tensor=meta.tensors[c.tensor].name)
+                raise MalformedMessageError(
+                    f"chunk {c.index} is {v.nbytes} bytes, metadata says {self._lengths[self._cursor + k]}",
+                    tensor=meta.tensors[c.tensor].name,
+                )
         chunks = self._chunks[self._cursor : self._cursor + len(views)]
         results = _run([self._job(c, v) for c, v in zip(chunks, views, strict=True)], self._threads)
         for c, r in zip(chunks, results, strict=True):
@@ -155,14 +165,16 @@ class PartAssembler:
             if c.index == len(tm.chunks) - 1:  # the tensor's last chunk: check its hash now
                 got = tree_hash(meta.hash_algo, self._digests[c.tensor])
                 if got != tm.hash:
-                    raise HashMismatchError(f"hash of the streamed bytes is {got}, message says {tm.hash}",
-                                            tensor=tm.name)
+                    raise HashMismatchError(
+                        f"hash of the streamed bytes is {got}, message says {tm.hash}", tensor=tm.name
+                    )
         self._cursor += len(views)
         self._next += 1
         last = self._next == parts
         if last != (self._cursor == len(self._lengths)):
-            raise MalformedMessageError(f"part {seq} of {parts} leaves {len(self._lengths) - self._cursor} "
-                                        "chunk frames unsent")
+            raise MalformedMessageError(
+                f"part {seq} of {parts} leaves {len(self._lengths) - self._cursor} chunk frames unsent"
+            )
         if last:
             for tm, ds in zip(meta.tensors, self._digests, strict=True):
                 if not tm.chunks and tree_hash(meta.hash_algo, ds) != tm.hash:  # empty tensors

@@ -151,8 +151,7 @@ class WeightPublisher:
         """
         if version < 0 or (self._latest is not None and version <= self._latest):
             raise VersionError(f"published version {version} must exceed the latest, {self._latest}")
-        snaps = {p: wire_snapshot(master, p, fp8_skip=self._fp8_skip, shared=self._shared)
-                 for p in self.precisions}
+        snaps = {p: wire_snapshot(master, p, fp8_skip=self._fp8_skip, shared=self._shared) for p in self.precisions}
         due = self._keyframe_version is None or version - self._keyframe_version >= self.keyframe_interval
         out: list[WeightMessage] = []
         keyframes: list[tuple[_Track, WeightMessage]] = []
@@ -204,9 +203,7 @@ class WeightPublisher:
         peer.acked = version
         self._collect()
 
-    def updates_for(
-        self, receiver_id: str, have_version: int | None, precision: Precision
-    ) -> list[WeightMessage]:
+    def updates_for(self, receiver_id: str, have_version: int | None, precision: Precision) -> list[WeightMessage]:
         """Messages that take a receiver holding `have_version` (None: nothing
         trustworthy, e.g. `WeightReceiver.have_version` after a failure) to the
         latest version: the delta chain or the newest keyframe plus the deltas
@@ -237,9 +234,7 @@ class WeightPublisher:
     def _track(self, precision: Precision) -> _Track:
         track = self._tracks.get(precision)
         if track is None:
-            raise StructureMismatchError(
-                f"precision {precision!r} is not published (have {list(self.precisions)})"
-            )
+            raise StructureMismatchError(f"precision {precision!r} is not published (have {list(self.precisions)})")
         return track
 
     def _check_published(self, version: int | None) -> None:
@@ -454,9 +449,7 @@ class WeightReceiver:
                 )
             if message.base_version != held:
                 kind = "gap" if message.base_version > held else "out-of-order delta"  # type: ignore[operator]
-                raise VersionError(
-                    f"{kind}: delta {message.base_version}->{message.version}, receiver at {held}"
-                )
+                raise VersionError(f"{kind}: delta {message.base_version}->{message.version}, receiver at {held}")
             self._staged = None
             apply(message, snap, threads=self._threads)
             self._version = message.version

@@ -103,8 +103,10 @@ def allocate(spec: Sequence[tuple[str, torch.dtype, tuple[int, ...]]]) -> dict[s
     view = memoryview(arena.mm)
     weakref.finalize(view, _freed, arena.id)  # runs when the last tensor below is gone
     base = torch.frombuffer(view, dtype=torch.uint8)
-    return {name: base[off : off + n].view(dtype).view(shape)
-            for (name, dtype, shape), (off, n) in zip(spec, spans, strict=True)}
+    return {
+        name: base[off : off + n].view(dtype).view(shape)
+        for (name, dtype, shape), (off, n) in zip(spec, spans, strict=True)
+    }
 
 
 def _take(size: int) -> _Arena | None:
@@ -194,8 +196,12 @@ class _Helper:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, str(_HELPER), str(theirs.fileno())], pass_fds=[theirs.fileno()],
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                [sys.executable, str(_HELPER), str(theirs.fileno())],
+                pass_fds=[theirs.fileno()],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+            )
         finally:
             theirs.close()
         self.sock = ours
@@ -231,8 +237,16 @@ class _Helper:
             sizes.append(entry[1])
         if len(fds) > _MAX_FDS:
             raise HelperError(f"{len(fds)} new arenas in one request, at most {_MAX_FDS}")
-        head = json.dumps({"level": level, "algo": algo, "chunk_bytes": chunk_bytes, "arenas": new, "sizes": sizes,
-                           "drop": sorted(self.forgotten)}).encode()
+        head = json.dumps(
+            {
+                "level": level,
+                "algo": algo,
+                "chunk_bytes": chunk_bytes,
+                "arenas": new,
+                "sizes": sizes,
+                "drop": sorted(self.forgotten),
+            }
+        ).encode()
         rows = struct.pack(f"<{len(jobs) * _COLUMNS}q", *(v for j in jobs for v in j))
         try:
             pre = _PREAMBLE.pack(len(head), len(jobs), len(fds))
@@ -315,7 +329,7 @@ def helper_stats() -> dict[str, float]:
     stopped for dying or misbehaving} in this process so far, and "helper_cpu_s": the CPU
     time of the helpers now running (Linux ``/proc/<pid>/schedstat``; 0 elsewhere)."""
     cpu = 0.0
-    for h in list(_helpers):  # noqa: PERF101 -- a copy: another thread's encode may change it
+    for h in list(_helpers):
         try:  # nanoseconds on a CPU (``/proc/<pid>/stat`` counts in 10 ms ticks)
             with open(f"/proc/{h.proc.pid}/schedstat") as f:
                 cpu += int(f.read().split()[0]) / 1e9
@@ -426,8 +440,11 @@ def encode_on_helpers(
 
 def _drop(h: _Helper, e: Exception) -> None:
     stats["helper_failures"] += 1
-    later = ("until another helper is ready" if stats["helper_failures"] < MAX_FAILURES
-             else f"from now on ({MAX_FAILURES} helpers failed: no more are started)")
+    later = (
+        "until another helper is ready"
+        if stats["helper_failures"] < MAX_FAILURES
+        else f"from now on ({MAX_FAILURES} helpers failed: no more are started)"
+    )
     log.warning("weightsync: %s; encoding on threads %s", e, later)
     h.close()
     if h in _helpers:

@@ -39,10 +39,18 @@ __all__ = ["KeyframeAssembler", "stream_keyframe"]
 DEFAULT_PART_BYTES = 64 << 20
 
 
-def stream_keyframe(snapshot: Mapping[str, torch.Tensor], version: int, precision: str, *,
-                    part_bytes: int = DEFAULT_PART_BYTES, threads: int = 2, level: int = 1,
-                    chunk_bytes: int = DEFAULT_CHUNK_BYTES, compress: bool = True,
-                    hash_algo: str | None = None) -> Iterator[tuple[dict[str, Any], list[Any]]]:
+def stream_keyframe(
+    snapshot: Mapping[str, torch.Tensor],
+    version: int,
+    precision: str,
+    *,
+    part_bytes: int = DEFAULT_PART_BYTES,
+    threads: int = 2,
+    level: int = 1,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    compress: bool = True,
+    hash_algo: str | None = None,
+) -> Iterator[tuple[dict[str, Any], list[Any]]]:
     """Yield ``(header, frames)`` parts of a keyframe of ``snapshot``, encoded lazily.
 
     Each part is encoded (on ``threads`` workers) only when the consumer asks for it, so
@@ -82,8 +90,9 @@ def stream_keyframe(snapshot: Mapping[str, torch.Tensor], version: int, precisio
         results = _run(jobs, threads, level)
         header: dict[str, Any] = {**head, "seq": seq, "chunks": [], "raw": not compress}
         if seq == 0:
-            header["tensors"] = [[n, str(snapshot[n].dtype).removeprefix("torch."), list(snapshot[n].shape)]
-                                 for n in names]
+            header["tensors"] = [
+                [n, str(snapshot[n].dtype).removeprefix("torch."), list(snapshot[n].shape)] for n in names
+            ]
         frames = []
         for (i, c, s, _e), (frame, digest) in zip(group, results, strict=True):  # type: ignore[misc]
             header["chunks"].append([i, c, s, digest.hex()])
@@ -145,30 +154,40 @@ class KeyframeAssembler:
             i, c, s, digest = item
             target = self._words[i]
             n = max(1, per // target.dtype.itemsize)
-            if not (isinstance(s, int) and isinstance(c, int) and 0 <= s < max(1, target.size)
-                    and s == c * n and isinstance(digest, str)):
+            if not (
+                isinstance(s, int)
+                and isinstance(c, int)
+                and 0 <= s < max(1, target.size)
+                and s == c * n
+                and isinstance(digest, str)
+            ):
                 raise MalformedMessageError(f"chunk {c!r} starts at word {s!r}", tensor=self._names[i])
-            view = target[s:s + n]
+            view = target[s : s + n]
 
             def run(ws: Workspace) -> bytes:
                 if raw:
                     data = memoryview(frame).cast("B")
                     if data.nbytes != view.nbytes:
-                        raise CorruptPayloadError(f"chunk {c}: {data.nbytes} raw bytes for a "
-                                                  f"{view.nbytes}-byte chunk", tensor=self._names[i])
+                        raise CorruptPayloadError(
+                            f"chunk {c}: {data.nbytes} raw bytes for a {view.nbytes}-byte chunk", tensor=self._names[i]
+                        )
                     np.copyto(view, np.frombuffer(data, dtype=view.dtype))
                 else:
                     decode_xor_into(frame, view, ws, tensor=self._names[i], chunk=c, overwrite=True)
                 got = hasher(view)
                 if got.hex() != digest:
-                    raise HashMismatchError(f"chunk {c} decodes to other bytes than were sent",
-                                            tensor=self._names[i])
+                    raise HashMismatchError(f"chunk {c} decodes to other bytes than were sent", tensor=self._names[i])
                 return got
+
             return run
 
         for item in chunks:
-            if not (isinstance(item, list) and len(item) == 4 and isinstance(item[0], int)
-                    and 0 <= item[0] < len(self._words)):
+            if not (
+                isinstance(item, list)
+                and len(item) == 4
+                and isinstance(item[0], int)
+                and 0 <= item[0] < len(self._words)
+            ):
                 raise MalformedMessageError(f"bad chunk entry {item!r}")
         results = _run([job(item, f) for item, f in zip(chunks, frames, strict=True)], self._threads)
         for item, r in zip(chunks, results, strict=True):

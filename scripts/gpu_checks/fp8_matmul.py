@@ -28,8 +28,15 @@ def timed(fn, reps: int = 20) -> float:
 if __name__ == "__main__":
     dev = torch.device("cuda")
     if not fp8_matmul_available(dev):
-        print(json.dumps({"check": "fp8_matmul", "status": "skipped",
-                          "reason": f"capability {torch.cuda.get_device_capability(dev)} < (8, 9)"}))
+        print(
+            json.dumps(
+                {
+                    "check": "fp8_matmul",
+                    "status": "skipped",
+                    "reason": f"capability {torch.cuda.get_device_capability(dev)} < (8, 9)",
+                }
+            )
+        )
         sys.exit(0)
     w = torch.randn(4096, 4096, device=dev)
     x = torch.randn(256, 4096, device=dev, dtype=torch.bfloat16)
@@ -41,6 +48,15 @@ if __name__ == "__main__":
     t_bf16 = timed(lambda: torch.nn.functional.linear(x, deq))
     t_fp8 = timed(lambda: fp8_linear(x, fw))
     ok = rel < 0.03
-    print(json.dumps({"check": "fp8_matmul", "status": "passed" if ok else "failed", "rel_err": rel,
-                      "bf16_ms": t_bf16 * 1e3, "fp8_ms": t_fp8 * 1e3}))
+    print(
+        json.dumps(
+            {
+                "check": "fp8_matmul",
+                "status": "passed" if ok else "failed",
+                "rel_err": rel,
+                "bf16_ms": t_bf16 * 1e3,
+                "fp8_ms": t_fp8 * 1e3,
+            }
+        )
+    )
     sys.exit(0 if ok else 1)

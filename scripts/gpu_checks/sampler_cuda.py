@@ -41,15 +41,20 @@ def engine_parts() -> bool:
     out = []
     while b2.has_work():
         out += b2.step()
-    return report("batcher_generates", len(out) == 1 and len(out[0].token_ids) > 0,
-                  tokens=len(out[0].token_ids) if out else 0) and ok
+    return (
+        report(
+            "batcher_generates", len(out) == 1 and len(out[0].token_ids) > 0, tokens=len(out[0].token_ids) if out else 0
+        )
+        and ok
+    )
 
 
 async def pool_parts() -> bool:
     n = torch.cuda.device_count()
     label = detected_gpu(torch.cuda.get_device_name(0)) or "H100-SXM"
-    async with open_mesh(SamplerActor, "gpu-pool", "bf16", None, "cuda", init_seed=0, gpus=list(range(n)),
-                         procs=n, name="sampler-gpu") as mesh:
+    async with open_mesh(
+        SamplerActor, "gpu-pool", "bf16", None, "cuda", init_seed=0, gpus=list(range(n)), procs=n, name="sampler-gpu"
+    ) as mesh:
         names = [x for rank in await mesh.device_names.call() for x in rank]
         res = await mesh[0].generate.call_one(GenerateRequest(request_id="g", prompt_ids=[1, 2], max_new_tokens=8))
     ok = report("pool_one_gpu_per_rank", len(names) == n and len(res.token_ids) > 0, devices=names)

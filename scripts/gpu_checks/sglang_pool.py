@@ -28,8 +28,12 @@ async def main(ckpt: Path) -> bool:
     cfg = default_model_config(vocab_size=1024)
     model = build_model(cfg, seed=0)
     model.save_pretrained(ckpt)
-    launch = {"model_path": str(ckpt), "args": ["--disable-radix-cache", "--skip-tokenizer-init"],
-              "port": 31000, "health_timeout_s": 900}
+    launch = {
+        "model_path": str(ckpt),
+        "args": ["--disable-radix-cache", "--skip-tokenizer-init"],
+        "port": 31000,
+        "health_timeout_s": 900,
+    }
     be = SGLangBackend(pool="gpu", model_config=cfg, launch=launch, port=31000, gpu=0)
     ok = True
     async with trio.open_nursery() as nursery:
@@ -40,7 +44,7 @@ async def main(ckpt: Path) -> bool:
             res = await be.generate(req)
             res.support().token_index(torch.tensor(res.token_ids))  # each token lies in its row
             report("generate_with_sampling_mask", "passed", tokens=len(res.token_ids), versions=res.versions[:1])
-        except Exception as exc:  # noqa: BLE001 - reported
+        except Exception as exc:
             report("generate_with_sampling_mask", "failed", error=repr(exc))
             ok = False
         await be.update_weights(wire_snapshot(model_weights(build_model(cfg, seed=1)), "bf16"), 2)

@@ -35,8 +35,7 @@ from benchmarks.trainer import model, synthetic_batch
 
 
 def report(part: str, ok: bool, **fields: object) -> bool:
-    print(json.dumps({"check": f"trainer.{part}", "status": "passed" if ok else "failed", **fields}),
-          flush=True)
+    print(json.dumps({"check": f"trainer.{part}", "status": "passed" if ok else "failed", **fields}), flush=True)
     return ok
 
 
@@ -83,8 +82,7 @@ def bf16_speed() -> bool:
     padded = 16 * 512
     fp32 = _tokens_per_s(TrainerConfig(device="cuda", model=m), batch, padded)
     bf16 = _tokens_per_s(TrainerConfig(device="cuda", model=m, dtype="bf16"), batch, padded)
-    return report("bf16_speed", bf16 / fp32 > 1.0, fp32_tokens_per_s=fp32, bf16_tokens_per_s=bf16,
-                  ratio=bf16 / fp32)
+    return report("bf16_speed", bf16 / fp32 > 1.0, fp32_tokens_per_s=fp32, bf16_tokens_per_s=bf16, ratio=bf16 / fp32)
 
 
 def act_ckpt_memory() -> bool:
@@ -99,8 +97,9 @@ def act_ckpt_memory() -> bool:
         tr.train_step(batch)
         peaks.append((torch.cuda.max_memory_allocated() - base) / 2**20)
         del tr
-    return report("act_ckpt_memory", peaks[1] / peaks[0] <= 0.7, no_ckpt_mb=peaks[0],
-                  ckpt_mb=peaks[1], ratio=peaks[1] / peaks[0])
+    return report(
+        "act_ckpt_memory", peaks[1] / peaks[0] <= 0.7, no_ckpt_mb=peaks[0], ckpt_mb=peaks[1], ratio=peaks[1] / peaks[0]
+    )
 
 
 async def dcp_roundtrip() -> bool:

@@ -19,10 +19,22 @@ def small_run_raw(tmp_path: Path, name: str = "t", **overrides: Any) -> dict[str
         "rollout": {"prompts_per_step": 4, "group_size": 4, "max_buffered_groups": 4},
         "trainer": {"lr": 3e-3},
         "pools": [
-            {"name": "b200-bf16", "gpu": "B200", "precision": "bf16", "device": "cpu",
-             "staleness_budget": 2, "max_concurrent_rollouts": 16},
-            {"name": "h100-fp8", "gpu": "H100-SXM", "precision": "fp8", "device": "cpu",
-             "staleness_budget": 1, "max_concurrent_rollouts": 16},
+            {
+                "name": "b200-bf16",
+                "gpu": "B200",
+                "precision": "bf16",
+                "device": "cpu",
+                "staleness_budget": 2,
+                "max_concurrent_rollouts": 16,
+            },
+            {
+                "name": "h100-fp8",
+                "gpu": "H100-SXM",
+                "precision": "fp8",
+                "device": "cpu",
+                "staleness_budget": 1,
+                "max_concurrent_rollouts": 16,
+            },
         ],
     }
     for key, value in overrides.items():

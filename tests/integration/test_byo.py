@@ -1,6 +1,7 @@
 """examples/byo end to end, as its README runs it: make a local checkpoint, train it with a
 task module outside the package, a JSONL dataset and an eval split, export the policy and
 reload it in transformers with the trainer's logits. Real processes throughout."""
+
 from __future__ import annotations
 
 import json
@@ -28,9 +29,25 @@ def test_byo_example_trains_evaluates_exports_and_reloads(tmp_path: Path) -> Non
     model = tmp_path / "model"
     _run([sys.executable, "examples/byo/make_checkpoint.py", "--out", str(model)], 120)
     assert len(list(model.glob("*.safetensors"))) > 1 and (model / "tokenizer.json").is_file()
-    _run(FLOTILLA + ["run", "examples/byo/config.toml", "--quiet",
-                     "--set", f'model.path="{model}"', "--set", f'run_root="{tmp_path}"',
-                     "--set", "eval.every=2", "--set", "eval.episodes=4", "--steps", "4"], 300)
+    _run(
+        FLOTILLA
+        + [
+            "run",
+            "examples/byo/config.toml",
+            "--quiet",
+            "--set",
+            f'model.path="{model}"',
+            "--set",
+            f'run_root="{tmp_path}"',
+            "--set",
+            "eval.every=2",
+            "--set",
+            "eval.episodes=4",
+            "--steps",
+            "4",
+        ],
+        300,
+    )
     run = tmp_path / "byo"
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in lines if "reward_mean" in r]
@@ -44,7 +61,8 @@ def test_byo_example_trains_evaluates_exports_and_reloads(tmp_path: Path) -> Non
 
     out = tmp_path / "export"
     _run(FLOTILLA + ["export", str(run), str(out), "--dtype", "float32"], 120)
-    check = json.loads(_run([sys.executable, "examples/byo/check_export.py", str(run),
-                             str(out)], 120).strip().splitlines()[-1])
+    check = json.loads(
+        _run([sys.executable, "examples/byo/check_export.py", str(run), str(out)], 120).strip().splitlines()[-1]
+    )
     assert check["equal"] and check["max_abs_logit_diff"] <= 1e-4
     assert check["architectures"] == ["Qwen2ForCausalLM"]

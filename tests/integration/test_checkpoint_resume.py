@@ -6,6 +6,7 @@ and says so in one line. Every checkpoint damaged: one line naming the file, exi
 checkpoint without digests (an earlier version's) with NaN bytes in its optimizer file:
 the trainer actor refuses it, and its error crosses the actor boundary as one line.
 """
+
 from __future__ import annotations
 
 import json
@@ -43,8 +44,14 @@ max_concurrent_rollouts = 8
 
 
 def _flotilla(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "orchestrator.entry.cli", "run", "--quiet", *args], check=False, cwd=ROOT,
-                          capture_output=True, text=True, timeout=240)
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrator.entry.cli", "run", "--quiet", *args],
+        check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
 
 
 def _damage(path: Path, byte: int | None) -> None:

@@ -3,6 +3,7 @@ checkpoint (byte-level BPE, a ChatML template with tools, random init), its harn
 five clients of tests/unit/gateway/clients.py in turn (one per prompt), 0 failed episodes.
 The model is untrained, so its replies are random ids: text, stray special tokens, invalid
 UTF-8 and cuts at max_tokens all reach the clients."""
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,9 @@ def make_model(out: Path) -> Path:
     from actors.tiny import make_checkpoint, train_tokenizer
     from tests.unit.gateway._actors import CORPUS
 
-    return make_checkpoint(out, "qwen2", tokenizer=train_tokenizer(CORPUS, vocab_size=400), seed=0,
-                           max_position_embeddings=1024)
+    return make_checkpoint(
+        out, "qwen2", tokenizer=train_tokenizer(CORPUS, vocab_size=400), seed=0, max_position_embeddings=1024
+    )
 
 
 @pytest.mark.slow
@@ -55,8 +57,15 @@ device = "cpu"
 max_concurrent_rollouts = 10
 """)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "orchestrator", "run", str(config), "--quiet"], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=380, check=False)
+    done = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "run", str(config), "--quiet"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=380,
+        check=False,
+    )
     assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
     rows = [json.loads(x) for x in (tmp_path / "clients" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]

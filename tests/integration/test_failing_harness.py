@@ -1,6 +1,7 @@
 """A harness that always fails ends the run: `flotilla run` exits non-zero with one line naming
 the error, and leaves its checkpoint and reports, whatever the failure is (a crash, a hang,
 malformed requests to the gateway, no reward). Real processes throughout."""
+
 from __future__ import annotations
 
 import json
@@ -14,15 +15,19 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-_MALFORMED = ("import json, os, urllib.request, sys; "
-              "req = urllib.request.Request(os.environ['OPENAI_BASE_URL'] + '/chat/completions', "
-              "data=json.dumps({'messages': []}).encode(), headers={'content-type': 'application/json'}); "
-              "urllib.request.urlopen(req)")
+_MALFORMED = (
+    "import json, os, urllib.request, sys; "
+    "req = urllib.request.Request(os.environ['OPENAI_BASE_URL'] + '/chat/completions', "
+    "data=json.dumps({'messages': []}).encode(), headers={'content-type': 'application/json'}); "
+    "urllib.request.urlopen(req)"
+)
 
 HARNESSES = {
     # kind: (command, what the stop line must name)
-    "crash": ("python3 -c 'import sys; print(\"the agent broke\", file=sys.stderr); sys.exit(3)'",
-              "exited with code 3; stderr tail: the agent broke"),
+    "crash": (
+        "python3 -c 'import sys; print(\"the agent broke\", file=sys.stderr); sys.exit(3)'",
+        "exited with code 3; stderr tail: the agent broke",
+    ),
     "timeout": ("python3 -c 'import time; time.sleep(60)'", "timed out after 1 s"),
     "malformed": (f'python3 -c "{_MALFORMED}"', "HTTP Error 400"),
     "no_reward": ("python3 -c 'print(1)'", "reported no reward"),
@@ -55,8 +60,15 @@ max_concurrent_rollouts = 8
 """)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     t0 = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "orchestrator", "run", str(config), "--quiet"], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=180, check=False)
+    done = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "run", str(config), "--quiet"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
     took = time.monotonic() - t0
     assert done.returncode == 1, f"{done.stdout}\n{done.stderr}"
     stop = [line for line in done.stderr.splitlines() if line.startswith("flotilla: stopped: ")]
@@ -65,5 +77,5 @@ max_concurrent_rollouts = 8
     assert "bytearray" not in done.stderr and "Traceback" not in stop[0]
     run_dir = tmp_path / "failing"
     assert (run_dir / "checkpoint").is_dir() and (run_dir / "cost_report.json").is_file()
-    assert (run_dir / "metrics.jsonl").read_text() == ""   # nothing trained
+    assert (run_dir / "metrics.jsonl").read_text() == ""  # nothing trained
     print(f"{kind}: stopped after {took:.1f} s")

@@ -10,9 +10,9 @@ import signal
 import pytest
 import trio
 
+from orchestrator.entry.runner import RunHandles, run_async
 from orchestrator.state.config import load_config
 from orchestrator.state.progress import Progress
-from orchestrator.entry.runner import RunHandles, run_async
 from tests.integration.conftest import read_jsonl
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 import trio
 
-from orchestrator.state.config import load_config
-from orchestrator.state.progress import Progress
 from orchestrator.entry.runner import RunHandles, run_async
 from orchestrator.runtime import Curve
+from orchestrator.state.config import load_config
+from orchestrator.state.progress import Progress
 from tests.integration.conftest import read_jsonl
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -106,8 +106,9 @@ async def test_a_stopped_env_actor_and_a_stopped_trainer_are_named(small_raw):
     assert "giving up" not in text
     # Named by the liveness watcher, not found by chance later: within a few detection times.
     assert max(seen.values()) < 10 * FAULTS["unresponsive_after_s"]
-    assert result.counts["groups_in"] == (result.counts["groups_trained"] + result.counts["groups_buffered"]
-                                          + result.counts["groups_skipped"])
+    assert result.counts["groups_in"] == (
+        result.counts["groups_trained"] + result.counts["groups_buffered"] + result.counts["groups_skipped"]
+    )
 
 
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -116,7 +117,10 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 async def _host(keys: Path, bind: str) -> tuple[trio.Process, str]:
     proc = await trio.lowlevel.open_process(
         [sys.executable, "-m", "orchestrator.entry.cli", "host", "--bind", bind, "--keys", str(keys)],
-        stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, env=ENV)
+        stdout=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        env=ENV,
+    )
     assert proc.stdout is not None
     out = b""
     while out.count(b"\n") < 2:
@@ -138,8 +142,15 @@ async def test_a_killed_host_does_not_stall_the_local_pool(small_raw, tmp_path: 
     shutil.copy(host_keys / "id.key", keys / "hosts" / f"{ip}_{port}.key")
     raw = small_raw(name="host-loss", steps=14)
     raw["faults"] = {**FAULTS, "respawn_backoff_max_s": 4.0}
-    raw["pools"][1] = {"name": "remote-h100", "gpu": "H100-SXM", "device": "cpu", "staleness_budget": 2,
-                       "max_concurrent_rollouts": 16, "hosts": [address], "keys": str(keys)}
+    raw["pools"][1] = {
+        "name": "remote-h100",
+        "gpu": "H100-SXM",
+        "device": "cpu",
+        "staleness_budget": 2,
+        "max_concurrent_rollouts": 16,
+        "hosts": [address],
+        "keys": str(keys),
+    }
     cfg = load_config(raw=raw)
     progress, out = _progress(cfg)
     seen: dict[str, int] = {}

@@ -1,6 +1,7 @@
 """examples/harness end to end, as its README runs it: the openai-client agent trains the
 tiny model through the gateway (real processes throughout), a few steps, every episode
 succeeding and every trajectory one segment."""
+
 from __future__ import annotations
 
 import json
@@ -18,10 +19,21 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.timeout(400)
 def test_harness_example_trains_through_the_gateway(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "orchestrator", "run", "examples/harness/config.toml", "--quiet",
-           "--set", f'run_root="{tmp_path}"', "--set", "rollout.prompts_per_step=4", "--steps", "3"]
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=350,
-                          check=False)
+    cmd = [
+        sys.executable,
+        "-m",
+        "orchestrator",
+        "run",
+        "examples/harness/config.toml",
+        "--quiet",
+        "--set",
+        f'run_root="{tmp_path}"',
+        "--set",
+        "rollout.prompts_per_step=4",
+        "--steps",
+        "3",
+    ]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=350, check=False)
     assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
     rows = [json.loads(x) for x in (tmp_path / "harness" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
@@ -29,6 +41,9 @@ def test_harness_example_trains_through_the_gateway(tmp_path: Path) -> None:
     assert all(r["segments_mean"] == 1.0 for r in rows)
     spans = [json.loads(x) for x in (tmp_path / "harness" / "traces.jsonl").read_text().splitlines()]
     # Episodes still running when the run ends are cancelled: their spans carry no result.
-    done = [s["attributes"] for s in spans if s.get("name") == "rollout"
-            and s["attributes"].get("kind") == "harness" and "segments" in s["attributes"]]
+    done = [
+        s["attributes"]
+        for s in spans
+        if s.get("name") == "rollout" and s["attributes"].get("kind") == "harness" and "segments" in s["attributes"]
+    ]
     assert len(done) >= 3 * 4 * 8 and all(a["segments"] == 1 and not a["failed"] for a in done)

@@ -1,6 +1,7 @@
 """examples/harness/responses.toml and messages.toml end to end: the Responses-API and
 Messages-API agents train the tiny built-in model through the gateway (real processes
 throughout), a few steps, every episode succeeding and every trajectory one segment."""
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,20 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_protocol_example_trains_through_the_gateway(tmp_path: Path, example: str) -> None:
     pytest.importorskip("anthropic" if example == "messages" else "openai")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "orchestrator", "run", f"examples/harness/{example}.toml", "--quiet",
-           "--set", f'run_root="{tmp_path}"', "--set", "rollout.prompts_per_step=4", "--steps", "2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "orchestrator",
+        "run",
+        f"examples/harness/{example}.toml",
+        "--quiet",
+        "--set",
+        f'run_root="{tmp_path}"',
+        "--set",
+        "rollout.prompts_per_step=4",
+        "--steps",
+        "2",
+    ]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=350, check=False)
     assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
     run = tmp_path / f"harness-{example}"
@@ -30,6 +43,9 @@ def test_protocol_example_trains_through_the_gateway(tmp_path: Path, example: st
     assert all(r["rollouts"] == 4 * 8 and r["dropped_failed"] == 0 for r in rows)
     assert all(r["segments_mean"] == 1.0 for r in rows)
     spans = [json.loads(x) for x in (run / "traces.jsonl").read_text().splitlines()]
-    done = [s["attributes"] for s in spans if s.get("name") == "rollout"
-            and s["attributes"].get("kind") == "harness" and "segments" in s["attributes"]]
+    done = [
+        s["attributes"]
+        for s in spans
+        if s.get("name") == "rollout" and s["attributes"].get("kind") == "harness" and "segments" in s["attributes"]
+    ]
     assert len(done) >= 2 * 4 * 8 and all(a["segments"] == 1 and not a["failed"] for a in done)

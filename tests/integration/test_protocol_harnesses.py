@@ -4,6 +4,7 @@ three clients of tests/unit/gateway/clients_more.py in turn (one per prompt; the
 client through ANTHROPIC_BASE_URL as a harness command gets it), 0 failed episodes.
 The model is untrained, so its replies are random ids: text, stray special tokens, invalid
 UTF-8 and cuts at max_tokens all reach the clients."""
+
 from __future__ import annotations
 
 import json
@@ -50,8 +51,15 @@ device = "cpu"
 max_concurrent_rollouts = 10
 """)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "orchestrator", "run", str(config), "--quiet"], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=380, check=False)
+    done = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "run", str(config), "--quiet"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=380,
+        check=False,
+    )
     assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
     rows = [json.loads(x) for x in (tmp_path / "protocols" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.state.config import load_config
 from orchestrator.entry.report import write_compare, write_report
 from orchestrator.entry.runner import run
+from orchestrator.state.config import load_config
 from orchestrator.state.sinks import flatten
 from tests.chromium import check_page, chromium_path
 from tests.integration.conftest import read_jsonl, small_run_raw
@@ -74,8 +74,8 @@ def _wandb_records(path: Path) -> list[bytes]:
         if left < 7:  # block trailer padding
             pos += left
             continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        chunk = data[pos + 7:pos + 7 + length]
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        chunk = data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind == 0 and length == 0:
             break

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import trio
 
+from orchestrator.entry.runner import run_async
 from orchestrator.state.config import load_config
 from orchestrator.state.progress import Progress
-from orchestrator.entry.runner import run_async
 from tests.integration.conftest import read_jsonl
 
 pytestmark = pytest.mark.timeout(300)
@@ -56,8 +56,9 @@ async def test_end_to_end_run_writes_outputs_and_one_trace_spans_three_processes
     # Samplers start with no weights: their first keyframe came in parts, into their own snapshot.
     parts = [s for s in spans if s["name"] == "weights.part"]
     assert {s["attributes"]["pool"] for s in parts} == {"b200-bf16", "h100-fp8"}
-    assert any(s["name"] == "weights.apply" and s["service"] == "controller" and s["attributes"].get("keyframe")
-               for s in spans)
+    assert any(
+        s["name"] == "weights.apply" and s["service"] == "controller" and s["attributes"].get("keyframe") for s in spans
+    )
 
     report = (run_dir / "cost_report.md").read_text()
     assert "b200-bf16" in report and "h100-fp8" in report
@@ -89,13 +90,19 @@ async def test_zero_budget_pool_never_trains_stale_and_no_prompt_is_lost(small_r
 
 def _flotilla(*args: str, cwd: Path) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
-    return subprocess.Popen([sys.executable, "-m", "orchestrator", *args], cwd=cwd, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "orchestrator", *args],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def test_sigint_checkpoints_and_resume_continues_without_repeating_or_skipping(small_raw, tmp_path):
-    import tomllib  # noqa: F401 - the config below is written as JSON, which load_config reads too
     import json
+    import tomllib  # noqa: F401 - the config below is written as JSON, which load_config reads too
 
     raw = small_raw(name="resume", steps=6)
     config = tmp_path / "run.json"
@@ -140,8 +147,11 @@ def test_sigint_checkpoints_and_resume_continues_without_repeating_or_skipping(s
     rows = read_jsonl(metrics)
     assert [r["step"] for r in rows] == list(range(1, 7))
     assert [r["version"] for r in rows] == list(range(1, 7))
-    replayed = {s["attributes"]["prompt_id"] for s in read_jsonl(run_dir / "traces.jsonl")
-                if s["name"] == "rollout" and s["service"] == "controller" and s["start_ns"] >= resumed_at_ns}
+    replayed = {
+        s["attributes"]["prompt_id"]
+        for s in read_jsonl(run_dir / "traces.jsonl")
+        if s["name"] == "rollout" and s["service"] == "controller" and s["start_ns"] >= resumed_at_ns
+    }
     assert buffered <= replayed  # no prompt buffered at the stop was lost
     assert (run_dir / "cost_report.json").is_file()
     assert "finished: 6 of 6 steps" in (run_dir / "report.html").read_text()

@@ -10,9 +10,9 @@ import pytest
 import trio
 
 from actors.tokenizer import VOCAB_SIZE
+from orchestrator.entry.runner import run_async
 from orchestrator.state.config import load_config
 from orchestrator.state.progress import Progress
-from orchestrator.entry.runner import run_async
 from tests.integration.conftest import read_jsonl
 from tests.unit.actors.sglang_stub import start_stub
 
@@ -23,10 +23,18 @@ async def test_a_run_with_an_sglang_pool_of_two_servers(small_raw, tmp_path) -> 
     stubs = [start_stub(vocab=VOCAB_SIZE) for _ in range(2)]
     try:
         raw = small_raw(name="sglang", steps=2)
-        raw["pools"] = [{"name": "sglang-h100", "gpu": "H100-SXM", "count": 2, "backend": "sglang",
-                         "urls": [f"http://127.0.0.1:{s.server_port}" for s, _ in stubs],
-                         "weights_dir": str(tmp_path / "weights"), "staleness_budget": 2,
-                         "max_concurrent_rollouts": 16}]
+        raw["pools"] = [
+            {
+                "name": "sglang-h100",
+                "gpu": "H100-SXM",
+                "count": 2,
+                "backend": "sglang",
+                "urls": [f"http://127.0.0.1:{s.server_port}" for s, _ in stubs],
+                "weights_dir": str(tmp_path / "weights"),
+                "staleness_budget": 2,
+                "max_concurrent_rollouts": 16,
+            }
+        ]
         # SGLang's top-p has no minimum support size: its pools need min_keep = 1.
         raw["recipe"] = {**raw.get("recipe", {}), "min_keep": 1}
         cfg = load_config(raw=raw)

@@ -22,8 +22,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _flotilla(*args: str, cwd: Path) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-m", "orchestrator", *args], cwd=cwd, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "orchestrator", *args],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def _trainer_rank(parent: int, rank: int) -> psutil.Process:
@@ -44,14 +50,25 @@ def _wait_rows(proc: subprocess.Popen[str], metrics: Path, n: int, deadline_s: f
 
 def test_demo_on_two_trainer_ranks_dies_naming_the_rank_and_resumes(tmp_path: Path) -> None:
     steps = 6
-    args = ["--set", "trainer.procs=2", "--set", f"run_root=\"{tmp_path / 'runs'}\"",
-            "--set", "name=\"mesh\"", "--set", "checkpoint.every_steps=2", "--steps", str(steps),
-            "--set", "rollout.prompts_per_step=4"]
+    args = [
+        "--set",
+        "trainer.procs=2",
+        "--set",
+        f"run_root=\"{tmp_path / 'runs'}\"",
+        "--set",
+        "name=\"mesh\"",
+        "--set",
+        "checkpoint.every_steps=2",
+        "--steps",
+        str(steps),
+        "--set",
+        "rollout.prompts_per_step=4",
+    ]
     run_dir = tmp_path / "runs" / "mesh"
     metrics = run_dir / "metrics.jsonl"
     proc = _flotilla("run", str(ROOT / "examples" / "guess_number.toml"), *args, cwd=tmp_path)
     try:
-        _wait_rows(proc, metrics, 3, deadline_s=300)   # steps 1-3 done: step 2 is checkpointed
+        _wait_rows(proc, metrics, 3, deadline_s=300)  # steps 1-3 done: step 2 is checkpointed
         victim = _trainer_rank(proc.pid, 1)
         killed = time.monotonic()
         os.kill(victim.pid, signal.SIGKILL)
@@ -62,9 +79,9 @@ def test_demo_on_two_trainer_ranks_dies_naming_the_rank_and_resumes(tmp_path: Pa
             proc.kill()
     assert proc.returncode != 0, out
     assert "trainer rank 1 died" in out, out[-3000:]
-    assert took < 30.0, took   # generous: the box is shared; locally a few seconds
+    assert took < 30.0, took  # generous: the box is shared; locally a few seconds
     first = read_jsonl(metrics)
-    assert first[0]["trainer_memory"]["ranks"] == 2   # the size report, on the first line
+    assert first[0]["trainer_memory"]["ranks"] == 2  # the size report, on the first line
     assert "trainer:" in out and "parameters" in out
 
     proc = _flotilla("run", "--resume", str(run_dir), cwd=tmp_path)
@@ -73,4 +90,4 @@ def test_demo_on_two_trainer_ranks_dies_naming_the_rank_and_resumes(tmp_path: Pa
     rows = read_jsonl(metrics)
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     assert [r["version"] for r in rows] == list(range(1, steps + 1))
-    assert all(r["loss"] == r["loss"] for r in rows)   # finite losses, no NaN
+    assert all(r["loss"] == r["loss"] for r in rows)  # finite losses, no NaN

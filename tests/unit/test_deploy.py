@@ -30,8 +30,10 @@ def test_kubernetes_manifest_places_a_pool_on_the_statefulset() -> None:
     # every StatefulSet pod is a host of the pool, by its stable DNS name and control port
     host_cmd = _exec_argv(sts["spec"]["template"]["spec"]["containers"][0])
     port = host_cmd[host_cmd.index("--bind") + 1].rsplit(":", 1)[1]
-    expected = [f"tcp://{sts['metadata']['name']}-{i}.{sts['spec']['serviceName']}:{port}"
-                for i in range(sts["spec"]["replicas"])]
+    expected = [
+        f"tcp://{sts['metadata']['name']}-{i}.{sts['spec']['serviceName']}:{port}"
+        for i in range(sts["spec"]["replicas"])
+    ]
     assert pool.hosts == expected
     assert svc["metadata"]["name"] == sts["spec"]["serviceName"] and svc["spec"]["clusterIP"] == "None"
     assert host_cmd[:2] == ["flotilla", "host"] and host_cmd[host_cmd.index("--keys") + 1] == pool.keys
@@ -48,8 +50,11 @@ def test_kubernetes_manifest_places_a_pool_on_the_statefulset() -> None:
     ctl = job["spec"]["template"]["spec"]["containers"][0]
     cm_mount = next(m for m in ctl["volumeMounts"] if m["name"] == "config")
     assert _exec_argv(ctl) == ["flotilla", "run", f"{cm_mount['mountPath']}/run.toml"]
-    assert pool.count == sts["spec"]["replicas"] * sts["spec"]["template"]["spec"]["containers"][0][
-        "resources"]["limits"]["nvidia.com/gpu"]
+    assert (
+        pool.count
+        == sts["spec"]["replicas"]
+        * sts["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]
+    )
 
 
 def _exec_argv(container: dict) -> list[str]:
@@ -68,11 +73,19 @@ def test_slurm_script_renders_hosts_and_a_valid_run_command(tmp_path: Path) -> N
     fake.mkdir()
     (fake / "scontrol").write_text("#!/bin/sh\nprintf 'gpu-a\\ngpu-b\\ngpu-c\\n'\n")  # Slurm's node list
     (fake / "scontrol").chmod(0o755)
-    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "gpu-[a-c]",
-           "FLOTILLA_DRY_RUN": "1", "CONFIG": str(ROOT / "examples/guess_number.toml"), "POOL": "1",
-           "KEYS": "/shared/keys", "PORT": "6000"}
-    out = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, check=True,
-                         cwd=ROOT).stdout.splitlines()
+    env = {
+        **os.environ,
+        "PATH": f"{fake}:{os.environ['PATH']}",
+        "SLURM_JOB_NODELIST": "gpu-[a-c]",
+        "FLOTILLA_DRY_RUN": "1",
+        "CONFIG": str(ROOT / "examples/guess_number.toml"),
+        "POOL": "1",
+        "KEYS": "/shared/keys",
+        "PORT": "6000",
+    }
+    out = subprocess.run(
+        ["bash", str(script)], env=env, capture_output=True, text=True, check=True, cwd=ROOT
+    ).stdout.splitlines()
     host_line = next(shlex.split(line) for line in out if " host " in line)
     assert host_line[:6] == ["srun", "--nodes=2", "--ntasks-per-node=1", "--nodelist=gpu-b,gpu-c", "flotilla", "host"]
     assert host_line[6:] == ["--bind", "tcp://0.0.0.0:6000", "--keys", "/shared/keys", "--trust-own-key"]
@@ -90,7 +103,6 @@ def test_slurm_script_refuses_a_single_node(tmp_path: Path) -> None:
     fake.mkdir()
     (fake / "scontrol").write_text("#!/bin/sh\necho gpu-a\n")
     (fake / "scontrol").chmod(0o755)
-    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "gpu-a",
-           "FLOTILLA_DRY_RUN": "1"}
+    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "gpu-a", "FLOTILLA_DRY_RUN": "1"}
     r = subprocess.run(["bash", str(ROOT / "deploy/slurm/flotilla.sbatch")], env=env, capture_output=True, text=True)
     assert r.returncode == 2 and "at least 2 nodes" in r.stderr

@@ -15,6 +15,7 @@ registry (``actors.env.task_factory``) resolves such names here, importing the a
 A library that is not installed fails with ``LibraryMissing``: one line naming the
 extra to install (``pip install -e '.[reasoning-gym]'``).
 """
+
 from __future__ import annotations
 
 import functools
@@ -27,9 +28,11 @@ __all__ = ["EXTRAS", "KINDS", "LibraryMissing", "library_factory", "require", "s
 KINDS = ("reasoning_gym", "verifiers", "openenv")
 """Task kinds that come from an environment library."""
 
-EXTRAS = {"reasoning_gym": ("reasoning_gym", "reasoning-gym"),
-          "verifiers": ("verifiers", "verifiers"),
-          "openenv": ("openenv", "openenv")}
+EXTRAS = {
+    "reasoning_gym": ("reasoning_gym", "reasoning-gym"),
+    "verifiers": ("verifiers", "verifiers"),
+    "openenv": ("openenv", "openenv"),
+}
 """kind -> (the module it imports, the pyproject extra that installs it)."""
 
 
@@ -43,8 +46,10 @@ def require(kind: str) -> None:
     try:
         importlib.import_module(module)
     except ImportError as e:
-        raise LibraryMissing(f"task.kind {kind!r} needs the {extra} package ({type(e).__name__}: "
-                             f"{e}); install it with: pip install -e '.[{extra}]'") from None
+        raise LibraryMissing(
+            f"task.kind {kind!r} needs the {extra} package ({type(e).__name__}: "
+            f"{e}); install it with: pip install -e '.[{extra}]'"
+        ) from None
 
 
 def split_task_name(task: str) -> tuple[str, str] | None:
@@ -60,7 +65,7 @@ def library_factory(task: str) -> Callable[..., Any] | None:
     """The environment factory of a library task name (None when ``task`` is none).
     Raises LibraryMissing when its library is not installed."""
     parts = split_task_name(task)
-    if parts is None or parts[0] == "verifiers":   # verifiers episodes run via the gateway
+    if parts is None or parts[0] == "verifiers":  # verifiers episodes run via the gateway
         return None
     kind, name = parts
     require(kind)

@@ -14,6 +14,7 @@ its only required field), and each observation is shown to the model as its
 ``observation_field`` (default: the observation's fields other than done/reward/metadata, as
 JSON). The step's ``reward`` (None counts 0) and ``done`` are the environment's own.
 """
+
 from __future__ import annotations
 
 import json
@@ -45,8 +46,10 @@ def _action_class(client: type, spec: str | None) -> type:
         args = typing.get_args(base)
         if args and isinstance(args[0], type):
             return args[0]
-    raise TypeError(f"openenv: cannot tell {client.__name__}'s action class from its generic "
-                    f"parameters; give params.action = 'module:Class'")
+    raise TypeError(
+        f"openenv: cannot tell {client.__name__}'s action class from its generic "
+        f"parameters; give params.action = 'module:Class'"
+    )
 
 
 def _text_field(action: type, field: str | None) -> str:
@@ -55,13 +58,14 @@ def _text_field(action: type, field: str | None) -> str:
         raise TypeError(f"openenv: action class {action.__name__} is not a pydantic model")
     if field is not None:
         if field not in fields:
-            raise ValueError(f"openenv: action {action.__name__} has no field {field!r} "
-                             f"(fields: {', '.join(fields)})")
+            raise ValueError(f"openenv: action {action.__name__} has no field {field!r} (fields: {', '.join(fields)})")
         return field
     required = [n for n, f in fields.items() if f.is_required()]
     if len(required) != 1:
-        raise ValueError(f"openenv: action {action.__name__} has required fields {required}; "
-                         f"say which takes the reply with params.action_field")
+        raise ValueError(
+            f"openenv: action {action.__name__} has required fields {required}; "
+            f"say which takes the reply with params.action_field"
+        )
     return required[0]
 
 
@@ -69,10 +73,17 @@ class OpenEnvTask(Environment):
     """An OpenEnv environment as a multi-turn text task (module docstring). Plain methods:
     the client's synchronous wrapper runs in the episode's worker thread."""
 
-    def __init__(self, client: str, base_url: str, action: str | None = None,
-                 action_field: str | None = None, observation_field: str | None = None,
-                 max_turns: int = 8, reset_args: dict[str, Any] | None = None,
-                 max_new_tokens: int | None = None) -> None:
+    def __init__(
+        self,
+        client: str,
+        base_url: str,
+        action: str | None = None,
+        action_field: str | None = None,
+        observation_field: str | None = None,
+        max_turns: int = 8,
+        reset_args: dict[str, Any] | None = None,
+        max_new_tokens: int | None = None,
+    ) -> None:
         if max_turns < 1:
             raise ValueError(f"openenv: max_turns={max_turns} must be >= 1")
         self.client_cls = _client_class(client)
@@ -117,5 +128,4 @@ class OpenEnvTask(Environment):
         self.turn += 1
         result = self.session.step(self.action_cls(**{self.action_field: action_text}))
         done = bool(result.done)
-        return StepOutcome(observation=self._text(result.observation),
-                           reward=float(result.reward or 0.0), done=done)
+        return StepOutcome(observation=self._text(result.observation), reward=float(result.reward or 0.0), done=done)

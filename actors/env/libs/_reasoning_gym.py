@@ -12,6 +12,7 @@ Flotilla's: ``system_prompt`` (a key of ``reasoning_gym.utils.SYSTEM_PROMPTS`` s
 ``"default"``, or literal text; empty: none) and ``answer_tag``. Datasets are cached per
 process by (name, seed, params): a group's episodes build one.
 """
+
 from __future__ import annotations
 
 import functools
@@ -38,12 +39,15 @@ def _split(name: str, params: dict[str, Any]) -> tuple[dict[str, Any], dict[str,
     from reasoning_gym.factory import DATASETS
 
     if name not in DATASETS:
-        raise ValueError(f"reasoning_gym has no dataset {name!r} (it has {len(DATASETS)}: "
-                         f"{', '.join(sorted(DATASETS)[:8])}, ...)")
+        raise ValueError(
+            f"reasoning_gym has no dataset {name!r} (it has {len(DATASETS)}: {', '.join(sorted(DATASETS)[:8])}, ...)"
+        )
     for key in ("seed", "size"):
         if key in params:
-            raise ValueError(f"reasoning_gym: params.{key} is set by Flotilla (each prompt's seed "
-                             f"picks one generated item); remove it")
+            raise ValueError(
+                f"reasoning_gym: params.{key} is set by Flotilla (each prompt's seed "
+                f"picks one generated item); remove it"
+            )
     own = {k: params[k] for k in _OWN if k in params}
     gen = {k: v for k, v in params.items() if k not in _OWN}
     for k, v in own.items():

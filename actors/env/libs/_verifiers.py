@@ -26,6 +26,7 @@ A verifiers ``Environment`` installs SIGINT/SIGTERM handlers when it is built, w
 take the actor's own: environments are built in the actor's main thread, once per
 (name, params) and process, with the previous handlers put back.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -73,8 +74,7 @@ def load_environment(name: str, params: dict[str, Any]) -> Any:
         for sig, handler in saved.items():
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
     if not isinstance(env, vf.Environment):
-        raise TypeError(f"verifiers environment {name!r}: got {type(env).__name__}, not a "
-                        f"verifiers Environment")
+        raise TypeError(f"verifiers environment {name!r}: got {type(env).__name__}, not a verifiers Environment")
     _LOADED[key] = env
     return env
 
@@ -109,8 +109,7 @@ class AsyncioLoop:
 
             with trio.CancelScope(shield=True):
                 try:
-                    await trio.to_thread.run_sync(
-                        lambda: asyncio.run_coroutine_threadsafe(drain(), loop).result(10))
+                    await trio.to_thread.run_sync(lambda: asyncio.run_coroutine_threadsafe(drain(), loop).result(10))
                 except Exception:
                     log.debug("verifiers: cancelling the asyncio loop's tasks failed", exc_info=True)
                 loop.call_soon_threadsafe(loop.stop)
@@ -199,9 +198,8 @@ async def play_verifiers_episode(
             with trio.move_on_after(timeout_s) as cs:
                 try:
                     env = load_environment(name, dict(task.params))
-                    reward = await loop.run(lambda: _rollout(env, task.seed, base_url, session.id,
-                                                             max_new_tokens))
-                except Exception as e:  # noqa: BLE001 - the environment's failure is the episode's
+                    reward = await loop.run(lambda: _rollout(env, task.seed, base_url, session.id, max_new_tokens))
+                except Exception as e:
                     tail = "".join(traceback.format_exception(e))[-_TAIL:]
                     raise _Failed(f"{type(e).__name__}: {e}; traceback tail: {tail}") from None
             if cs.cancelled_caught:

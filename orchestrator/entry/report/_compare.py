@@ -12,10 +12,10 @@ from pathlib import Path
 
 import plotly.graph_objects as go
 
-from orchestrator.state.checkpoints import write_file_atomic
 from orchestrator.entry.report._charts import cost_series, rolling_mean
 from orchestrator.entry.report._data import RunData, load_run
 from orchestrator.entry.report._html import page
+from orchestrator.state.checkpoints import write_file_atomic
 
 __all__ = ["write_compare"]
 
@@ -32,9 +32,15 @@ def _label(data: RunData, taken: set[str]) -> str:
 
 def _figure(title: str, x_title: str, y_title: str) -> go.Figure:
     fig = go.Figure()
-    fig.update_layout(template="plotly_white", title=title, height=380, xaxis_title=x_title,
-                      yaxis_title=y_title, margin=dict(l=60, r=20, t=50, b=45),
-                      legend=dict(orientation="h", yanchor="bottom", y=1.0, x=1, xanchor="right"))
+    fig.update_layout(
+        template="plotly_white",
+        title=title,
+        height=380,
+        xaxis_title=x_title,
+        yaxis_title=y_title,
+        margin=dict(l=60, r=20, t=50, b=45),
+        legend=dict(orientation="h", yanchor="bottom", y=1.0, x=1, xanchor="right"),
+    )
     return fig
 
 
@@ -60,11 +66,18 @@ def render_compare(runs: list[RunData]) -> str:
         reward_step.add_scatter(x=steps, y=r10, mode="lines", name=label, line=line)
         reward_wall.add_scatter(x=[r["wall_total_s"] for r in rows], y=r10, mode="lines", name=label, line=line)
         per_pool, counterfactual, _ = cost_series(data)
-        totals = [sum(v) for v in zip(*per_pool.values())] if per_pool else [r.get("cost_usd") for r in rows]
+        totals = (
+            [sum(v) for v in zip(*per_pool.values(), strict=False)] if per_pool else [r.get("cost_usd") for r in rows]
+        )
         cost.add_scatter(x=steps, y=totals, mode="lines", name=label, line=line)
         if counterfactual is not None:
-            cost.add_scatter(x=steps, y=counterfactual, mode="lines", name=f"{label}: counterfactual",
-                             line=dict(color=color, dash="dash"))
+            cost.add_scatter(
+                x=steps,
+                y=counterfactual,
+                mode="lines",
+                name=f"{label}: counterfactual",
+                line=dict(color=color, dash="dash"),
+            )
         stale.add_scatter(x=steps, y=[r.get("staleness_mean") for r in rows], mode="lines", name=label, line=line)
     charts = [reward_step, reward_wall, cost, stale]
     sections = [("curves", "Curves", [("", fig if fig.data else "No run has recorded steps.") for fig in charts])]

@@ -17,7 +17,7 @@ import contextlib
 import json
 import struct
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -92,8 +92,7 @@ class RunData:
         of = f" of {configured}" if configured is not None else ""
         if self.cost is not None:
             return f"interrupted at step {done}{of} (checkpointed, reports written)"
-        return (f"incomplete at step {done}{of}: no cost report yet "
-                f"(the run was killed, or is still running)")
+        return f"incomplete at step {done}{of}: no cost report yet (the run was killed, or is still running)"
 
 
 def _read_json(path: Path, what: str, missing: list[str]) -> Any:
@@ -125,8 +124,10 @@ def read_metrics(path: Path, missing: list[str]) -> tuple[list[dict[str, Any]], 
         except json.JSONDecodeError:
             last = i == len(lines) or (i == len(lines) - 1 and not lines[-1])
             if last:
-                missing.append(f"metrics.jsonl: the last line ({i}) is truncated ({len(line)} bytes, "
-                               f"a step being written when the run stopped); it is left out")
+                missing.append(
+                    f"metrics.jsonl: the last line ({i}) is truncated ({len(line)} bytes, "
+                    f"a step being written when the run stopped); it is left out"
+                )
             else:
                 missing.append(f"metrics.jsonl: line {i} is not valid JSON; it is left out")
             continue
@@ -138,8 +139,10 @@ def read_metrics(path: Path, missing: list[str]) -> tuple[list[dict[str, Any]], 
         elif "eval_reward" in row:
             evals.append(row)
     if not rows:
-        missing.append("metrics.jsonl has no training steps: the run stopped before its first "
-                       "step (start-up failed or was interrupted), so there are no per-step charts")
+        missing.append(
+            "metrics.jsonl has no training steps: the run stopped before its first "
+            "step (start-up failed or was interrupted), so there are no per-step charts"
+        )
     _continue_wall_time(rows)
     wall = {r["step"]: r["wall_total_s"] for r in rows}
     for e in evals:
@@ -197,17 +200,25 @@ def _model_info(data: RunData) -> None:
 
 
 def _span(obj: dict[str, Any]) -> Span:
-    return Span(name=obj["name"], service=obj.get("service", "?"), trace_id=obj["trace_id"],
-                span_id=obj["span_id"],
-                parent=obj.get("parent_span_id"), start_ns=int(obj["start_ns"]),
-                end_ns=int(obj["end_ns"]), attributes=obj.get("attributes") or {})
+    return Span(
+        name=obj["name"],
+        service=obj.get("service", "?"),
+        trace_id=obj["trace_id"],
+        span_id=obj["span_id"],
+        parent=obj.get("parent_span_id"),
+        start_ns=int(obj["start_ns"]),
+        end_ns=int(obj["end_ns"]),
+        attributes=obj.get("attributes") or {},
+    )
 
 
 def _read_traces(data: RunData) -> None:
     path = data.run_dir / "traces.jsonl"
     if not path.exists():
-        data.missing.append("traces.jsonl is missing: no rollout waterfall and no per-rollout "
-                            "staleness distribution (the per-step staleness from metrics is shown)")
+        data.missing.append(
+            "traces.jsonl is missing: no rollout waterfall and no per-rollout "
+            "staleness distribution (the per-step staleness from metrics is shown)"
+        )
         return
     rollouts: list[Span] = []
     bad = 0
@@ -235,8 +246,10 @@ def _read_traces(data: RunData) -> None:
             except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError):
                 bad += 1
     if bad:
-        data.missing.append(f"traces.jsonl: {bad} line(s) are not valid spans (e.g. one being "
-                            f"written when the run stopped); they are left out")
+        data.missing.append(
+            f"traces.jsonl: {bad} line(s) are not valid spans (e.g. one being "
+            f"written when the run stopped); they are left out"
+        )
     data.start_ns, data.end_ns = start, end
     if not rollouts:
         data.missing.append("traces.jsonl holds no finished controller rollout span: no waterfall")
@@ -270,14 +283,19 @@ def load_run(run_dir: str | Path) -> RunData:
     if not run_dir.is_dir():
         raise FileNotFoundError(f"{run_dir} is not a directory")
     data = RunData(run_dir=run_dir, name=run_dir.name)
-    data.config = _read_json(run_dir / "config.json", "no configuration section, pool prices "
-                             "come from the cost report", data.missing)
+    data.config = _read_json(
+        run_dir / "config.json", "no configuration section, pool prices come from the cost report", data.missing
+    )
     if data.config and data.config.get("name"):
         data.name = data.config["name"]
     data.metrics, data.evals = read_metrics(run_dir / "metrics.jsonl", data.missing)
-    data.cost = _read_json(run_dir / "cost_report.json", "the run has not written its reports "
-                           "yet (still running, or killed): no counterfactual or saving; costs "
-                           "come from metrics.jsonl", data.missing)
+    data.cost = _read_json(
+        run_dir / "cost_report.json",
+        "the run has not written its reports "
+        "yet (still running, or killed): no counterfactual or saving; costs "
+        "come from metrics.jsonl",
+        data.missing,
+    )
     state_path = run_dir / "checkpoint" / "controller_state.json"
     if state_path.exists():
         try:
@@ -296,4 +314,4 @@ def load_run(run_dir: str | Path) -> RunData:
 def utc(ns: int | None) -> str:
     if ns is None:
         return "unknown"
-    return datetime.fromtimestamp(ns / 1e9, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    return datetime.fromtimestamp(ns / 1e9, tz=UTC).strftime("%Y-%m-%d %H:%M:%S UTC")

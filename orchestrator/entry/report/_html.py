@@ -33,14 +33,24 @@ nav a { margin-right: 14px; }
 
 def _chart_html(fig: Any, div_id: str) -> str:
     height = fig.layout.height or 380
-    return pio.to_html(fig, include_plotlyjs=False, full_html=False, div_id=div_id,
-                       default_height=f"{height}px", default_width="100%",
-                       config={"displaylogo": False, "responsive": True})
+    return pio.to_html(
+        fig,
+        include_plotlyjs=False,
+        full_html=False,
+        div_id=div_id,
+        default_height=f"{height}px",
+        default_width="100%",
+        config={"displaylogo": False, "responsive": True},
+    )
 
 
-def page(title: str, head_rows: list[tuple[str, str]], missing: list[str],
-         sections: list[tuple[str, str, list[tuple[str, Any]]]],
-         appendix: list[tuple[str, str]] | None = None) -> str:
+def page(
+    title: str,
+    head_rows: list[tuple[str, str]],
+    missing: list[str],
+    sections: list[tuple[str, str, list[tuple[str, Any]]]],
+    appendix: list[tuple[str, str]] | None = None,
+) -> str:
     """The page: title, head table, what is missing, sections of charts, preformatted appendices.
 
     A section entry whose chart is a string shows that string as a note instead of a chart.
@@ -65,8 +75,11 @@ def page(title: str, head_rows: list[tuple[str, str]], missing: list[str],
     if missing:
         items = "".join(f"<li>{html.escape(m)}</li>" for m in missing)
         missing_html = f'<div class="missing" id="missing"><strong>Missing or incomplete</strong><ul>{items}</ul></div>'
-    extra = "".join(f"<h2>{html.escape(t)}</h2><details open><summary>{html.escape(t)}</summary>"
-                    f"<pre>{html.escape(body)}</pre></details>" for t, body in (appendix or []))
+    extra = "".join(
+        f"<h2>{html.escape(t)}</h2><details open><summary>{html.escape(t)}</summary>"
+        f"<pre>{html.escape(body)}</pre></details>"
+        for t, body in (appendix or [])
+    )
     return (
         "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
         f"<title>{html.escape(title)}</title>"
@@ -75,7 +88,9 @@ def page(title: str, head_rows: list[tuple[str, str]], missing: list[str],
         f'<script type="text/javascript">{plotly.offline.get_plotlyjs()}</script>'
         f"</head><body><h1>{html.escape(title)}</h1>"
         f'<table class="head">{head}</table>{missing_html}<nav>{nav}</nav>'
-        + "".join(parts) + extra + "</body></html>\n"
+        + "".join(parts)
+        + extra
+        + "</body></html>\n"
     )
 
 

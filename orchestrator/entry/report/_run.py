@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from orchestrator.state.checkpoints import write_file_atomic
 from orchestrator.entry.report._charts import rolling_mean, run_charts
 from orchestrator.entry.report._data import RunData, load_run, utc
 from orchestrator.entry.report._html import page, pretty
+from orchestrator.state.checkpoints import write_file_atomic
 
 __all__ = ["REPORT_FILE", "render_report", "write_report"]
 
@@ -20,8 +20,11 @@ def _model_line(data: RunData) -> str:
     n = data.model_params
     size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n / 1e3:.1f}k"
     shape = data.model_shape or {}
-    bits = [f"{k.replace('num_hidden_layers', 'layers').replace('hidden_size', 'hidden')} {shape[k]}"
-            for k in ("model_type", "num_hidden_layers", "hidden_size", "vocab_size") if k in shape]
+    bits = [
+        f"{k.replace('num_hidden_layers', 'layers').replace('hidden_size', 'hidden')} {shape[k]}"
+        for k in ("model_type", "num_hidden_layers", "hidden_size", "vocab_size")
+        if k in shape
+    ]
     return f"{size} parameters ({n:,})" + (f": {', '.join(str(b) for b in bits)}" if bits else "")
 
 
@@ -31,7 +34,8 @@ def _pools_line(data: RunData) -> str:
         return "; ".join(
             f"{p['name']}: {p.get('count', 1)}× {p.get('gpu')} {p.get('precision')} on {p.get('device')}, "
             f"${p.get('price_per_gpu_hour') or 0:.2f}/GPU-h, staleness budget {p.get('staleness_budget')}"
-            for p in pools)
+            for p in pools
+        )
     return ", ".join(data.pool_names) or "unknown"
 
 
@@ -51,20 +55,29 @@ def head_rows(data: RunData) -> list[tuple[str, str]]:
         wall = last.get("wall_total_s", 0.0)
         r10 = rolling_mean([m.get("reward_mean") for m in data.metrics])[-1]
         first = data.metrics[0].get("reward_mean")
-        rows.append(("training", f"{len(data.metrics)} steps in {wall:.0f} s of training; reward "
-                                 f"{first:.3f} at step {data.metrics[0]['step']} → {r10:.3f} "
-                                 f"(10-step mean) at step {last['step']}"))
-        rows.append(("dropped", f"{last.get('dropped_stale', 0)} over budget, "
-                                f"{last.get('dropped_failed', 0)} failed, "
-                                f"{last.get('dropped_rollback', 0)} rolled back; "
-                                f"trainer restarts {last.get('trainer_restarts', 0)}"))
+        rows.append(
+            (
+                "training",
+                f"{len(data.metrics)} steps in {wall:.0f} s of training; reward "
+                f"{first:.3f} at step {data.metrics[0]['step']} → {r10:.3f} "
+                f"(10-step mean) at step {last['step']}",
+            )
+        )
+        rows.append(
+            (
+                "dropped",
+                f"{last.get('dropped_stale', 0)} over budget, "
+                f"{last.get('dropped_failed', 0)} failed, "
+                f"{last.get('dropped_rollback', 0)} rolled back; "
+                f"trainer restarts {last.get('trainer_restarts', 0)}",
+            )
+        )
     if data.cost:
         t = data.cost["totals"]
-        line = (f"${t['cost_usd']:.4f} for {t['tokens']:,} tokens, {t['gpu_hours']:.4f} GPU-hours")
+        line = f"${t['cost_usd']:.4f} for {t['tokens']:,} tokens, {t['gpu_hours']:.4f} GPU-hours"
         cf = data.cost.get("counterfactual")
         if cf:
-            line += (f"; a homogeneous {cf['gpu']} fleet: ${cf['cost_usd']:.4f} "
-                     f"(saving {cf['saving_pct']:.1f}%)")
+            line += f"; a homogeneous {cf['gpu']} fleet: ${cf['cost_usd']:.4f} (saving {cf['saving_pct']:.1f}%)"
         rows.append(("cost", line))
     elif data.metrics:
         rows.append(("cost", f"${data.metrics[-1].get('cost_usd', 0.0):.4f} so far (metrics.jsonl)"))
@@ -93,4 +106,3 @@ def write_report(run_dir: str | Path, out: str | Path | None = None, *, data: Ru
     path = Path(out) if out is not None else Path(run_dir) / REPORT_FILE
     write_file_atomic(path, render_report(data).encode())
     return path
-

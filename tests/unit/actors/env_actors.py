@@ -8,6 +8,7 @@ a proper log q, and each token is tagged with the sampler's version.
 The environments registered here misbehave on purpose (raise, hang, return
 garbage); EnvActors load them with ``EnvConfig(task_modules=[__name__])``.
 """
+
 from __future__ import annotations
 
 import math
@@ -42,14 +43,14 @@ class ScriptedSampler(Actor):
             return [chat.int_id(guess_number_optimal(req.prompt_ids, chat))]
         if self.policy == "auto" and prompt.startswith("what is") and "+" in prompt:
             words = chat.decode(req.prompt_ids).split()
-            total = int(words[2]) + int(words[4])   # "what is a + b ?"
+            total = int(words[2]) + int(words[4])  # "what is a + b ?"
             return [chat.int_id(total), chat.end_id][: req.max_new_tokens]
         return chat.encode("the")[: req.max_new_tokens]
 
     @endpoint
     async def generate(self, req: GenerateRequest) -> GenerateResult:
         self.requests.append(req)
-        with span("scripted.generate"):   # joins the caller's trace across processes
+        with span("scripted.generate"):  # joins the caller's trace across processes
             tokens = self._reply(req)
         ids, logq = [], []
         for y in tokens:
@@ -57,13 +58,17 @@ class ScriptedSampler(Actor):
             ids += row
             logq += [math.log(0.8), math.log(0.15), math.log(0.05)]
         return GenerateResult(
-            request_id=req.request_id, token_ids=tokens,
+            request_id=req.request_id,
+            token_ids=tokens,
             support_ids=torch.tensor(ids, dtype=torch.int32),
             support_offsets=torch.arange(0, 3 * len(tokens) + 1, 3, dtype=torch.int32),
             support_logq=torch.tensor(logq, dtype=torch.float32),
             versions=[self.version] * len(tokens),
             finish_reason="stop" if tokens and tokens[-1] in req.stop_token_ids else "length",
-            pool=self.pool, prompt_tokens=len(req.prompt_ids), seconds=0.0)
+            pool=self.pool,
+            prompt_tokens=len(req.prompt_ids),
+            seconds=0.0,
+        )
 
     @endpoint
     def set_policy(self, policy: str) -> None:
@@ -124,10 +129,9 @@ class HangBlocking(Environment):
 class Garbage(Environment):
     """``step`` returns something that is not a StepOutcome."""
 
-
     def reset(self, task: TaskSpec) -> list[int]:
         chat = default_chat_tokens()
-        return [chat.int_id(1), chat.int_id(2)]   # a token observation
+        return [chat.int_id(1), chat.int_id(2)]  # a token observation
 
     def step(self, action_text: str, action_ids: list[int]) -> StepOutcome:
         return 42  # type: ignore[return-value]
@@ -146,8 +150,7 @@ class TokenObservations(Environment):
     async def step(self, action_text: str, action_ids: list[int]) -> StepOutcome:
         self.turn += 1
         n = first_int(action_text)
-        return StepOutcome(observation=[default_chat_tokens().int_id(9)],
-                           reward=(n or 0) / 10, done=self.turn == 2)
+        return StepOutcome(observation=[default_chat_tokens().int_id(9)], reward=(n or 0) / 10, done=self.turn == 2)
 
 
 _stuck = threading.Event()

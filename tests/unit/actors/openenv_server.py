@@ -1,5 +1,6 @@
 """``serve_openenv``: the example OpenEnv environment's server (examples/libraries/openenv_env.py)
 as a real uvicorn process on a free loopback port, for as long as the context lasts."""
+
 from __future__ import annotations
 
 import contextlib
@@ -28,12 +29,27 @@ def serve_openenv(log: Path) -> Iterator[str]:
     port = _free_port()
     with log.open("wb") as err:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", "--app-dir", str(ROOT / "examples/libraries"), "openenv_env:app",
-             "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],
-            env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL, stderr=err)
+            [
+                sys.executable,
+                "-m",
+                "uvicorn",
+                "--app-dir",
+                str(ROOT / "examples/libraries"),
+                "openenv_env:app",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--log-level",
+                "warning",
+            ],
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+        )
     url = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(300):   # the server imports fastapi and gradio first
+        for _ in range(300):  # the server imports fastapi and gradio first
             try:
                 if httpx.get(f"{url}/health", timeout=1).status_code == 200:
                     break

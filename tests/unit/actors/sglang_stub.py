@@ -83,10 +83,19 @@ def _generate(state: StubState, body: dict[str, Any]) -> tuple[int, dict[str, An
         with state.lock:
             state.running.discard(rid)
             state.aborted.discard(rid)
-    return 200, {"text": "", "output_ids": out, "meta_info": {
-        "id": rid, "finish_reason": finish, "prompt_tokens": len(ids),
-        "completion_tokens": len(out), "weight_version": state.weight_version,
-        "output_token_sampling_mask": masks, "output_token_sampling_logprobs": logps}}
+    return 200, {
+        "text": "",
+        "output_ids": out,
+        "meta_info": {
+            "id": rid,
+            "finish_reason": finish,
+            "prompt_tokens": len(ids),
+            "completion_tokens": len(out),
+            "weight_version": state.weight_version,
+            "output_token_sampling_mask": masks,
+            "output_token_sampling_logprobs": logps,
+        },
+    }
 
 
 def _update_from_disk(state: StubState, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
@@ -135,7 +144,7 @@ def make_handler(state: StubState) -> type[BaseHTTPRequestHandler]:
         def do_POST(self) -> None:
             n = int(self.headers.get("Content-Length") or 0)
             raw = self.rfile.read(n)
-            if len(raw) < n:   # the client closed mid-body (a cancelled call): never arrived
+            if len(raw) < n:  # the client closed mid-body (a cancelled call): never arrived
                 self.close_connection = True
                 return
             body = json.loads(raw or b"{}")

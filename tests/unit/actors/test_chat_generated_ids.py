@@ -11,6 +11,7 @@ text it put together from the chunks); none may fail, and every trajectory must 
 the generated ids at their positions plus the template's ids around them (checked
 against the template's rendering of the whole conversation at once).
 """
+
 from __future__ import annotations
 
 import json
@@ -37,14 +38,23 @@ EPISODES = 1000
 MAX_NEW = 48
 TURNS = 4
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CORPUS = ["hello world, what is two plus two? the answer is four.",
-          "ça va? très bien, merci. naïve café, déjà vu.",
-          "日本語のテキスト、東京は晴れです。",
-          "emoji 🙂🚀 and symbols ±∑ → ok",
-          '<tool_call>\n{"name": "lookup", "arguments": {"q": "paris"}}\n</tool_call>'] * 3
-TOOLS = [{"type": "function", "function": {
-    "name": "lookup", "description": "look a word up",
-    "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}]
+CORPUS = [
+    "hello world, what is two plus two? the answer is four.",
+    "ça va? très bien, merci. naïve café, déjà vu.",
+    "日本語のテキスト、東京は晴れです。",
+    "emoji 🙂🚀 and symbols ±∑ → ok",
+    '<tool_call>\n{"name": "lookup", "arguments": {"q": "paris"}}\n</tool_call>',
+] * 3
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "lookup",
+            "description": "look a word up",
+            "parameters": {"type": "object", "properties": {"q": {"type": "string"}}},
+        },
+    }
+]
 CALL = '<tool_call>\n{"name": "lookup", "arguments": {"q": "paris"}}\n</tool_call>'
 PLACEHOLDER = "PLACEHOLDER{}END"
 
@@ -57,11 +67,19 @@ def fmt() -> HFChatFormat:
     core = Tokenizer(models.BPE())
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     core.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=SPECIALS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     core.train_from_iterator(CORPUS, trainer)
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                  additional_special_tokens=["<|im_start|>"])
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"],
+    )
     tok.chat_template = CHATML_TEMPLATE
     return HFChatFormat(tok)
 
@@ -71,7 +89,7 @@ class RandomSampler:
 
     def __init__(self, fmt: HFChatFormat, seed: int) -> None:
         self.fmt, self.rng = fmt, random.Random(seed)
-        self.calls: list[tuple[list[int], list[int]]] = []   # (prompt ids, generated ids)
+        self.calls: list[tuple[list[int], list[int]]] = []  # (prompt ids, generated ids)
         self.stop = fmt.stop_ids[0]
         self.specials = [fmt.tokenizer.convert_tokens_to_ids(t) for t in ("<|im_start|>", "<|endoftext|>")]
         self.plain = [i for i in range(fmt.vocab_size) if i not in {*fmt.stop_ids, *self.specials}]
@@ -79,13 +97,13 @@ class RandomSampler:
     def reply(self, limit: int) -> list[int]:
         rng, enc = self.rng, self.fmt.encode
         kind = rng.random()
-        if kind < 0.15:     # a tool call, sometimes after random ids
+        if kind < 0.15:  # a tool call, sometimes after random ids
             ids = [rng.choice(self.plain) for _ in range(rng.choice([0, 0, 1, 2]))] + enc(CALL)
-        elif kind < 0.25:   # the template's end-of-turn text spelled with plain tokens mid-reply
+        elif kind < 0.25:  # the template's end-of-turn text spelled with plain tokens mid-reply
             ids = enc("ok <|") + enc("im_end|>") + enc("\n<|") + enc("im_start|>user")
-        elif kind < 0.35:   # multi-byte characters, cut at the limit mid-character
+        elif kind < 0.35:  # multi-byte characters, cut at the limit mid-character
             return enc("日本語🙂 ça va " * 8)[:limit]
-        else:               # random ids: plain bytes and merges, specials mid-reply
+        else:  # random ids: plain bytes and merges, specials mid-reply
             ids = []
             for _ in range(limit):
                 r = rng.random()
@@ -104,15 +122,24 @@ class RandomSampler:
         self.calls.append((list(req.prompt_ids), ids))
         n = len(ids)
         return GenerateResult(
-            request_id=req.request_id, token_ids=ids, support_ids=torch.tensor(ids, dtype=torch.int32),
-            support_offsets=torch.arange(n + 1, dtype=torch.int32), support_logq=torch.zeros(n),
-            versions=[3] * n, finish_reason="stop" if ids[-1] == self.stop else "length", pool="p",
-            prompt_tokens=len(req.prompt_ids), seconds=0.0)
+            request_id=req.request_id,
+            token_ids=ids,
+            support_ids=torch.tensor(ids, dtype=torch.int32),
+            support_offsets=torch.arange(n + 1, dtype=torch.int32),
+            support_logq=torch.zeros(n),
+            versions=[3] * n,
+            finish_reason="stop" if ids[-1] == self.stop else "length",
+            pool="p",
+            prompt_tokens=len(req.prompt_ids),
+            seconds=0.0,
+        )
 
 
 def _opening(seed: int) -> list[dict[str, Any]]:
-    return [{"role": "system", "content": "answer briefly"},
-            {"role": "user", "content": f"question {seed}: 東京は? ça va?"}]
+    return [
+        {"role": "system", "content": "answer briefly"},
+        {"role": "user", "content": f"question {seed}: 東京は? ça va?"},
+    ]
 
 
 def _observation(message: dict[str, Any], turn: int) -> dict[str, Any]:
@@ -140,15 +167,13 @@ class RandomReplies(Environment):
         return StepOutcome(observation=_observation(message, self.turn), reward=0.0)
 
 
-def _expected(fmt: HFChatFormat, opening: list[dict[str, Any]],
-              calls: list[tuple[list[int], list[int]]]) -> list[int]:
+def _expected(fmt: HFChatFormat, opening: list[dict[str, Any]], calls: list[tuple[list[int], list[int]]]) -> list[int]:
     """The template's rendering of the whole conversation at once, each reply's content a
     placeholder, with each reply's generated ids in its placeholder's place (the template's
     ``<|im_end|>`` after a reply dropped when the reply generated it)."""
     messages = list(opening)
     for k, (_, gen) in enumerate(calls[:-1]):
-        messages += [{"role": "assistant", "content": PLACEHOLDER.format(k)},
-                     _observation(fmt.parse_reply(gen), k + 1)]
+        messages += [{"role": "assistant", "content": PLACEHOLDER.format(k)}, _observation(fmt.parse_reply(gen), k + 1)]
     rest = fmt.render(messages, generation_prompt=True, tools=TOOLS)
     ids: list[int] = []
     for k, (_, gen) in enumerate(calls):
@@ -173,8 +198,9 @@ def _count_kinds(fmt: HFChatFormat, calls: list[tuple[list[int], list[int]]], ki
         kinds["tool calls"] += bool(fmt.parse_reply(gen).get("tool_calls"))
 
 
-def _check(fmt: HFChatFormat, traj: Trajectory, calls: list[tuple[list[int], list[int]]],
-           opening: list[dict[str, Any]]) -> str | None:
+def _check(
+    fmt: HFChatFormat, traj: Trajectory, calls: list[tuple[list[int], list[int]]], opening: list[dict[str, Any]]
+) -> str | None:
     """None when ``traj`` holds exactly the sampler's ids plus the template's; else what differs."""
     if traj.failed:
         return traj.error
@@ -183,7 +209,7 @@ def _check(fmt: HFChatFormat, traj: Trajectory, calls: list[tuple[list[int], lis
         return f"{len(calls)} turns played, want {TURNS}"
     for k, (prompt, gen) in enumerate(calls):
         at = len(prompt)
-        if tokens[:at] != prompt or tokens[at:at + len(gen)] != gen or not all(mask[at:at + len(gen)]):
+        if tokens[:at] != prompt or tokens[at : at + len(gen)] != gen or not all(mask[at : at + len(gen)]):
             return f"turn {k}: the trajectory does not hold the prompt and the generated ids"
     if [t for t, m in zip(tokens, mask, strict=True) if m] != [t for _, gen in calls for t in gen]:
         return "the loss mask is not exactly the generated ids"
@@ -200,8 +226,9 @@ def _streamed(response: dict[str, Any], pieces: list[str]) -> dict[str, Any]:
         for choice in chunk["choices"]:
             content += choice["delta"].get("content") or ""
             for d in choice["delta"].get("tool_calls") or []:
-                call = by_index.setdefault(d["index"], {"id": None, "type": "function",
-                                                        "function": {"name": "", "arguments": ""}})
+                call = by_index.setdefault(
+                    d["index"], {"id": None, "type": "function", "function": {"name": "", "arguments": ""}}
+                )
                 call["id"] = d.get("id") or call["id"]
                 call["function"]["name"] += d.get("function", {}).get("name") or ""
                 call["function"]["arguments"] += d.get("function", {}).get("arguments") or ""
@@ -216,10 +243,17 @@ async def test_built_in_episodes_hold_random_reply_ids_exactly(fmt: HFChatFormat
     for seed in range(EPISODES):
         sampler = RandomSampler(fmt, seed)
         traj = await play_episode(
-            sampler, GenerateRequest,
+            sampler,
+            GenerateRequest,
             TaskSpec(task="test_random_reply_ids", prompt_id=f"p{seed}", group_id="g", params={"seed": seed}),
-            SamplingParams(max_new_tokens=MAX_NEW), 0, chat=fmt, limits=EpisodeLimits(10.0, 10.0, 4096),
-            request_prefix=f"e{seed}", span=span, calls=EnvCalls(threads))
+            SamplingParams(max_new_tokens=MAX_NEW),
+            0,
+            chat=fmt,
+            limits=EpisodeLimits(10.0, 10.0, 4096),
+            request_prefix=f"e{seed}",
+            span=span,
+            calls=EnvCalls(threads),
+        )
         problem = _check(fmt, traj, sampler.calls, _opening(seed))
         if problem is not None:
             failures.append(f"episode {seed}: {problem}")
@@ -240,21 +274,26 @@ async def test_gateway_sessions_hold_random_reply_ids_exactly(fmt: HFChatFormat)
         try:
             for turn in range(1, TURNS + 1):
                 stream = turn % 2 == 0
-                response, pieces = await session.chat(ChatRequest.model_validate(
-                    {"model": "m", "messages": messages, "tools": TOOLS, "stream": stream}))
+                response, pieces = await session.chat(
+                    ChatRequest.model_validate({"model": "m", "messages": messages, "tools": TOOLS, "stream": stream})
+                )
                 # The reply goes over the wire as JSON and comes back with the next request.
-                reply = json.loads(json.dumps(_streamed(response, pieces) if stream
-                                              else response["choices"][0]["message"]))
+                reply = json.loads(
+                    json.dumps(_streamed(response, pieces) if stream else response["choices"][0]["message"])
+                )
                 messages.append(reply)
                 obs = _observation(reply, turn)
                 if reply.get("tool_calls"):
                     obs["tool_call_id"] = reply["tool_calls"][0]["id"]
                 messages.append(obs)
-        except Exception as e:  # noqa: BLE001 -- counted and reported below
+        except Exception as e:
             failures.append(f"session {seed}: {type(e).__name__}: {e}")
             continue
-        problem = (f"{len(session.segments)} segments (want 1)" if len(session.segments) != 1
-                   else _check(fmt, session.trajectory(1.0), sampler.calls, _opening(seed)))
+        problem = (
+            f"{len(session.segments)} segments (want 1)"
+            if len(session.segments) != 1
+            else _check(fmt, session.trajectory(1.0), sampler.calls, _opening(seed))
+        )
         if problem is not None:
             failures.append(f"session {seed}: {problem}")
         _count_kinds(fmt, sampler.calls, kinds)

@@ -9,6 +9,7 @@ it after the last user query), so they stay one segment.  Checked through the bu
 episode loop and a gateway session, with replies that think, call tools, skip thinking
 and are cut at the length limit.
 """
+
 from __future__ import annotations
 
 import json
@@ -125,11 +126,17 @@ QWEN3_TEMPLATE = """\
 {%- endif %}
 """
 
-CORPUS = ["<think>\nthe user asks for the weather; call the tool\n</think>\n\n",
-          '<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>',
-          "it is sunny in Paris. and tomorrow? rain, then sun. thanks!"] * 4
-TOOLS = [{"type": "function", "function": {
-    "name": "weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+CORPUS = [
+    "<think>\nthe user asks for the weather; call the tool\n</think>\n\n",
+    '<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+    "it is sunny in Paris. and tomorrow? rain, then sun. thanks!",
+] * 4
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}},
+    }
+]
 CALL = '<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 EPISODES = 200
 TURNS = 5
@@ -142,8 +149,7 @@ def fmt() -> HFChatFormat:
 
 
 def _opening(seed: int) -> list[dict[str, Any]]:
-    return [{"role": "system", "content": "be brief"},
-            {"role": "user", "content": f"weather in Paris? ({seed})"}]
+    return [{"role": "system", "content": "be brief"}, {"role": "user", "content": f"weather in Paris? ({seed})"}]
 
 
 def _observation(message: dict[str, Any], turn: int) -> dict[str, Any]:
@@ -157,8 +163,9 @@ def _rewrites(reply: dict[str, Any], observation: dict[str, Any]) -> bool:
     a user query moves the last query past it (its reasoning is dropped, even an empty
     block); a tool result keeps its reasoning, when it has any."""
     content = reply.get("content") or ""
-    reasoning = (content.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
-                 if "</think>" in content else "")
+    reasoning = (
+        content.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n") if "</think>" in content else ""
+    )
     return observation["role"] == "user" or not reasoning
 
 
@@ -172,13 +179,19 @@ class ThinkingSampler:
 
     def reply(self, limit: int) -> list[int]:
         rng, enc = self.rng, self.fmt.encode
-        if self.tools_only:   # multi-step tool use, thinking before each call
+        if self.tools_only:  # multi-step tool use, thinking before each call
             return enc(f"<think>\nstep {len(self.calls)}: call the tool\n</think>\n\n{CALL}") + [self.fmt.stop_ids[0]]
-        think = rng.choice(["<think>\nthe user asks; call the tool\n</think>\n\n",
-                            "<think>\nsunny, says the tool\n</think>\n\n", "<think>\n\n</think>\n\n", ""])
+        think = rng.choice(
+            [
+                "<think>\nthe user asks; call the tool\n</think>\n\n",
+                "<think>\nsunny, says the tool\n</think>\n\n",
+                "<think>\n\n</think>\n\n",
+                "",
+            ]
+        )
         ids = enc(think + (CALL if rng.random() < 0.5 else "it is sunny in Paris."))
-        if rng.random() < 0.15:   # cut at the length limit, maybe inside the thinking
-            return ids[:max(1, min(limit, rng.randint(1, len(ids))))]
+        if rng.random() < 0.15:  # cut at the length limit, maybe inside the thinking
+            return ids[: max(1, min(limit, rng.randint(1, len(ids))))]
         return (ids + [self.fmt.stop_ids[0]])[:limit]
 
     async def __call__(self, req: GenerateRequest) -> GenerateResult:
@@ -186,10 +199,17 @@ class ThinkingSampler:
         self.calls.append((list(req.prompt_ids), ids))
         n = len(ids)
         return GenerateResult(
-            request_id=req.request_id, token_ids=ids, support_ids=torch.tensor(ids, dtype=torch.int32),
-            support_offsets=torch.arange(n + 1, dtype=torch.int32), support_logq=torch.zeros(n),
-            versions=[1] * n, finish_reason="stop" if ids[-1] in self.fmt.stop_ids else "length",
-            pool="p", prompt_tokens=len(req.prompt_ids), seconds=0.0)
+            request_id=req.request_id,
+            token_ids=ids,
+            support_ids=torch.tensor(ids, dtype=torch.int32),
+            support_offsets=torch.arange(n + 1, dtype=torch.int32),
+            support_logq=torch.zeros(n),
+            versions=[1] * n,
+            finish_reason="stop" if ids[-1] in self.fmt.stop_ids else "length",
+            pool="p",
+            prompt_tokens=len(req.prompt_ids),
+            seconds=0.0,
+        )
 
 
 @register_task("test_qwen3_thinking")
@@ -209,13 +229,14 @@ class ThinkingTool(Environment):
         return StepOutcome(observation=_observation(message, self.turn), reward=1.0)
 
 
-def _check(fmt: HFChatFormat, traj: Trajectory, calls: list[tuple[list[int], list[int]]],
-           opening: list[dict[str, Any]]) -> str | None:
+def _check(
+    fmt: HFChatFormat, traj: Trajectory, calls: list[tuple[list[int], list[int]]], opening: list[dict[str, Any]]
+) -> str | None:
     """None when ``traj`` is the last segment exactly, with the segment count Qwen3's
     template implies; else what differs."""
     if traj.failed:
         return traj.error
-    messages, starts = list(opening), [0]   # index of each segment's first call
+    messages, starts = list(opening), [0]  # index of each segment's first call
     for k, (_, gen) in enumerate(calls[:-1]):
         reply = fmt.parse_reply(gen)
         obs = _observation(reply, k + 1)
@@ -227,20 +248,23 @@ def _check(fmt: HFChatFormat, traj: Trajectory, calls: list[tuple[list[int], lis
     first = starts[-1]
     tokens, mask = traj.tokens.tolist(), traj.loss_mask.tolist()
     # The segment's first prompt is the template's rendering of the whole history so far.
-    history = messages[:len(opening) + 2 * first]
+    history = messages[: len(opening) + 2 * first]
     prompt0 = calls[first][0]
     if prompt0 != fmt.encode(fmt.render(history, generation_prompt=True, tools=TOOLS)):
         return "the segment does not start with the template's rendering of the history"
-    if first > 0 and messages[len(opening) + 2 * first - 1]["role"] == "user" \
-            and "\n</think>" in fmt.decode(prompt0, skip_special=False):
+    if (
+        first > 0
+        and messages[len(opening) + 2 * first - 1]["role"] == "user"
+        and "\n</think>" in fmt.decode(prompt0, skip_special=False)
+    ):
         return "the history before a new user query still holds reasoning"
     # Every generated id of the segment at its place, the loss mask on those and no others.
     want_mask = [False] * len(tokens)
     for prompt, gen in calls[first:]:
         at = len(prompt)
-        if tokens[:at] != prompt or tokens[at:at + len(gen)] != gen:
+        if tokens[:at] != prompt or tokens[at : at + len(gen)] != gen:
             return "the trajectory does not hold the segment's prompts and generated ids"
-        want_mask[at:at + len(gen)] = [True] * len(gen)
+        want_mask[at : at + len(gen)] = [True] * len(gen)
     if mask != want_mask or len(tokens) != len(calls[-1][0]) + len(calls[-1][1]):
         return "the loss mask is not exactly the segment's generated ids"
     return None
@@ -256,7 +280,8 @@ def test_reasoning_before_the_last_query_is_dropped_and_named(fmt: HFChatFormat)
     new = convo.add({"role": "tool", "name": "weather", "content": "sunny"})
     assert convo.ids == held + new
     assert fmt.decode(new, skip_special=False) == (
-        "\n<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+        "\n<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
     convo.add_reply(fmt.encode("<think>\nsunny, says the tool\n</think>\n\nit is sunny.") + [fmt.stop_ids[0]])
     # A new user query drops both turns' reasoning from the rendering: named, not appended.
     with pytest.raises(ChatTemplateError, match=r"turn 5 \(user\).*not prefix-preserving"):
@@ -269,10 +294,17 @@ async def test_built_in_episodes_with_thinking_train_only_on_generated_ids(fmt: 
     for seed in range(EPISODES):
         sampler = ThinkingSampler(fmt, seed)
         traj = await play_episode(
-            sampler, GenerateRequest,
+            sampler,
+            GenerateRequest,
             TaskSpec(task="test_qwen3_thinking", prompt_id=f"p{seed}", group_id="g", params={"seed": seed}),
-            SamplingParams(max_new_tokens=MAX_NEW), 0, chat=fmt, limits=EpisodeLimits(10.0, 10.0, 4096),
-            request_prefix=f"e{seed}", span=span, calls=EnvCalls(threads))
+            SamplingParams(max_new_tokens=MAX_NEW),
+            0,
+            chat=fmt,
+            limits=EpisodeLimits(10.0, 10.0, 4096),
+            request_prefix=f"e{seed}",
+            span=span,
+            calls=EnvCalls(threads),
+        )
         segments.append(traj.segments)
         problem = _check(fmt, traj, sampler.calls, _opening(seed))
         if problem is not None:
@@ -282,10 +314,17 @@ async def test_built_in_episodes_with_thinking_train_only_on_generated_ids(fmt: 
     # Multi-step tool use with reasoning is append-only: one segment, every reply trained.
     sampler = ThinkingSampler(fmt, 0, tools_only=True)
     traj = await play_episode(
-        sampler, GenerateRequest, TaskSpec(task="test_qwen3_thinking", prompt_id="p", group_id="g",
-                                           params={"seed": 0}),
-        SamplingParams(max_new_tokens=MAX_NEW), 0, chat=fmt, limits=EpisodeLimits(10.0, 10.0, 4096),
-        request_prefix="tools", span=span, calls=EnvCalls(threads))
+        sampler,
+        GenerateRequest,
+        TaskSpec(task="test_qwen3_thinking", prompt_id="p", group_id="g", params={"seed": 0}),
+        SamplingParams(max_new_tokens=MAX_NEW),
+        0,
+        chat=fmt,
+        limits=EpisodeLimits(10.0, 10.0, 4096),
+        request_prefix="tools",
+        span=span,
+        calls=EnvCalls(threads),
+    )
     assert _check(fmt, traj, sampler.calls, _opening(0)) is None
     assert traj.segments == 1 and traj.num_generated == sum(len(g) for _, g in sampler.calls)
 
@@ -298,8 +337,9 @@ async def test_gateway_sessions_with_thinking_train_only_on_generated_ids(fmt: H
         session = Session(f"s{seed}", TaskSpec(task="t", prompt_id="p", group_id="g"), fmt, sampler, limits, 0)
         messages = _opening(seed)
         for turn in range(1, TURNS + 1):
-            response, _ = await session.chat(ChatRequest.model_validate(
-                {"model": "m", "messages": messages, "tools": TOOLS}))
+            response, _ = await session.chat(
+                ChatRequest.model_validate({"model": "m", "messages": messages, "tools": TOOLS})
+            )
             reply = json.loads(json.dumps(response["choices"][0]["message"]))
             obs = _observation(reply, turn)
             if reply.get("tool_calls"):

@@ -2,8 +2,10 @@
 
 Meshes are few and shared within a test: each process start costs seconds.
 """
+
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -25,23 +27,23 @@ def _check_layout(t: Trajectory) -> None:
     gen = t.tokens[t.loss_mask]
     assert gen.numel() == t.versions.numel() == t.support_offsets.numel() - 1
     for i, y in enumerate(gen.tolist()):
-        row = t.support_ids[t.support_offsets[i]:t.support_offsets[i + 1]].tolist()
+        row = t.support_ids[t.support_offsets[i] : t.support_offsets[i + 1]].tolist()
         assert y in row
     assert t.loss_mask.numel() == 0 or not bool(t.loss_mask[0])
 
 
-async def test_guess_number_scripted_optimal_always_wins_masks_observations_and_traces(
-        tmp_path: Path) -> None:
+async def test_guess_number_scripted_optimal_always_wins_masks_observations_and_traces(tmp_path: Path) -> None:
     chat = default_chat_tokens()
     trace = tmp_path / "traces.jsonl"
     env = {**ENV, "FLOTILLA_TRACE_FILE": str(trace)}
     trajs: list[Trajectory] = [None] * 15  # type: ignore[list-item]
-    async with open_mesh(ScriptedSampler, procs=1, name="sampler", env=env) as sm, \
-            open_mesh(EnvActor, procs=1, name="env", env=env) as em:
+    async with (
+        open_mesh(ScriptedSampler, procs=1, name="sampler", env=env) as sm,
+        open_mesh(EnvActor, procs=1, name="env", env=env) as em,
+    ):
 
         async def play(secret: int) -> None:
-            spec = TaskSpec(task="guess_number", prompt_id=f"s{secret}", group_id="g",
-                            params={"secret": secret})
+            spec = TaskSpec(task="guess_number", prompt_id=f"s{secret}", group_id="g", params={"secret": secret})
             trajs[secret] = await em[0].run_episode.call_one(sm[0], spec, SAMPLING, 2)
 
         with trio.fail_after(30):
@@ -59,7 +61,7 @@ async def test_guess_number_scripted_optimal_always_wins_masks_observations_and_
         assert t.tokens[t.loss_mask].tolist()[-1] == chat.int_id(secret)
         # what the model did not generate: the prompt, closing <|end|>s and observations
         context = chat.decode(t.tokens[~t.loss_mask].tolist()).split()
-        assert context[:8] == "guess the number from 0 to 14 in".split()
+        assert context[:8] == ["guess", "the", "number", "from", "0", "to", "14", "in"]
         assert sum(w in observation_words for w in context) == t.turns - 1
         masked_in = set(chat.decode(t.tokens[t.loss_mask].tolist()).split())
         assert not masked_in & observation_words
@@ -72,8 +74,8 @@ async def test_guess_number_scripted_optimal_always_wins_masks_observations_and_
     for r in requests:
         by_episode.setdefault(r.request_id.rsplit("/", 1)[0], []).append(r.prompt_ids)
     for prompts in by_episode.values():
-        for a, b in zip(prompts, prompts[1:], strict=False):
-            assert b[:len(a)] == a and len(b) > len(a)
+        for a, b in itertools.pairwise(prompts):
+            assert b[: len(a)] == a and len(b) > len(a)
 
     # spans: one "rollout" per episode, "generate" and "env.step" children, and the
     # sampler's own span a child of the env actor's generate span (another process)
@@ -87,10 +89,11 @@ async def test_guess_number_scripted_optimal_always_wins_masks_observations_and_
     children = [s for s in spans if s["parent_span_id"] == r["span_id"]]
     gens = [s for s in children if s["name"] == "generate"]
     steps = [s for s in children if s["name"] == "env.step"]
-    assert len(gens) == t.turns and len(steps) == t.turns + 1   # + the reset
+    assert len(gens) == t.turns and len(steps) == t.turns + 1  # + the reset
     assert sorted(s["attributes"]["turn"] for s in gens) == list(range(t.turns))
-    remote = [s for s in spans if s["name"] == "scripted.generate"
-              and s["parent_span_id"] in {g["span_id"] for g in gens}]
+    remote = [
+        s for s in spans if s["name"] == "scripted.generate" and s["parent_span_id"] in {g["span_id"] for g in gens}
+    ]
     assert len(remote) == t.turns and all(s["pid"] != r["pid"] for s in remote)
     assert all(s["trace_id"] == r["trace_id"] for s in children + remote)
 
@@ -98,8 +101,10 @@ async def test_guess_number_scripted_optimal_always_wins_masks_observations_and_
 async def test_arithmetic_token_observations_and_failures() -> None:
     chat = default_chat_tokens()
     cfg = EnvConfig(step_timeout_s=1.0, task_modules=[HELPERS])
-    async with open_mesh(ScriptedSampler, procs=1, name="sampler", env=ENV) as sm, \
-            open_mesh(EnvActor, cfg, procs=1, name="env", env=ENV) as em:
+    async with (
+        open_mesh(ScriptedSampler, procs=1, name="sampler", env=ENV) as sm,
+        open_mesh(EnvActor, cfg, procs=1, name="env", env=ENV) as em,
+    ):
         run = em[0].run_episode
         with trio.fail_after(40):
             # arithmetic: the right sum is rewarded; the reply stopped on <|end|>, which
@@ -111,14 +116,12 @@ async def test_arithmetic_token_observations_and_failures() -> None:
                 _check_layout(t)
 
             # token observations over two turns: <|user|> 9 <|end|> <|assistant|> is context
-            t = await run.call_one(
-                sm[0], TaskSpec(task="test_tokens", prompt_id="p", group_id="g"), SAMPLING, 0)
+            t = await run.call_one(sm[0], TaskSpec(task="test_tokens", prompt_id="p", group_id="g"), SAMPLING, 0)
             five = chat.int_id(5)
-            tail = [five, chat.end_id, chat.user_id, chat.int_id(9), chat.end_id,
-                    chat.assistant_id, five, chat.end_id]
+            tail = [five, chat.end_id, chat.user_id, chat.int_id(9), chat.end_id, chat.assistant_id, five, chat.end_id]
             assert not t.failed and t.turns == 2 and t.reward == 1.0
-            assert t.tokens[-len(tail):].tolist() == tail
-            assert t.loss_mask[-len(tail):].tolist() == [True, True] + [False] * 4 + [True, True]
+            assert t.tokens[-len(tail) :].tolist() == tail
+            assert t.loss_mask[-len(tail) :].tolist() == [True, True] + [False] * 4 + [True, True]
 
             # a wrong answer (and a mesh handle: the runtime picks the sampler)
             await sm[0].set_policy.call_one("words")
@@ -126,15 +129,18 @@ async def test_arithmetic_token_observations_and_failures() -> None:
             assert not t.failed and t.reward == 0.0
 
             # environment failures: recorded, reward 0, and the actor keeps serving
-            cases = {"test_explode": "boom in the user environment",
-                     "test_hang_async": "timed out", "test_hang_blocking": "timed out",
-                     "test_garbage": "StepOutcome", "no_such_task": "unknown task"}
+            cases = {
+                "test_explode": "boom in the user environment",
+                "test_hang_async": "timed out",
+                "test_hang_blocking": "timed out",
+                "test_garbage": "StepOutcome",
+                "no_such_task": "unknown task",
+            }
             for task, text in cases.items():
-                t = await run.call_one(sm[0], TaskSpec(task=task, prompt_id="p", group_id="g"),
-                                       SAMPLING, 0)
+                t = await run.call_one(sm[0], TaskSpec(task=task, prompt_id="p", group_id="g"), SAMPLING, 0)
                 assert t.failed and t.reward == 0.0 and text in (t.error or ""), (task, t.error)
                 _check_layout(t)
-                if task == "test_explode":   # one full turn before the raise: tokens kept
+                if task == "test_explode":  # one full turn before the raise: tokens kept
                     assert t.turns == 2 and t.num_generated == 2
                     # the environment's own frame and error are in the kept traceback tail
                     assert "in step" in t.error_traceback and "boom in the user" in t.error_traceback
@@ -149,8 +155,10 @@ async def test_context_limit_and_dead_sampler() -> None:
     cfg = EnvConfig(max_seq_len=18, generate_timeout_s=2.0)
     async with open_mesh(ScriptedSampler, procs=1, name="gone", env=ENV) as gone:
         dead = gone[0]
-    async with open_mesh(ScriptedSampler, procs=1, name="sampler", env=ENV) as sm, \
-            open_mesh(EnvActor, cfg, procs=1, name="env", env=ENV) as em:
+    async with (
+        open_mesh(ScriptedSampler, procs=1, name="sampler", env=ENV) as sm,
+        open_mesh(EnvActor, cfg, procs=1, name="env", env=ENV) as em,
+    ):
         run = em[0].run_episode
         with trio.fail_after(30):
             # 14 prompt tokens + 1 guess fit; the next turn (+5 context +1 guess) does not:
@@ -159,8 +167,7 @@ async def test_context_limit_and_dead_sampler() -> None:
             t = await run.call_one(sm[0], spec, SAMPLING, 0)
             assert not t.failed and t.turns == 1 and t.reward == 0.0 and t.tokens.numel() == 15
             # a prompt that leaves no room for one turn is a failure
-            spec = TaskSpec(task="guess_number", prompt_id="p", group_id="g",
-                            params={"max_new_tokens": 5})
+            spec = TaskSpec(task="guess_number", prompt_id="p", group_id="g", params={"max_new_tokens": 5})
             t = await run.call_one(sm[0], spec, SAMPLING, 0)
             assert t.failed and "max_seq_len=18" in (t.error or "")
             # a sampler whose process is gone: ActorDied or the generate timeout, whichever

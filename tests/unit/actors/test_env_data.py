@@ -1,4 +1,5 @@
 """Task modules from files, dataset rows as task parameters, and the chat_dataset task."""
+
 from __future__ import annotations
 
 import json
@@ -46,7 +47,7 @@ def _write_rows(path, rows) -> None:
 def test_a_task_file_outside_the_package_registers_its_task(tmp_path) -> None:
     f = tmp_path / "my_tasks.py"
     f.write_text(USER_TASKS.format(name="file_echo"))
-    import_task_modules([str(f), str(f)])      # a second import is harmless
+    import_task_modules([str(f), str(f)])  # a second import is harmless
     assert "file_echo" in registered_tasks()
     env = make_env(TaskSpec(task="file_echo", prompt_id="p", group_id="g", params={"word": "hi"}))
     assert env.reset(None) == "say hi" and env.step("hi", []).reward == 1.0
@@ -56,8 +57,11 @@ def test_a_task_file_outside_the_package_registers_its_task(tmp_path) -> None:
 def test_task_module_errors_are_one_line(tmp_path) -> None:
     bad = tmp_path / "broken.py"
     bad.write_text("import not_a_module_anywhere\n")
-    with pytest.raises(TaskModuleError, match=r"^task module '.*broken.py' failed to import: "
-                                              r"ModuleNotFoundError: No module named") as e:
+    with pytest.raises(
+        TaskModuleError,
+        match=r"^task module '.*broken.py' failed to import: "
+        r"ModuleNotFoundError: No module named",
+    ) as e:
         import_task_modules([str(bad)])
     assert "\n" not in str(e.value)
     with pytest.raises(TaskModuleError, match="FileNotFoundError: no such file"):
@@ -76,8 +80,8 @@ def test_rows_shuffle_per_epoch_and_depend_on_the_prompt_index_only(tmp_path) ->
     assert len(ds) == 10 and ds.rows[3] == {"q": 3}
     epoch0 = [ds.params(i, seed=1)["q"] for i in range(10)]
     epoch1 = [ds.params(i, seed=1)["q"] for i in range(10, 20)]
-    assert sorted(epoch0) == sorted(epoch1) == list(range(10))   # every row once per epoch
-    assert epoch0 != epoch1 and epoch0 != list(range(10))         # reshuffled each epoch
+    assert sorted(epoch0) == sorted(epoch1) == list(range(10))  # every row once per epoch
+    assert epoch0 != epoch1 and epoch0 != list(range(10))  # reshuffled each epoch
     assert [ds.params(i, seed=2)["q"] for i in range(10)] != epoch0  # the run's seed matters
     # A resumed run (a fresh process) continues at the same row for the same prompt index.
     again = TaskDataset.load(tmp_path / "d.jsonl")
@@ -112,9 +116,12 @@ def test_chat_dataset_rewards(tmp_path) -> None:
     exact = ChatDataset(prompt="2+2?", answer=4)
     assert exact.reset(None) == {"role": "user", "content": "2+2?"}
     assert exact.step(" 4 ", []).reward == 1.0 and exact.step("four", []).reward == 0.0
-    rx = ChatDataset(messages=[{"role": "system", "content": "be brief"},
-                               {"role": "user", "content": "a colour?"}],
-                     answer=r"(red|blue)\.?", reward="regex", source="ignored column")
+    rx = ChatDataset(
+        messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "a colour?"}],
+        answer=r"(red|blue)\.?",
+        reward="regex",
+        source="ignored column",
+    )
     assert rx.step("blue.", []).reward == 1.0 and rx.step("the blue", []).reward == 0.0
     assert rx.reset(None)[0]["role"] == "system"
     f = tmp_path / "rewards.py"

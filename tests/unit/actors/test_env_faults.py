@@ -1,5 +1,6 @@
 """Environment faults in a real EnvActor process: stuck threads, a blocked event loop,
 checks before any actor starts."""
+
 from __future__ import annotations
 
 import time
@@ -22,8 +23,10 @@ SAMPLING = SamplingParams(temperature=1.0, top_k=64, top_p=0.97, max_new_tokens=
 @pytest.mark.slow
 async def test_stuck_plain_env_uses_only_its_own_threads_and_a_blocking_async_env_is_named() -> None:
     cfg = EnvConfig(step_timeout_s=0.5, env_threads=3, loop_stall_s=0.5, task_modules=[HELPERS])
-    async with open_mesh(ScriptedSampler, procs=1, name="sampler", env=ENV) as sm, \
-            open_mesh(EnvActor, cfg, procs=1, name="env", env=ENV) as em:
+    async with (
+        open_mesh(ScriptedSampler, procs=1, name="sampler", env=ENV) as sm,
+        open_mesh(EnvActor, cfg, procs=1, name="env", env=ENV) as em,
+    ):
         run = em[0].run_episode
         stuck = [TaskSpec(task="test_stuck_reset", prompt_id=f"s{i}", group_id="g") for i in range(12)]
         errors: list[str] = []
@@ -37,7 +40,7 @@ async def test_stuck_plain_env_uses_only_its_own_threads_and_a_blocking_async_en
             # 12 stuck calls in waves of 4 against 3 threads: every one fails at its timeout
             for wave in range(3):
                 async with trio.open_nursery() as n:
-                    for spec in stuck[4 * wave: 4 * wave + 4]:
+                    for spec in stuck[4 * wave : 4 * wave + 4]:
                         n.start_soon(play, spec)
             # ...and another task still runs: its threads are its own (without a free thread
             # its calls would fail with "no free thread")
@@ -51,8 +54,7 @@ async def test_stuck_plain_env_uses_only_its_own_threads_and_a_blocking_async_en
 
         # an async env that sleeps without awaiting: the watchdog names it
         with trio.fail_after(30):
-            t = await run.call_one(sm[0], TaskSpec(task="test_blocks_loop", prompt_id="b", group_id="g"),
-                                   SAMPLING, 0)
+            t = await run.call_one(sm[0], TaskSpec(task="test_blocks_loop", prompt_id="b", group_id="g"), SAMPLING, 0)
             st = await em[0].stats.call_one()
         assert not t.failed and t.reward == 1.0
         assert st["loop_stalls"] >= 1 and st["loop_stall_longest_s"] >= 1.0
@@ -84,7 +86,7 @@ async def test_watchdog_reports_the_labelled_blocker_once_per_stall() -> None:
         with dog.label("async environment Slow.step (task 'slow')"):
             time.sleep(0.6)  # blocks the loop, as a careless async env would
         await trio.sleep(0.05)
-        time.sleep(0.3)      # an unlabelled stall: named by its trio task
+        time.sleep(0.3)  # an unlabelled stall: named by its trio task
         await trio.sleep(0.05)
         n.cancel_scope.cancel()
     assert dog.stalls == 2 and dog.longest_s >= 0.6
@@ -109,10 +111,12 @@ def test_check_task_names_the_problem_before_any_actor_starts() -> None:
 
 def test_check_task_loads_a_task_module_given_as_a_file(tmp_path) -> None:
     path = tmp_path / "my_games.py"
-    path.write_text("from actors.env import GuessNumber, register_task\n"
-                    "@register_task('file_task_game')\n"
-                    "class FileGame(GuessNumber):\n"
-                    "    pass\n")
+    path.write_text(
+        "from actors.env import GuessNumber, register_task\n"
+        "@register_task('file_task_game')\n"
+        "class FileGame(GuessNumber):\n"
+        "    pass\n"
+    )
     check_task("file_task_game", {"n": 7}, [str(path)])
     with pytest.raises(TaskCheckError, match=r"^task.modules: cannot import .*nowhere.py.*FileNotFoundError"):
         check_task("file_task_game", {}, [str(tmp_path / "nowhere.py")])

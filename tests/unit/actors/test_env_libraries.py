@@ -3,6 +3,7 @@ dataset's own scorer, an OpenEnv environment over its own client (a real server 
 and verifiers environments (single- and multi-turn) whose rollout runs against the actor's
 gateway and whose rubric gives the reward. A scripted sampler actor replies (right and wrong
 answers on purpose); the trajectory's loss mask must cover exactly the ids it generated."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -43,14 +44,19 @@ def fmt(tok_dir) -> HFChatFormat:
     return HFChatFormat.from_dir(tok_dir)
 
 
-async def _play(config: EnvConfig, fmt: HFChatFormat, replies: list[str], tasks: list[TaskSpec],
-                max_new_tokens: int = 32):
+async def _play(
+    config: EnvConfig, fmt: HFChatFormat, replies: list[str], tasks: list[TaskSpec], max_new_tokens: int = 32
+):
     """Each task's episode in turn against a sampler replying ``replies`` in order."""
     ids = [fmt.encode(r) for r in replies]
-    async with open_mesh(EnvActor, config, procs=1, name="env") as env, \
-            open_mesh(ReplaySampler, ids, fmt.vocab_size, procs=1, name="replay") as sampler:
-        trajs = [await env[0].run_episode.call_one(sampler[0], t, SamplingParams(max_new_tokens=max_new_tokens))
-                 for t in tasks]
+    async with (
+        open_mesh(EnvActor, config, procs=1, name="env") as env,
+        open_mesh(ReplaySampler, ids, fmt.vocab_size, procs=1, name="replay") as sampler,
+    ):
+        trajs = [
+            await env[0].run_episode.call_one(sampler[0], t, SamplingParams(max_new_tokens=max_new_tokens))
+            for t in tasks
+        ]
         seen = await sampler[0].requests.call_one()
     return trajs, ids, seen
 
@@ -68,11 +74,16 @@ async def test_reasoning_gym_items_are_scored_by_the_datasets_scorer(tok_dir, fm
     right, wrong = entries[0]["answer"], str(int(entries[1]["answer"]) + 1)
     # Right, wrong, and the right number with extra text around it (no tags: the whole reply
     # is the answer, which the scorer gives partial credit).
-    replies = [f"<answer>{right}</answer>{END}", f"<answer>{wrong}</answer>{END}",
-               f"so {entries[2]['answer']} it is{END}"]
-    tasks = [_task("reasoning_gym:basic_arithmetic", seeds[0], params),
-             _task("reasoning_gym:basic_arithmetic", seeds[1], params),
-             _task("reasoning_gym:basic_arithmetic", seeds[2], {**params, "answer_tag": ""})]
+    replies = [
+        f"<answer>{right}</answer>{END}",
+        f"<answer>{wrong}</answer>{END}",
+        f"so {entries[2]['answer']} it is{END}",
+    ]
+    tasks = [
+        _task("reasoning_gym:basic_arithmetic", seeds[0], params),
+        _task("reasoning_gym:basic_arithmetic", seeds[1], params),
+        _task("reasoning_gym:basic_arithmetic", seeds[2], {**params, "answer_tag": ""}),
+    ]
     trajs, ids, seen = await _play(EnvConfig(model_path=str(tok_dir), max_seq_len=512), fmt, replies, tasks)
     ds = rg.create_dataset("basic_arithmetic", seed=seeds[2], size=1, **params)
     partial = ds.score_answer(f"so {entries[2]['answer']} it is", entries[2])
@@ -80,17 +91,20 @@ async def test_reasoning_gym_items_are_scored_by_the_datasets_scorer(tok_dir, fm
     assert [t.reward for t in trajs] == [1.0, 0.0, partial] and 0.0 < partial < 1.0
     for traj, reply, prompt, entry in zip(trajs, ids, seen, entries, strict=True):
         assert traj.task == "reasoning_gym:basic_arithmetic" and traj.turns == 1
-        assert traj.tokens[traj.loss_mask].tolist() == reply          # exactly the generated ids
+        assert traj.tokens[traj.loss_mask].tolist() == reply  # exactly the generated ids
         assert traj.tokens.tolist() == prompt + reply
-        assert entry["question"] in fmt.decode(prompt)                 # the generated item
+        assert entry["question"] in fmt.decode(prompt)  # the generated item
         assert traj.versions.tolist() == [7] * len(reply)
 
 
 def test_reasoning_gym_params_are_checked_before_any_episode() -> None:
     pytest.importorskip("reasoning_gym")
     check_task("reasoning_gym:leg_counting", {"min_animals": 2, "max_animals": 3})
-    for params, words in [({"bogus": 1}, "bogus"), ({"seed": 3}, "params.seed"),
-                          ({"min_animals": 5, "max_animals": 2}, "max_animals")]:
+    for params, words in [
+        ({"bogus": 1}, "bogus"),
+        ({"seed": 3}, "params.seed"),
+        ({"min_animals": 5, "max_animals": 2}, "max_animals"),
+    ]:
         with pytest.raises(TaskCheckError, match=words):
             check_task("reasoning_gym:leg_counting", params)
     with pytest.raises(TaskCheckError, match="no dataset 'nope'"):
@@ -98,9 +112,12 @@ def test_reasoning_gym_params_are_checked_before_any_episode() -> None:
 
 
 def test_a_missing_library_names_its_extra(monkeypatch) -> None:
-    for kind, module, extra in [("reasoning_gym", "reasoning_gym", "reasoning-gym"),
-                                ("openenv", "openenv", "openenv"), ("verifiers", "verifiers", "verifiers")]:
-        monkeypatch.setitem(sys.modules, module, None)   # import now raises ImportError
+    for kind, module, extra in [
+        ("reasoning_gym", "reasoning_gym", "reasoning-gym"),
+        ("openenv", "openenv", "openenv"),
+        ("verifiers", "verifiers", "verifiers"),
+    ]:
+        monkeypatch.setitem(sys.modules, module, None)  # import now raises ImportError
         with pytest.raises(LibraryMissing, match=rf"pip install -e '\.\[{extra}\]'"):
             require(kind)
     with pytest.raises(TaskCheckError, match=r"task.kind 'reasoning_gym' needs the reasoning-gym package"):
@@ -125,13 +142,14 @@ async def test_openenv_episode_runs_over_the_environments_own_client(tok_dir, fm
     name = f"openenv:{ROOT / 'examples/libraries/openenv_env.py'}:GuessClient"
     params = {"base_url": openenv_server}
     check_task(name, params)
-    trajs, ids, seen = await _play(EnvConfig(model_path=str(tok_dir), max_seq_len=512), fmt, replies,
-                                   [_task(name, seed, params)])
+    trajs, ids, seen = await _play(
+        EnvConfig(model_path=str(tok_dir), max_seq_len=512), fmt, replies, [_task(name, seed, params)]
+    )
     (traj,) = trajs
     assert not traj.failed, traj.error
-    assert traj.reward == 1.0 and traj.turns == 2          # the environment's reward and done
+    assert traj.reward == 1.0 and traj.turns == 2  # the environment's reward and done
     assert traj.tokens[traj.loss_mask].tolist() == ids[0] + ids[1]
-    assert traj.tokens.tolist() == seen[1] + ids[1]        # append-only: the second prompt extends the first
+    assert traj.tokens.tolist() == seen[1] + ids[1]  # append-only: the second prompt extends the first
     assert seen[1][: len(seen[0]) + len(ids[0])] == seen[0] + ids[0]
     text = fmt.decode(seen[1])
     assert "guess the number from 0 to 7 in 3 turns" in text
@@ -155,7 +173,8 @@ VF_ENVS = HERE / "vf_envs.py"
 # SDK and openenv-core in the dev extra cannot share; install it on its own to run these.
 NEEDS_VERIFIERS = pytest.mark.skipif(
     importlib.util.find_spec("verifiers") is None,
-    reason="verifiers is not installed (pip install -e '.[verifiers]'; it conflicts with the dev extra)")
+    reason="verifiers is not installed (pip install -e '.[verifiers]'; it conflicts with the dev extra)",
+)
 
 
 def _vf_config(tok_dir: Path) -> EnvConfig:
@@ -166,8 +185,9 @@ def _vf_config(tok_dir: Path) -> EnvConfig:
 async def test_verifiers_single_turn_rubric_is_the_reward(tok_dir, fmt) -> None:
     # Rows are picked by seed % 3: seed 0 asks 2+3, seed 1 asks 4+4.
     name = f"verifiers:{VF_ENVS}:load_single"
-    trajs, ids, seen = await _play(_vf_config(tok_dir), fmt, [f"5{END}", f"7{END}"],
-                                   [_task(name, 0, {}), _task(name, 1, {})])
+    trajs, ids, seen = await _play(
+        _vf_config(tok_dir), fmt, [f"5{END}", f"7{END}"], [_task(name, 0, {}), _task(name, 1, {})]
+    )
     assert [t.failed for t in trajs] == [False, False], [t.error for t in trajs]
     assert [t.reward for t in trajs] == [1.0, 0.0]
     for traj, reply, prompt, question in zip(trajs, ids, seen, ["What is 2+3?", "What is 4+4?"], strict=True):
@@ -182,7 +202,7 @@ async def test_verifiers_multi_turn_episode_is_one_append_only_trajectory(tok_di
     trajs, ids, seen = await _play(_vf_config(tok_dir), fmt, [f"4{END}", f"5{END}"], [_task(name, 0, {})])
     (traj,) = trajs
     assert not traj.failed, traj.error
-    assert traj.reward == 0.5 and traj.turns == 2 and traj.segments == 1   # the rubric's own weighting
+    assert traj.reward == 0.5 and traj.turns == 2 and traj.segments == 1  # the rubric's own weighting
     assert traj.tokens[traj.loss_mask].tolist() == ids[0] + ids[1]
     assert seen[1][: len(seen[0]) + len(ids[0])] == seen[0] + ids[0]
     assert traj.tokens.tolist() == seen[1] + ids[1]
@@ -194,14 +214,17 @@ async def test_verifiers_environment_by_id_and_a_failing_one(tok_dir, fmt, monke
     from actors.env.libs._verifiers import check_environment
 
     monkeypatch.syspath_prepend(str(HERE))
-    check_environment("vf_envs", {"kind": "multi"})       # vf.load_environment imports it by id
+    check_environment("vf_envs", {"kind": "multi"})  # vf.load_environment imports it by id
     with pytest.raises(ValueError, match="vf_nope"):
         check_environment("vf_nope", {})
     # The env actor process finds the id module on its PYTHONPATH, as an installed env would be.
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
-    trajs, _, _ = await _play(_vf_config(tok_dir), fmt, [f"8{END}"],
-                              [_task("verifiers:vf_envs", 1, {"kind": "single"}),
-                               _task("verifiers:vf_nope", 1, {})])
+    trajs, _, _ = await _play(
+        _vf_config(tok_dir),
+        fmt,
+        [f"8{END}"],
+        [_task("verifiers:vf_envs", 1, {"kind": "single"}), _task("verifiers:vf_nope", 1, {})],
+    )
     assert not trajs[0].failed and trajs[0].reward == 1.0, trajs[0].error
     assert trajs[1].failed and "vf_nope" in trajs[1].error and trajs[1].reward == 0.0
 
@@ -211,8 +234,8 @@ POOL = {"name": "p", "gpu": "cpu", "device": "cpu"}
 
 
 def test_library_kinds_in_the_run_config_and_preflight(monkeypatch) -> None:
-    from orchestrator.state.config import ConfigError, check_runnable, load_config
     from orchestrator.entry.preflight import preflight
+    from orchestrator.state.config import ConfigError, check_runnable, load_config
 
     def cfg(task: dict):
         return load_config(raw={"task": task, "pools": [POOL]})
@@ -232,8 +255,11 @@ def test_library_kinds_in_the_run_config_and_preflight(monkeypatch) -> None:
         with pytest.raises(ConfigError, match="rejected"):
             preflight(cfg({"kind": "reasoning_gym", "name": "leg_counting", "params": {"nope": 1}}))
     # A missing library stops the run before any actor starts, naming the extra.
-    for kind, module, extra in [("reasoning_gym", "reasoning_gym", "reasoning-gym"),
-                                ("openenv", "openenv", "openenv"), ("verifiers", "verifiers", "verifiers")]:
+    for kind, module, extra in [
+        ("reasoning_gym", "reasoning_gym", "reasoning-gym"),
+        ("openenv", "openenv", "openenv"),
+        ("verifiers", "verifiers", "verifiers"),
+    ]:
         monkeypatch.setitem(sys.modules, module, None)
         with pytest.raises(ConfigError, match=rf"task.kind '{kind}' needs the {extra} package.*\.\[{extra}\]"):
             c = cfg({"kind": kind, "name": "leg_counting" if kind != "openenv" else "m:C"})
@@ -278,9 +304,17 @@ async def test_the_environment_is_closed_however_the_episode_ends() -> None:
     CLOSED.clear()
     for how in ("done", "turns", "raise"):
         generate, _ = _scripted(chat, ["2", "3"])
-        traj = await play_episode(generate, GenerateRequest, _task("test_closing", 0, {"how": how}),
-                                  SamplingParams(max_new_tokens=1), 0, chat=chat,
-                                  limits=EpisodeLimits(5.0, 5.0, 64), request_prefix="c", span=span,
-                                  calls=EnvCalls(EnvThreads(2)))
+        traj = await play_episode(
+            generate,
+            GenerateRequest,
+            _task("test_closing", 0, {"how": how}),
+            SamplingParams(max_new_tokens=1),
+            0,
+            chat=chat,
+            limits=EpisodeLimits(5.0, 5.0, 64),
+            request_prefix="c",
+            span=span,
+            calls=EnvCalls(EnvThreads(2)),
+        )
         assert traj.failed == (how == "raise") and traj.turns == {"done": 1, "turns": 2, "raise": 1}[how]
     assert CLOSED == ["done", "turns", "raise"]

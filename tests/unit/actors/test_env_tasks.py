@@ -1,4 +1,5 @@
 """Tokenizer, chat turns, built-in tasks and trajectory bookkeeping (no processes)."""
+
 from __future__ import annotations
 
 import random
@@ -6,8 +7,7 @@ import random
 import pytest
 import torch
 
-from actors.env import (Arithmetic, GuessNumber, StepOutcome, make_env, make_task_specs,
-                        registered_tasks)
+from actors.env import Arithmetic, GuessNumber, StepOutcome, make_env, make_task_specs, registered_tasks
 from actors.env._episode import EpisodeBuilder
 from actors.env._tasks import first_int, guess_number_optimal
 from actors.tokenizer import MAX_INT, VOCAB_SIZE, ChatTokens, build_tokenizer, default_chat_tokens
@@ -51,8 +51,7 @@ def test_chat_turns_append_without_retokenising(chat: ChatTokens) -> None:
     # a reply cut by length gets a closing <|end|>; one stopped on <|end|> does not
     assert chat.close_assistant([chat.int_id(3)]) == [chat.end_id]
     assert chat.close_assistant([chat.int_id(3), chat.end_id]) == []
-    assert chat.user_turn([chat.int_id(5)]) == [chat.user_id, chat.int_id(5), chat.end_id,
-                                                chat.assistant_id]
+    assert chat.user_turn([chat.int_id(5)]) == [chat.user_id, chat.int_id(5), chat.end_id, chat.assistant_id]
     with pytest.raises(ValueError, match="position 1"):
         chat.user_turn([1, 10_000])
 
@@ -153,12 +152,21 @@ def test_arithmetic_reward(chat: ChatTokens) -> None:
 
 def test_builder_masks_and_csr(chat: ChatTokens) -> None:
     b = EpisodeBuilder(chat.prompt("hi"))
-    b.add_generated([7, 8], torch.tensor([7, 9, 8], dtype=torch.int32),
-                    torch.tensor([0, 2, 3], dtype=torch.int32),
-                    torch.tensor([-0.1, -2.3, 0.0]), [4, 5])
+    b.add_generated(
+        [7, 8],
+        torch.tensor([7, 9, 8], dtype=torch.int32),
+        torch.tensor([0, 2, 3], dtype=torch.int32),
+        torch.tensor([-0.1, -2.3, 0.0]),
+        [4, 5],
+    )
     b.add_context(chat.user_turn("higher"))
-    b.add_generated([10], torch.tensor([10, 11], dtype=torch.int32),
-                    torch.tensor([0, 2], dtype=torch.int32), torch.tensor([-0.5, -0.9]), [5])
+    b.add_generated(
+        [10],
+        torch.tensor([10, 11], dtype=torch.int32),
+        torch.tensor([0, 2], dtype=torch.int32),
+        torch.tensor([-0.5, -0.9]),
+        [5],
+    )
     spec = TaskSpec(task="t", prompt_id="p", group_id="g")
     t = b.build(task=spec, pool="cpu", reward=1.0, turns=2, seconds=0.1)
     assert t.loss_mask.sum() == 3 and t.tokens[t.loss_mask].tolist() == [7, 8, 10]
@@ -166,17 +174,27 @@ def test_builder_masks_and_csr(chat: ChatTokens) -> None:
     assert t.support_ids.tolist() == [7, 9, 8, 10, 11] and t.versions.tolist() == [4, 5, 5]
     assert t.staleness(7) == 3
     with pytest.raises(ValueError, match="versions"):
-        b.add_generated([1], torch.tensor([1], dtype=torch.int32),
-                        torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0.0]), [])
+        b.add_generated(
+            [1], torch.tensor([1], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0.0]), []
+        )
 
 
 def test_trajectory_validation_names_the_field() -> None:
-    good = dict(task="t", prompt_id="p", group_id="g", pool="x",
-                tokens=torch.tensor([1, 2, 3]), loss_mask=torch.tensor([False, True, True]),
-                support_ids=torch.tensor([2, 3], dtype=torch.int32),
-                support_offsets=torch.tensor([0, 1, 2], dtype=torch.int32),
-                support_logq=torch.zeros(2), versions=torch.tensor([0, 0], dtype=torch.int32),
-                reward=1.0, turns=1, seconds=0.0)
+    good = dict(
+        task="t",
+        prompt_id="p",
+        group_id="g",
+        pool="x",
+        tokens=torch.tensor([1, 2, 3]),
+        loss_mask=torch.tensor([False, True, True]),
+        support_ids=torch.tensor([2, 3], dtype=torch.int32),
+        support_offsets=torch.tensor([0, 1, 2], dtype=torch.int32),
+        support_logq=torch.zeros(2),
+        versions=torch.tensor([0, 0], dtype=torch.int32),
+        reward=1.0,
+        turns=1,
+        seconds=0.0,
+    )
     Trajectory(**good)
     for field, bad, msg in [
         ("loss_mask", torch.tensor([True, True]), "loss_mask"),

@@ -1,4 +1,5 @@
 """One turn of the RL loop with every real actor: sampler → env → trainer → weights → sampler."""
+
 from __future__ import annotations
 
 import trio
@@ -19,20 +20,22 @@ def _valid(t: Trajectory, version: int) -> None:
     assert t.pool == "cpu-bf16" and t.versions.tolist() == [version] * t.num_generated
     gen = t.tokens[t.loss_mask].tolist()
     for i, y in enumerate(gen):
-        assert y in t.support_ids[t.support_offsets[i]:t.support_offsets[i + 1]].tolist()
-    assert t.turns == t.num_generated   # one token per guess
+        assert y in t.support_ids[t.support_offsets[i] : t.support_offsets[i + 1]].tolist()
+    assert t.turns == t.num_generated  # one token per guess
 
 
 async def test_sampler_env_trainer_round_trip() -> None:
     model = default_model_config(VOCAB_SIZE)
     sampling = SamplingParams(temperature=1.0, top_k=64, top_p=0.97)
     with trio.fail_after(60):
-        async with open_mesh(TrainerActor, TrainerConfig(model=model), procs=1,
-                             name="trainer", env=ENV) as trainer:
+        async with open_mesh(TrainerActor, TrainerConfig(model=model), procs=1, name="trainer", env=ENV) as trainer:
             keyframe = await trainer[0].keyframe.call_one("bf16")
-            async with open_mesh(SamplerActor, "cpu-bf16", "bf16", model, procs=1, name="sampler",
-                                 env=ENV, initial_weights=keyframe) as sampler, \
-                    open_mesh(EnvActor, procs=1, name="env", env=ENV) as env:
+            async with (
+                open_mesh(
+                    SamplerActor, "cpu-bf16", "bf16", model, procs=1, name="sampler", env=ENV, initial_weights=keyframe
+                ) as sampler,
+                open_mesh(EnvActor, procs=1, name="env", env=ENV) as env,
+            ):
                 specs = make_task_specs("guess_number", 2, 4, seed=7)
                 trajs: list[Trajectory] = []
 
@@ -45,8 +48,7 @@ async def test_sampler_env_trainer_round_trip() -> None:
                 for t in trajs:
                     _valid(t, 0)
                 result = await trainer[0].train_step.call_one(trajs)
-                assert result.applied and result.version == 1 and result.tokens == sum(
-                    t.num_generated for t in trajs)
+                assert result.applied and result.version == 1 and result.tokens == sum(t.num_generated for t in trajs)
                 # the sampler's log q came from bf16 weights, the trainer's p from fp32
                 assert 0 <= result.overall.mismatch_kl < 0.05
 

@@ -2,6 +2,7 @@
 ``build_model`` (the trainer's) and by the torch engine (the sampler's); the engine's
 logits equal transformers' within 1e-4 at prefill, at every KV-cache decode step and when
 a chunk of tokens extends the cache (the prefix-cache path)."""
+
 from __future__ import annotations
 
 import json
@@ -35,19 +36,23 @@ def _save(tmp_path, family: str, **overrides) -> tuple[str, torch.nn.Module]:
     return str(d), model.eval()
 
 
-@pytest.mark.parametrize("family,overrides", [
-    ("qwen3", {}),
-    ("qwen2", {}),
-    ("llama", {}),
-    ("llama", {"attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True}),
-    ("mistral", {"sliding_window": 4096}),
-])
+@pytest.mark.parametrize(
+    "family,overrides",
+    [
+        ("qwen3", {}),
+        ("qwen2", {}),
+        ("llama", {}),
+        ("llama", {"attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True}),
+        ("mistral", {"sliding_window": 4096}),
+    ],
+)
 def test_engine_logits_equal_transformers(tmp_path, family: str, overrides: dict) -> None:
     path, ref_model = _save(tmp_path, family, **overrides)
     assert len(list((tmp_path / family).glob("*.safetensors"))) > 1
     trainer_model = build_model(path)
-    assert type(trainer_model).__name__ == json.loads(
-        (tmp_path / family / "config.json").read_text())["architectures"][0]
+    assert (
+        type(trainer_model).__name__ == json.loads((tmp_path / family / "config.json").read_text())["architectures"][0]
+    )
     weights = model_weights(trainer_model)
     for name, t in ref_model.state_dict().items():
         torch.testing.assert_close(weights[name], t, atol=0, rtol=0)
@@ -60,9 +65,9 @@ def test_engine_logits_equal_transformers(tmp_path, family: str, overrides: dict
     slots = [2, 0, 1]
     logits = engine.prefill(slots, prompts, all_logits=True)
     with torch.no_grad():
-        for row, (p, c) in enumerate(zip(prompts, cont, strict=True)):
+        for row, (p, _) in enumerate(zip(prompts, cont, strict=True)):
             ref = ref_model(torch.tensor([p])).logits[0]
-            torch.testing.assert_close(logits[row, :len(p)], ref, atol=1e-4, rtol=0)
+            torch.testing.assert_close(logits[row, : len(p)], ref, atol=1e-4, rtol=0)
     # Decode through the engine's KV cache against transformers' own KV-cache decoding.
     with torch.no_grad():
         caches = []
@@ -86,13 +91,24 @@ def test_engine_logits_equal_transformers(tmp_path, family: str, overrides: dict
 def test_other_architectures_are_refused_by_name(tmp_path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 1}))
     for source in (tmp_path, {"model_type": "gemma2"}):
-        with pytest.raises(ValueError, match="model_type '(gpt2|gemma2)' is not supported; "
-                                             "supported: qwen3 .*qwen2 .*llama .*mistral"):
+        with pytest.raises(
+            ValueError, match="model_type '(gpt2|gemma2)' is not supported; supported: qwen3 .*qwen2 .*llama .*mistral"
+        ):
             load_model_config(source)
     with pytest.raises(ValueError, match="rope_type 'yarn' is not supported by the torch engine"):
-        DecoderEngine(family_config("llama", 96, rope_parameters={
-            "rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0,
-            "original_max_position_embeddings": 64}), max_slots=1)
+        DecoderEngine(
+            family_config(
+                "llama",
+                96,
+                rope_parameters={
+                    "rope_type": "yarn",
+                    "rope_theta": 1e4,
+                    "factor": 2.0,
+                    "original_max_position_embeddings": 64,
+                },
+            ),
+            max_slots=1,
+        )
     with pytest.raises(ValueError, match="sliding_window=32 is shorter than the context"):
         DecoderEngine(family_config("mistral", 96, sliding_window=32), max_slots=1, max_len=64)
     assert set(SUPPORTED_MODEL_TYPES) == {"qwen3", "qwen2", "llama", "mistral"}

@@ -58,8 +58,19 @@ async def test_weights_in_flight_admission_cancel_and_errors() -> None:
     (delta2,) = pub.publish(2, master2)
     assert not delta1.is_keyframe and not delta2.is_keyframe
     with trio.fail_after(60):
-        async with open_mesh(SamplerActor, "cpu-bf16", "bf16", CFG, "cpu", initial_weights=key0.to_bytes(),
-                             max_batch=4, staleness_budget=2, procs=1, name="sampler", env=ENV) as mesh:
+        async with open_mesh(
+            SamplerActor,
+            "cpu-bf16",
+            "bf16",
+            CFG,
+            "cpu",
+            initial_weights=key0.to_bytes(),
+            max_batch=4,
+            staleness_budget=2,
+            procs=1,
+            name="sampler",
+            env=ENV,
+        ) as mesh:
             s = mesh[0]
             assert await s.version.call_one() == 0
 
@@ -73,8 +84,10 @@ async def test_weights_in_flight_admission_cancel_and_errors() -> None:
                 results[req.request_id] = await s.generate.call_one(req)
 
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(gen, GenerateRequest(request_id="late", prompt_ids=[1, 2, 3], max_new_tokens=4,
-                                                        seed=1, min_version=1))
+                nursery.start_soon(
+                    gen,
+                    GenerateRequest(request_id="late", prompt_ids=[1, 2, 3], max_new_tokens=4, seed=1, min_version=1),
+                )
                 await _wait_until(lambda: _eq(stats, "waiting", 1))
                 assert "late" not in results and (await stats())["running"] == 0
                 # frames form of the message (the bytes form was used for the keyframe)
@@ -84,8 +97,12 @@ async def test_weights_in_flight_admission_cancel_and_errors() -> None:
 
             # In-flight update: a long generation starts on version 1; a delta lands mid-way.
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(gen, GenerateRequest(request_id="long", prompt_ids=[4, 5], max_new_tokens=250,
-                                                        seed=2, top_k=0, top_p=1.0))
+                nursery.start_soon(
+                    gen,
+                    GenerateRequest(
+                        request_id="long", prompt_ids=[4, 5], max_new_tokens=250, seed=2, top_k=0, top_p=1.0
+                    ),
+                )
                 await _wait_until(lambda: _ge(stats, "tokens_generated", 4 + 8))
                 assert await s.apply_weights.call_one(delta2.to_bytes()) == 2
             long = results["long"]
@@ -168,8 +185,14 @@ async def test_fp8_and_bf16_pools_measure_mismatch() -> None:
         logq_token = res.support_logq[rep.token_index]
         log_ratio.append(rep.logp_token - logq_token)
     lr = torch.cat(log_ratio)
-    m = compute_metrics(loss=0.0, loss_mask=torch.ones_like(lr, dtype=torch.bool), log_ratio_token=lr,
-                        weight=torch.ones_like(lr), mis_masked=torch.zeros_like(lr), entropy_token=None)
+    m = compute_metrics(
+        loss=0.0,
+        loss_mask=torch.ones_like(lr, dtype=torch.bool),
+        log_ratio_token=lr,
+        weight=torch.ones_like(lr),
+        mis_masked=torch.zeros_like(lr),
+        entropy_token=None,
+    )
     assert m.tokens == 72
     assert 1e-9 < m.mismatch_kl < 1e-2, m.mismatch_kl
     # The two pools really hold different weights, and not wildly so.
@@ -185,8 +208,19 @@ async def test_a_keyed_sampler_takes_only_weights_sealed_with_its_key() -> None:
     (k_mine,), (k_forged,), (k_plain,) = (p.publish(0, master0) for p in (mine, forger, unkeyed))
     (d_mine,) = mine.publish(1, _sparse_step(master0, seed=1))
     with trio.fail_after(60):
-        async with open_mesh(SamplerActor, "cpu-bf16", "bf16", CFG, "cpu", init_seed=None, weights_key=key,
-                             max_batch=2, procs=1, name="keyed", env=ENV) as mesh:
+        async with open_mesh(
+            SamplerActor,
+            "cpu-bf16",
+            "bf16",
+            CFG,
+            "cpu",
+            init_seed=None,
+            weights_key=key,
+            max_batch=2,
+            procs=1,
+            name="keyed",
+            env=ENV,
+        ) as mesh:
             s = mesh[0]
             for bad in (k_forged, k_plain):
                 with pytest.raises(ActorError, match="AuthenticationError"):

@@ -128,8 +128,7 @@ def test_min_keep_rows_are_replayed_exactly_and_all_get_a_gradient(model, weight
         tokens = torch.tensor(res.token_ids)
         rep = replay_logprobs_from_hidden(hidden, model.lm_head.weight.detach(), support, tokens, kw["temperature"])
         cfg = RecipeConfig(**kw)
-        loss, _ = recipe_loss(cfg, support, tokens, torch.ones(len(tokens)), replay=rep,
-                              num_loss_tokens=len(tokens))
+        loss, _ = recipe_loss(cfg, support, tokens, torch.ones(len(tokens)), replay=rep, num_loss_tokens=len(tokens))
         loss.backward()
         assert (hidden.grad.abs().sum(-1) > 0).all(), i
     assert plain_one_token > 8  # the case the fix is about does occur here
@@ -202,8 +201,9 @@ def test_stop_tokens_min_version_and_bad_input(weights) -> None:
     # Greedy: learn the first token, then ask again with it as a stop token.
     b.submit(GenerateRequest(request_id="g", prompt_ids=[1, 2], max_new_tokens=3, temperature=0.0))
     first = _run(b)["g"].token_ids[0]
-    b.submit(GenerateRequest(request_id="s", prompt_ids=[1, 2], max_new_tokens=3, temperature=0.0,
-                             stop_token_ids=[first]))
+    b.submit(
+        GenerateRequest(request_id="s", prompt_ids=[1, 2], max_new_tokens=3, temperature=0.0, stop_token_ids=[first])
+    )
     res = _run(b)["s"]
     assert res.token_ids == [first] and res.finish_reason == "stop"
     # Context full: 14-token prompt in a 16-token slot leaves room for two tokens.
@@ -282,15 +282,14 @@ async def test_admission_window_closes_when_the_answered_sessions_are_back(weigh
     window applies as before (at least ``batch_window_s`` of quiet)."""
     from actors.sampler import TorchBackend
 
-    window = 1.0   # long: on a loaded machine a turn's own compute must stay far below it
+    window = 1.0  # long: on a loaded machine a turn's own compute must stay far below it
     backend = TorchBackend(CFG, pool="p", max_batch=8, batch_window_s=window)
     waited: list[float] = []
 
     async def session(i: int) -> None:
         prompt = [1, 2, 3 + i]
         for turn in range(2 if i < returning else 1):
-            req = GenerateRequest(request_id=f"s{i}t{turn}", prompt_ids=prompt, max_new_tokens=2,
-                                  session_id=f"s{i}")
+            req = GenerateRequest(request_id=f"s{i}t{turn}", prompt_ids=prompt, max_new_tokens=2, session_id=f"s{i}")
             t0 = trio.current_time()
             res = await backend.generate(req)
             if turn:
@@ -314,7 +313,7 @@ def test_extend_and_in_step_decode_match_hf(model, weights, slots) -> None:
     engine = Qwen3Engine(CFG, max_slots=4)
     engine.load(weights)
     prompts = _prompts(3, [7, 3, 5])
-    chunks = _prompts(3, [2, 6, 4], seed=2)   # every row ends at position 9
+    chunks = _prompts(3, [2, 6, 4], seed=2)  # every row ends at position 9
     cont = _prompts(3, [3, 3, 3], seed=3)
     with torch.no_grad():
         ref = [model(torch.tensor([p + c + d])).logits[0] for p, c, d in zip(prompts, chunks, cont, strict=True)]
@@ -326,7 +325,7 @@ def test_extend_and_in_step_decode_match_hf(model, weights, slots) -> None:
         step_logits = engine.decode(slots, [d[step] for d in cont])
         for row in range(3):
             torch.testing.assert_close(step_logits[row], ref[row][9 + step], atol=1e-4, rtol=0)
-    engine.truncate(slots[0], 5)   # rows at different positions again: the masked decode
+    engine.truncate(slots[0], 5)  # rows at different positions again: the masked decode
     with torch.no_grad():
         ref0 = model(torch.tensor([(prompts[0] + chunks[0])[:5] + [9]])).logits[0, -1]
     torch.testing.assert_close(engine.decode(slots, [9, 1, 2])[0], ref0, atol=1e-4, rtol=0)

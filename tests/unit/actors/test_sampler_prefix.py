@@ -39,8 +39,19 @@ def _conversation(b: ContinuousBatcher, session: str | None, turns: int = 3):
     prompt = torch.randint(0, CFG["vocab_size"], (9,), generator=g).tolist()
     results = []
     for t in range(turns):
-        res = _one(b, GenerateRequest(request_id=f"r{t}", prompt_ids=prompt, max_new_tokens=5, seed=100 + t,
-                                      temperature=1.0, top_k=8, top_p=0.9, session_id=session))
+        res = _one(
+            b,
+            GenerateRequest(
+                request_id=f"r{t}",
+                prompt_ids=prompt,
+                max_new_tokens=5,
+                seed=100 + t,
+                temperature=1.0,
+                top_k=8,
+                top_p=0.9,
+                session_id=session,
+            ),
+        )
         results.append(res)
         prompt = prompt + res.token_ids + torch.randint(0, CFG["vocab_size"], (4,), generator=g).tolist()
     return results
@@ -66,7 +77,7 @@ def test_rewritten_history_keeps_only_the_shared_prefix(weights) -> None:
     req = dict(max_new_tokens=4, seed=7, temperature=1.0, top_k=8, top_p=0.9)
     first = _one(b, GenerateRequest(request_id="a", prompt_ids=list(range(10, 30)), session_id="s", **req))
     assert first.token_ids
-    edited = list(range(10, 20)) + [3, 4, 5]   # turns 10..29 replaced after position 10
+    edited = list(range(10, 20)) + [3, 4, 5]  # turns 10..29 replaced after position 10
     got = _one(b, GenerateRequest(request_id="b", prompt_ids=edited, session_id="s", **req))
     want = _one(ref, GenerateRequest(request_id="b", prompt_ids=edited, **req))
     assert got.token_ids == want.token_ids
@@ -81,7 +92,7 @@ def test_parked_sessions_are_evicted_least_recent_first(weights) -> None:
     _one(b, GenerateRequest(request_id="c", prompt_ids=[4, 5, 6], max_new_tokens=2))  # needs a slot
     assert b.prefix_evictions == 1 and b.parked == 1
     _one(b, GenerateRequest(request_id="b2", prompt_ids=[1, 2, 3, 9], max_new_tokens=2, session_id="b"))
-    assert b.prefix_hits == 1   # "b" survived, "a" (least recent) was evicted
+    assert b.prefix_hits == 1  # "b" survived, "a" (least recent) was evicted
     assert b.drop_session("b") and not b.drop_session("a")
     assert b.parked == 0 and b.free_slots == 2
 

@@ -81,8 +81,7 @@ def _snapshot() -> dict[str, torch.Tensor]:
 
 async def test_protocol_generate_update_with_versions_and_rows_unchanged(stub, tmp_path) -> None:
     url, state = stub
-    be = SGLangBackend(pool="h100", model_config={"model_type": "qwen3"}, url=url,
-                       weights_dir=str(tmp_path))
+    be = SGLangBackend(pool="h100", model_config={"model_type": "qwen3"}, url=url, weights_dir=str(tmp_path))
     async with trio.open_nursery() as nursery:
         await nursery.start(be.run)
         await be.update_weights(_snapshot(), 1)
@@ -97,10 +96,16 @@ async def test_protocol_generate_update_with_versions_and_rows_unchanged(stub, t
         assert be.version == 2
         nursery.cancel_scope.cancel()
     calls = [c["path"] for c in state.log]
-    assert calls == ["/continue_generation",  # start-up: clear a pause an earlier owner left
-                     "/pause_generation", "/update_weights_from_disk", "/continue_generation",
-                     "/generate",
-                     "/pause_generation", "/update_weights_from_disk", "/continue_generation"]
+    assert calls == [
+        "/continue_generation",  # start-up: clear a pause an earlier owner left
+        "/pause_generation",
+        "/update_weights_from_disk",
+        "/continue_generation",
+        "/generate",
+        "/pause_generation",
+        "/update_weights_from_disk",
+        "/continue_generation",
+    ]
     upd = [c["body"] for c in state.log if c["path"] == "/update_weights_from_disk"]
     assert [u["weight_version"] for u in upd] == ["1", "2"]
     assert all(u["flush_cache"] for u in upd)  # retract mode: KV recomputed under new weights
@@ -213,15 +218,20 @@ def _free_port() -> int:
 
 
 def _launch(port: int, **kw) -> dict:
-    return {"model_path": "/nonexistent/model", "module": "tests.unit.actors.sglang_stub",
-            "python": sys.executable, "port": port, "health_timeout_s": 30.0, **kw}
+    return {
+        "model_path": "/nonexistent/model",
+        "module": "tests.unit.actors.sglang_stub",
+        "python": sys.executable,
+        "port": port,
+        "health_timeout_s": 30.0,
+        **kw,
+    }
 
 
 async def test_launched_server_is_health_checked_used_and_stopped_with_no_orphan(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
     port = _free_port()
-    be = SGLangBackend(pool="p", model_config={}, launch=_launch(port), port=port, gpu=3,
-                       weights_dir=str(tmp_path))
+    be = SGLangBackend(pool="p", model_config={}, launch=_launch(port), port=port, gpu=3, weights_dir=str(tmp_path))
     async with trio.open_nursery() as nursery:
         with trio.fail_after(30):
             await nursery.start(be.run)  # returns only once GET /health answered

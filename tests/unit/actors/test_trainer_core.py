@@ -1,4 +1,5 @@
 """The training step in-process: packing, micro-batch invariance, metrics, errors, checkpoints."""
+
 from __future__ import annotations
 
 import json
@@ -72,13 +73,13 @@ def test_one_step_lowers_the_policy_gradient_surrogate(batch: list[Trajectory]) 
     """On-policy, the recipe's gradient equals that of S(θ) = −Σ A·log p^S_θ(y) / N (w = 1,
     the centering term's gradient is zero), a fixed function of θ on this batch: one
     small step must lower it, for the full recipe and for plain REINFORCE."""
-    assert len({t.reward for t in batch}) == 2   # mixed rewards: nonzero advantages
+    assert len({t.reward for t in batch}) == 2  # mixed rewards: nonzero advantages
     for recipe in (RecipeConfig(), PLAIN):
         tr = Trainer(TrainerConfig(lr=1e-4, recipe=recipe))
         before = tr.evaluate(batch, PLAIN).loss
         own = tr.evaluate(batch).loss
         r = tr.train_step(batch)
-        assert r.loss == pytest.approx(own, abs=1e-7)   # reported at the pre-step weights
+        assert r.loss == pytest.approx(own, abs=1e-7)  # reported at the pre-step weights
         after = tr.evaluate(batch, PLAIN).loss
         assert after < before - 1e-3, (recipe, before, after)
 
@@ -101,7 +102,7 @@ def test_malformed_support_names_the_trajectory(batch: list[Trajectory]) -> None
     first = int(t.support_offsets[1])
     ids = t.support_ids.clone()
     y = int(t.tokens[t.loss_mask][0])
-    ids[:first] = torch.where(ids[:first] == y, (y + 1) % 100, ids[:first])   # y out of its row
+    ids[:first] = torch.where(ids[:first] == y, (y + 1) % 100, ids[:first])  # y out of its row
     broken = t.model_copy(update={"support_ids": ids, "prompt_id": "broken-one"})
     with pytest.raises(ValueError, match="broken-one"):
         Trainer(TrainerConfig()).train_step([broken, *batch[1:]])

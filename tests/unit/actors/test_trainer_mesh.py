@@ -4,6 +4,7 @@ counts, LoRA's merged weights reach a receiver bit for bit, a dead rank is named
 Each group start spawns processes that import torch (seconds on a shared 2-core box), so
 the multi-process tests are marked slow; models are the tiny built-in Qwen3.
 """
+
 from __future__ import annotations
 
 import os
@@ -35,8 +36,8 @@ def test_token_shares_balance_and_cover() -> None:
     assert sorted(i for s in shares for i in s) == list(range(len(sizes)))
     loads = [sum(sizes[i] for i in s) for s in shares]
     assert abs(loads[0] - loads[1]) <= 1 and sum(loads) == sum(sizes)
-    assert token_shares([5], 3) == [[0], [], []]          # more ranks than trajectories
-    assert token_shares(sizes, 2) == shares               # every rank computes the same split
+    assert token_shares([5], 3) == [[0], [], []]  # more ranks than trajectories
+    assert token_shares(sizes, 2) == shares  # every rank computes the same split
 
 
 def test_rendezvous_address_sources() -> None:
@@ -54,7 +55,7 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)   # process starts take most of it; slow on a loaded box
+@pytest.mark.timeout(300)  # process starts take most of it; slow on a loaded box
 async def test_two_ranks_equal_one_and_resume_across_rank_counts(tmp_path: Path) -> None:
     first = on_policy_batch(data_seed=1, prompts=3, group=4)
     second = on_policy_batch(data_seed=2, prompts=2, group=4)
@@ -97,7 +98,7 @@ async def test_two_ranks_equal_one_and_resume_across_rank_counts(tmp_path: Path)
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)   # process starts take most of it; slow on a loaded box
+@pytest.mark.timeout(300)  # process starts take most of it; slow on a loaded box
 async def test_lora_receiver_ends_bit_identical_to_merged_weights() -> None:
     targets = ["q_proj", "v_proj"]
     cfg = TrainerConfig(procs=2, lr=1e-2, lora=LoraConfig(r=4, alpha=8, target_modules=targets))
@@ -109,8 +110,7 @@ async def test_lora_receiver_ends_bit_identical_to_merged_weights() -> None:
             initial = await group.full_weights()
             for _ in range(2):
                 await group.train_step(batch)
-                msgs = [WeightMessage.from_frames(f)
-                        for f in await group.updates_for("s0", receiver.version, "bf16")]
+                msgs = [WeightMessage.from_frames(f) for f in await group.updates_for("s0", receiver.version, "bf16")]
                 receiver.apply_all(msgs)
                 await group.ack("s0", receiver.version)
             merged = await group.full_weights()
@@ -138,7 +138,7 @@ async def test_lora_receiver_ends_bit_identical_to_merged_weights() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)   # process starts take most of it; slow on a loaded box
+@pytest.mark.timeout(300)  # process starts take most of it; slow on a loaded box
 async def test_a_killed_rank_fails_the_step_naming_it() -> None:
     batch = on_policy_batch(data_seed=1, prompts=3, group=4)
     with trio.fail_after(280):
@@ -147,7 +147,7 @@ async def test_a_killed_rank_fails_the_step_naming_it() -> None:
             victim = (await group.mesh[1].size_report.call_one())["pid"]
 
             async def kill_soon() -> None:
-                await trio.sleep(0.2)   # mid-step: the step below takes longer than this
+                await trio.sleep(0.2)  # mid-step: the step below takes longer than this
                 os.kill(victim, signal.SIGKILL)
 
             t0 = trio.current_time()
@@ -156,7 +156,7 @@ async def test_a_killed_rank_fails_the_step_naming_it() -> None:
                 with pytest.raises(TrainerRankDied, match="trainer rank 1 died during train_step"):
                     for _ in range(50):
                         await group.train_step(batch)
-            assert trio.current_time() - t0 < 30.0   # seconds, even on a loaded box
+            assert trio.current_time() - t0 < 30.0  # seconds, even on a loaded box
 
 
 def test_activation_checkpointing_changes_memory_not_the_step() -> None:
@@ -168,7 +168,7 @@ def test_activation_checkpointing_changes_memory_not_the_step() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)   # process starts take most of it; slow on a loaded box
+@pytest.mark.timeout(300)  # process starts take most of it; slow on a loaded box
 async def test_bf16_with_checkpointing_keeps_the_union_of_supports_loss() -> None:
     """bf16 compute (FSDP2 mixed precision, a group of one) with activation checkpointing:
     the replayed loss agrees with fp32 to bf16 precision, the update lowers the batch's

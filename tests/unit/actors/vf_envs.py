@@ -6,13 +6,13 @@ on the right one (or after ``max_turns``); its rubric rewards a final right answ
 when it took more than one turn. Loaded by path (``.../vf_envs.py:load_single``) or, with
 this folder on sys.path, by id (``vf.load_environment("vf_envs")`` calls ``load_environment``).
 """
+
 from __future__ import annotations
 
 import verifiers as vf
 from datasets import Dataset
 
-ROWS = {"question": ["What is 2+3?", "What is 4+4?", "Name the colour of the sky."],
-        "answer": ["5", "8", "blue"]}
+ROWS = {"question": ["What is 2+3?", "What is 4+4?", "Name the colour of the sky."], "answer": ["5", "8", "blue"]}
 
 
 def _last_reply(completion) -> str:
@@ -29,8 +29,12 @@ def exact(completion, answer, **kwargs) -> float:
 
 
 def load_single(**kwargs) -> vf.Environment:
-    return vf.SingleTurnEnv(dataset=Dataset.from_dict(ROWS), system_prompt="Answer with one word.",
-                            rubric=vf.Rubric(funcs=[exact]), **kwargs)
+    return vf.SingleTurnEnv(
+        dataset=Dataset.from_dict(ROWS),
+        system_prompt="Answer with one word.",
+        rubric=vf.Rubric(funcs=[exact]),
+        **kwargs,
+    )
 
 
 class TryAgain(vf.MultiTurnEnv):
@@ -50,8 +54,9 @@ def turns_weighted(completion, answer, state, **kwargs) -> float:
 
 
 def load_multi(max_turns: int = 3, **kwargs) -> vf.Environment:
-    return TryAgain(dataset=Dataset.from_dict(ROWS), max_turns=max_turns,
-                    rubric=vf.Rubric(funcs=[turns_weighted]), **kwargs)
+    return TryAgain(
+        dataset=Dataset.from_dict(ROWS), max_turns=max_turns, rubric=vf.Rubric(funcs=[turns_weighted]), **kwargs
+    )
 
 
 def load_environment(kind: str = "single", **kwargs) -> vf.Environment:

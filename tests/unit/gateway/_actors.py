@@ -7,6 +7,7 @@ endpoints whose policy is a script: it answers the n-th request with the n-th
 scripted reply's ids, records every request, and gives each token a support row
 (the token plus two neighbours, proper log q) and its version. A fake, not a mock.
 """
+
 from __future__ import annotations
 
 import math
@@ -51,11 +52,17 @@ class ReplaySampler(Actor):
             offsets.append(len(sup))
         stop = bool(ids) and ids[-1] in req.stop_token_ids
         return GenerateResult(
-            request_id=req.request_id, token_ids=ids, support_ids=torch.tensor(sup, dtype=torch.int32),
+            request_id=req.request_id,
+            token_ids=ids,
+            support_ids=torch.tensor(sup, dtype=torch.int32),
             support_offsets=torch.tensor(offsets, dtype=torch.int32),
-            support_logq=torch.tensor(logq, dtype=torch.float32), versions=[self.version] * len(ids),
-            finish_reason="stop" if stop else "length", pool=self.pool, prompt_tokens=len(req.prompt_ids),
-            seconds=0.0)
+            support_logq=torch.tensor(logq, dtype=torch.float32),
+            versions=[self.version] * len(ids),
+            finish_reason="stop" if stop else "length",
+            pool=self.pool,
+            prompt_tokens=len(req.prompt_ids),
+            seconds=0.0,
+        )
 
     @endpoint
     def end_session(self, session_id: str) -> bool:

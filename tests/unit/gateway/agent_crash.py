@@ -1,4 +1,5 @@
 """A harness that talks to the model once and then crashes."""
+
 import sys
 
 from openai import OpenAI

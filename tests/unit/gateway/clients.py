@@ -12,6 +12,7 @@ Use as ``entrypoint = "tests/unit/gateway/clients.py:play"`` (``task["client"]``
 client; it runs in a worker thread, as a blocking or asyncio program would) or as
 ``command = "python tests/unit/gateway/clients.py {task}"``.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -22,10 +23,20 @@ from typing import Any
 
 QUESTION = "What is 2+3?"
 AGAIN = "Say it again, briefly."
-TOOLS = [{"type": "function", "function": {
-    "name": "add", "description": "Add two integers.",
-    "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-                   "required": ["a", "b"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "Add two integers.",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                "required": ["a", "b"],
+            },
+        },
+    }
+]
 
 
 def add(a: int, b: int) -> int:
@@ -57,12 +68,14 @@ class Check:
 
 # ----------------------------------------------------------------- raw HTTP, the API reference
 
+
 def raw_httpx(base_url: str, task: dict[str, Any]) -> float:
     import httpx
 
     check = Check(task)
     key = os.environ.get("OPENAI_API_KEY", "unused")
     with httpx.Client(base_url=base_url, headers={"Authorization": f"Bearer {key}"}, timeout=60) as http:
+
         def create(**body: Any) -> dict[str, Any]:
             r = http.post("/chat/completions", json={"model": "flotilla", **body})
             r.raise_for_status()
@@ -74,8 +87,9 @@ def raw_httpx(base_url: str, task: dict[str, Any]) -> float:
         check("turn 1 finish_reason", choice["finish_reason"], "tool_calls")
         messages.append(choice["message"])
         for call in choice["message"].get("tool_calls") or []:
-            messages.append({"role": "tool", "tool_call_id": call["id"],
-                             "content": _run_tool(call["function"]["arguments"])})
+            messages.append(
+                {"role": "tool", "tool_call_id": call["id"], "content": _run_tool(call["function"]["arguments"])}
+            )
         if not choice["message"].get("tool_calls"):
             messages.append({"role": "user", "content": "Use the tool."})
         answer, finish = "", None
@@ -87,8 +101,8 @@ def raw_httpx(base_url: str, task: dict[str, Any]) -> float:
                     continue
                 if line == "data: [DONE]":
                     break
-                chunk = json.loads(line[len("data: "):])
-                delta = chunk["choices"][0]["delta"]   # unguarded, as in OpenAI's streaming examples
+                chunk = json.loads(line[len("data: ") :])
+                delta = chunk["choices"][0]["delta"]  # unguarded, as in OpenAI's streaming examples
                 answer += delta.get("content") or ""
                 finish = chunk["choices"][0]["finish_reason"] or finish
         check("turn 2 finish_reason", finish, "stop")
@@ -101,6 +115,7 @@ def raw_httpx(base_url: str, task: dict[str, Any]) -> float:
 
 
 # ----------------------------------------------------------------- the openai package
+
 
 def openai_sync(base_url: str, task: dict[str, Any]) -> float:
     from openai import OpenAI
@@ -118,8 +133,14 @@ def openai_sync(base_url: str, task: dict[str, Any]) -> float:
         if not msg.tool_calls:
             messages.append({"role": "user", "content": "Use the tool."})
         answer, finish, usage = "", None, None
-        stream = client.chat.completions.create(model="flotilla", messages=messages, tools=TOOLS, max_tokens=64,
-                                                stream=True, stream_options={"include_usage": True})
+        stream = client.chat.completions.create(
+            model="flotilla",
+            messages=messages,
+            tools=TOOLS,
+            max_tokens=64,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         for chunk in stream:
             if chunk.usage is not None:
                 usage = chunk.usage
@@ -143,19 +164,22 @@ def openai_async(base_url: str, task: dict[str, Any]) -> float:
     async def episode() -> float:
         async with AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0) as client:
             messages: list[Any] = [{"role": "user", "content": QUESTION}]
-            first = await client.chat.completions.create(model="flotilla", messages=messages, tools=TOOLS,
-                                                         max_completion_tokens=64)
+            first = await client.chat.completions.create(
+                model="flotilla", messages=messages, tools=TOOLS, max_completion_tokens=64
+            )
             msg = first.choices[0].message
             check("turn 1 finish_reason", first.choices[0].finish_reason, "tool_calls")
-            messages.append(msg)   # the pydantic message itself, as many harnesses do
+            messages.append(msg)  # the pydantic message itself, as many harnesses do
             for call in msg.tool_calls or []:
-                messages.append({"role": "tool", "tool_call_id": call.id,
-                                 "content": _run_tool(call.function.arguments)})
+                messages.append(
+                    {"role": "tool", "tool_call_id": call.id, "content": _run_tool(call.function.arguments)}
+                )
             if not msg.tool_calls:
                 messages.append({"role": "user", "content": "Use the tool."})
             answer, finish = "", None
-            stream = await client.chat.completions.create(model="flotilla", messages=messages, tools=TOOLS,
-                                                          max_completion_tokens=64, stream=True)
+            stream = await client.chat.completions.create(
+                model="flotilla", messages=messages, tools=TOOLS, max_completion_tokens=64, stream=True
+            )
             async for chunk in stream:
                 check("no usage chunk unless asked", chunk.usage, None)
                 answer += chunk.choices[0].delta.content or ""
@@ -163,8 +187,9 @@ def openai_async(base_url: str, task: dict[str, Any]) -> float:
             check("turn 2 finish_reason", finish, "stop")
             check("turn 2 streamed text", answer, "The answer is 5.")
             messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": AGAIN}]
-            last = await client.chat.completions.create(model="flotilla", messages=messages, tools=TOOLS,
-                                                        max_completion_tokens=2)
+            last = await client.chat.completions.create(
+                model="flotilla", messages=messages, tools=TOOLS, max_completion_tokens=2
+            )
             check("turn 3 finish_reason", last.choices[0].finish_reason, "length")
             return check.reward(answer)
 
@@ -172,6 +197,7 @@ def openai_async(base_url: str, task: dict[str, Any]) -> float:
 
 
 # ----------------------------------------------------------------- agent frameworks
+
 
 def openai_agents(base_url: str, task: dict[str, Any]) -> float:
     """The OpenAI Agents SDK on its chat-completions model: the SDK runs the tool loop."""
@@ -185,14 +211,15 @@ def openai_agents(base_url: str, task: dict[str, Any]) -> float:
     )
     from openai import AsyncOpenAI
 
-    set_tracing_disabled(True)   # offline: no trace export to OpenAI
+    set_tracing_disabled(True)  # offline: no trace export to OpenAI
     check = Check(task)
 
     async def episode() -> float:
         client = AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
         model = OpenAIChatCompletionsModel(model="flotilla", openai_client=client)
-        agent = Agent(name="calculator", tools=[function_tool(add)], model=model,
-                      model_settings=ModelSettings(max_tokens=64))
+        agent = Agent(
+            name="calculator", tools=[function_tool(add)], model=model, model_settings=ModelSettings(max_tokens=64)
+        )
         run = Runner.run_streamed(agent, QUESTION, max_turns=4)
         async for _ in run.stream_events():
             pass
@@ -219,8 +246,9 @@ def langchain(base_url: str, task: dict[str, Any]) -> float:
 
     async def episode() -> float:
         def llm(max_tokens: int) -> Any:
-            return ChatOpenAI(model="flotilla", base_url=base_url, api_key="unused", max_retries=0,
-                              max_tokens=max_tokens).bind_tools(TOOLS)
+            return ChatOpenAI(
+                model="flotilla", base_url=base_url, api_key="unused", max_retries=0, max_tokens=max_tokens
+            ).bind_tools(TOOLS)
 
         messages: list[Any] = [HumanMessage(QUESTION)]
         first = await llm(64).ainvoke(messages)
@@ -244,8 +272,13 @@ def langchain(base_url: str, task: dict[str, Any]) -> float:
     return asyncio.run(episode())
 
 
-CLIENTS = {"raw_httpx": raw_httpx, "openai_sync": openai_sync, "openai_async": openai_async,
-           "openai_agents": openai_agents, "langchain": langchain}
+CLIENTS = {
+    "raw_httpx": raw_httpx,
+    "openai_sync": openai_sync,
+    "openai_async": openai_async,
+    "openai_agents": openai_agents,
+    "langchain": langchain,
+}
 
 
 async def play(base_url: str, task: dict[str, Any]) -> dict[str, float]:

@@ -12,6 +12,7 @@ Use as ``entrypoint = "tests/unit/gateway/clients_more.py:play"`` (``task["clien
 the client) or as ``command = "python tests/unit/gateway/clients_more.py {task}"`` (it reads
 ``OPENAI_BASE_URL`` / ``ANTHROPIC_BASE_URL`` and the keys, as a harness would).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -30,10 +31,12 @@ if __name__ == "__main__":
 
 from tests.unit.gateway.clients import AGAIN, QUESTION, Check, _run_tool, add
 
-PARAMETERS = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-              "required": ["a", "b"]}
-RESPONSES_TOOLS = [{"type": "function", "name": "add", "description": "Add two integers.",
-                    "parameters": PARAMETERS}]
+PARAMETERS = {
+    "type": "object",
+    "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+    "required": ["a", "b"],
+}
+RESPONSES_TOOLS = [{"type": "function", "name": "add", "description": "Add two integers.", "parameters": PARAMETERS}]
 ANTHROPIC_TOOLS = [{"name": "add", "description": "Add two integers.", "input_schema": PARAMETERS}]
 
 
@@ -46,19 +49,20 @@ def openai_responses(base_url: str, task: dict[str, Any]) -> float:
     client = OpenAI(base_url=base_url, api_key=os.environ.get("OPENAI_API_KEY", "unused"), max_retries=0)
     with client:
         items: list[Any] = [{"role": "user", "content": QUESTION}]
-        first = client.responses.create(model="flotilla", input=items, tools=RESPONSES_TOOLS,
-                                        max_output_tokens=64)
+        first = client.responses.create(model="flotilla", input=items, tools=RESPONSES_TOOLS, max_output_tokens=64)
         check("turn 1 status", first.status, "completed")
         calls = [o for o in first.output if o.type == "function_call"]
         check("turn 1 function calls", [c.name for c in calls], ["add"])
         items += [o.model_dump(exclude_none=True) for o in first.output]
-        items += [{"type": "function_call_output", "call_id": c.call_id, "output": _run_tool(c.arguments)}
-                  for c in calls]
+        items += [
+            {"type": "function_call_output", "call_id": c.call_id, "output": _run_tool(c.arguments)} for c in calls
+        ]
         if not calls:
             items.append({"role": "user", "content": "Use the tool."})
         answer, kinds, final = "", [], None
-        stream = client.responses.create(model="flotilla", input=items, tools=RESPONSES_TOOLS,
-                                         max_output_tokens=64, stream=True)
+        stream = client.responses.create(
+            model="flotilla", input=items, tools=RESPONSES_TOOLS, max_output_tokens=64, stream=True
+        )
         for n, event in enumerate(stream):
             kinds.append(event.type)
             check("sequence_number", event.sequence_number, n)
@@ -66,16 +70,22 @@ def openai_responses(base_url: str, task: dict[str, Any]) -> float:
                 answer += event.delta
             if event.type in ("response.completed", "response.incomplete"):
                 final = event.response
-        check("turn 2 events", [kinds[0], kinds[1], kinds[-1]],
-              ["response.created", "response.in_progress", "response.completed"])
+        check(
+            "turn 2 events",
+            [kinds[0], kinds[1], kinds[-1]],
+            ["response.created", "response.in_progress", "response.completed"],
+        )
         check("turn 2 streamed text", answer, "The answer is 5.")
         check("turn 2 final text", final.output_text if final else None, answer)
-        last = client.responses.create(model="flotilla", previous_response_id=final.id if final else None,
-                                       input=[{"role": "user", "content": AGAIN}], tools=RESPONSES_TOOLS,
-                                       max_output_tokens=2)
+        last = client.responses.create(
+            model="flotilla",
+            previous_response_id=final.id if final else None,
+            input=[{"role": "user", "content": AGAIN}],
+            tools=RESPONSES_TOOLS,
+            max_output_tokens=2,
+        )
         check("turn 3 status", last.status, "incomplete")
-        check("turn 3 reason", last.incomplete_details.reason if last.incomplete_details else None,
-              "max_output_tokens")
+        check("turn 3 reason", last.incomplete_details.reason if last.incomplete_details else None, "max_output_tokens")
         check("turn 3 usage", last.usage.output_tokens if last.usage else None, 2)
     return check.reward(answer)
 
@@ -96,19 +106,20 @@ def openai_agents_responses(base_url: str, task: dict[str, Any]) -> float:
     from agents.exceptions import ModelBehaviorError
     from openai import AsyncOpenAI
 
-    set_tracing_disabled(True)   # offline: no trace export to OpenAI
+    set_tracing_disabled(True)  # offline: no trace export to OpenAI
     check = Check(task)
 
     async def episode() -> float:
         client = AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
         model = OpenAIResponsesModel(model="flotilla", openai_client=client)
-        agent = Agent(name="calculator", tools=[function_tool(add)], model=model,
-                      model_settings=ModelSettings(max_tokens=64))
+        agent = Agent(
+            name="calculator", tools=[function_tool(add)], model=model, model_settings=ModelSettings(max_tokens=64)
+        )
         run = Runner.run_streamed(agent, QUESTION, max_turns=4)
         try:
             async for _ in run.stream_events():
                 pass
-        except ModelBehaviorError as e:   # a reply cut at the gateway's cap: the SDK gives up
+        except ModelBehaviorError as e:  # a reply cut at the gateway's cap: the SDK gives up
             check("turns 1-2 complete", str(e), None)
             await client.close()
             return 0.0
@@ -135,8 +146,11 @@ def anthropic_messages(base_url: str, task: dict[str, Any]) -> float:
     import anthropic
 
     check = Check(task)
-    client = anthropic.Anthropic(base_url=os.environ.get("ANTHROPIC_BASE_URL", base_url.removesuffix("/v1")),
-                                 api_key=os.environ.get("ANTHROPIC_API_KEY", "unused"), max_retries=0)
+    client = anthropic.Anthropic(
+        base_url=os.environ.get("ANTHROPIC_BASE_URL", base_url.removesuffix("/v1")),
+        api_key=os.environ.get("ANTHROPIC_API_KEY", "unused"),
+        max_retries=0,
+    )
     with client:
         messages: list[Any] = [{"role": "user", "content": QUESTION}]
         first = client.messages.create(model="flotilla", max_tokens=64, tools=ANTHROPIC_TOOLS, messages=messages)
@@ -144,13 +158,20 @@ def anthropic_messages(base_url: str, task: dict[str, Any]) -> float:
         uses = [b for b in first.content if b.type == "tool_use"]
         messages.append({"role": "assistant", "content": first.content})
         if uses:
-            messages.append({"role": "user", "content": [
-                {"type": "tool_result", "tool_use_id": u.id, "content": _run_tool(u.input)} for u in uses]})
+            messages.append(
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "tool_result", "tool_use_id": u.id, "content": _run_tool(u.input)} for u in uses
+                    ],
+                }
+            )
         else:
             messages.append({"role": "user", "content": "Use the tool."})
         answer = ""
-        with client.messages.stream(model="flotilla", max_tokens=64, tools=ANTHROPIC_TOOLS,
-                                    messages=messages) as stream:
+        with client.messages.stream(
+            model="flotilla", max_tokens=64, tools=ANTHROPIC_TOOLS, messages=messages
+        ) as stream:
             for text in stream.text_stream:
                 answer += text
             final = stream.get_final_message()
@@ -163,8 +184,11 @@ def anthropic_messages(base_url: str, task: dict[str, Any]) -> float:
     return check.reward(answer)
 
 
-CLIENTS_MORE = {"openai_responses": openai_responses, "openai_agents_responses": openai_agents_responses,
-                "anthropic_messages": anthropic_messages}
+CLIENTS_MORE = {
+    "openai_responses": openai_responses,
+    "openai_agents_responses": openai_agents_responses,
+    "anthropic_messages": anthropic_messages,
+}
 """The clients of protocols other than chat completions (``clients.CLIENTS`` holds those)."""
 
 

@@ -1,5 +1,6 @@
 """Harness episodes end to end: an openai-client agent (a real subprocess) against the
 gateway inside a real EnvActor process, with a scripted sampler actor behind it."""
+
 from __future__ import annotations
 
 import sys
@@ -13,8 +14,8 @@ from actors.chat import HFChatFormat
 from actors.env import EnvActor, EnvConfig
 from actors.gateway import HarnessConfig
 from actors.types import SamplingParams, TaskSpec
-from orchestrator.state.buffer import RolloutBuffer
 from orchestrator.runtime import open_mesh
+from orchestrator.state.buffer import RolloutBuffer
 from tests.unit.gateway._actors import ReplaySampler, tiny_tokenizer_dir
 
 HERE = Path(__file__).parent
@@ -39,15 +40,20 @@ def fmt(tok_dir) -> HFChatFormat:
 
 def _env_config(tok_dir: Path, script: str, **kw) -> EnvConfig:
     cmd = f"{sys.executable} {HERE / script} {{task}}"
-    return EnvConfig(harness=HarnessConfig(command=cmd, timeout_s=60, max_new_tokens=64, **kw),
-                     model_path=str(tok_dir), max_seq_len=512)
+    return EnvConfig(
+        harness=HarnessConfig(command=cmd, timeout_s=60, max_new_tokens=64, **kw),
+        model_path=str(tok_dir),
+        max_seq_len=512,
+    )
 
 
 async def _episode(tok_dir, fmt, script, replies, params, *, malformed_first: bool = False):
     ids = [fmt.encode(r) for r in replies]
-    async with open_mesh(EnvActor, _env_config(tok_dir, script), procs=1, name="env") as env, \
-            open_mesh(ReplaySampler, ids, fmt.vocab_size, procs=1, name="replay") as sampler:
-        if malformed_first:   # garbage at the actor's gateway: 4xx JSON, and it keeps serving
+    async with (
+        open_mesh(EnvActor, _env_config(tok_dir, script), procs=1, name="env") as env,
+        open_mesh(ReplaySampler, ids, fmt.vocab_size, procs=1, name="replay") as sampler,
+    ):
+        if malformed_first:  # garbage at the actor's gateway: 4xx JSON, and it keeps serving
             address = await env[0].gateway_address.call_one()
             async with httpx.AsyncClient(base_url=address) as client:
                 r = await client.post("/v1/chat/completions", content=b"{", headers={"Authorization": "Bearer x"})
@@ -62,8 +68,9 @@ async def _episode(tok_dir, fmt, script, replies, params, *, malformed_first: bo
 
 
 async def test_tool_call_episode_records_exactly_the_sampled_and_template_ids(tok_dir, fmt) -> None:
-    traj, replies, seen, stats = await _episode(tok_dir, fmt, "agent_tool.py", [TOOL_REPLY, ANSWER],
-                                                {"question": "What is 2+3?"})
+    traj, replies, seen, stats = await _episode(
+        tok_dir, fmt, "agent_tool.py", [TOOL_REPLY, ANSWER], {"question": "What is 2+3?"}
+    )
     assert not traj.failed, traj.error
     assert traj.reward == 1.0 and traj.turns == 2 and traj.pool == "replay"
     tokens, mask = traj.tokens.tolist(), traj.loss_mask
@@ -75,16 +82,31 @@ async def test_tool_call_episode_records_exactly_the_sampled_and_template_ids(to
     assert tokens == seen[1] + replies[1]
     # The context ids are the template's own: the first prompt is the tokenised rendering,
     # and the whole sequence decodes to the template's rendering of the conversation.
-    tools = [{"type": "function", "function": {
-        "name": "add", "description": "Add two integers.",
-        "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-                       "required": ["a", "b"]}}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "add",
+                "description": "Add two integers.",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                    "required": ["a", "b"],
+                },
+            },
+        }
+    ]
     convo = [{"role": "user", "content": "What is 2+3?"}]
     assert seen[0] == fmt.encode(fmt.render(convo, generation_prompt=True, tools=tools))
-    convo += [{"role": "assistant", "content": "", "tool_calls": [
-                  {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]},
-              {"role": "tool", "content": "5"},
-              {"role": "assistant", "content": "The answer is 5."}]
+    convo += [
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}],
+        },
+        {"role": "tool", "content": "5"},
+        {"role": "assistant", "content": "The answer is 5."},
+    ]
     assert fmt.decode(tokens, skip_special=False) == fmt.render(convo, generation_prompt=False, tools=tools)[:-1]
     # Support rows and versions travel as the sampler recorded them.
     assert traj.versions.tolist() == [7] * int(mask.sum())
@@ -94,8 +116,9 @@ async def test_tool_call_episode_records_exactly_the_sampled_and_template_ids(to
 
 
 async def test_rewritten_history_starts_a_new_segment(tok_dir, fmt) -> None:
-    traj, replies, seen, stats = await _episode(tok_dir, fmt, "agent_tool.py", [TOOL_REPLY, ANSWER, AGAIN],
-                                                {"question": "What is 2+3?", "rewrite": True})
+    traj, replies, seen, stats = await _episode(
+        tok_dir, fmt, "agent_tool.py", [TOOL_REPLY, ANSWER, AGAIN], {"question": "What is 2+3?", "rewrite": True}
+    )
     assert not traj.failed, traj.error
     assert stats["segments"] == 2 and traj.segments == 2
     assert stats["dropped_generated"] == len(replies[0]) + len(replies[1])
@@ -129,12 +152,18 @@ async def test_entrypoint_harness_on_the_torch_sampler_reuses_the_session_prefix
     from actors.sampler import SamplerActor
     from actors.tiny import family_config
 
-    cfg = EnvConfig(harness=HarnessConfig(entrypoint=f"{HERE / 'agents.py'}:three_turns", timeout_s=60,
-                                          max_new_tokens=16), model_path=str(tok_dir), max_seq_len=256)
+    cfg = EnvConfig(
+        harness=HarnessConfig(entrypoint=f"{HERE / 'agents.py'}:three_turns", timeout_s=60, max_new_tokens=16),
+        model_path=str(tok_dir),
+        max_seq_len=256,
+    )
     model = family_config("qwen3", fmt.vocab_size)
-    async with open_mesh(EnvActor, cfg, procs=1, name="env") as env, \
-            open_mesh(SamplerActor, "cpu-pool", "fp32", model, "cpu", init_seed=0, max_batch=4, seed=3,
-                      procs=1, name="sampler") as sampler:
+    async with (
+        open_mesh(EnvActor, cfg, procs=1, name="env") as env,
+        open_mesh(
+            SamplerActor, "cpu-pool", "fp32", model, "cpu", init_seed=0, max_batch=4, seed=3, procs=1, name="sampler"
+        ) as sampler,
+    ):
         task = TaskSpec(task="chat", prompt_id="p0", group_id="g0", params={"question": "What is 2+3?"})
         traj = await env[0].run_episode.call_one(sampler[0], task, SamplingParams(top_k=16))
         stats = await sampler[0].stats.call_one()
@@ -142,10 +171,10 @@ async def test_entrypoint_harness_on_the_torch_sampler_reuses_the_session_prefix
     assert traj.pool == "cpu-pool" and traj.versions.tolist() == [0] * traj.num_generated
     assert stats["prefix_hits"] == 2 and stats["prefix_tokens_reused"] > 0
     assert stats["parked_sessions"] == 0
-    if traj.segments == 1:   # one conversation: every token the client was told of is here
+    if traj.segments == 1:  # one conversation: every token the client was told of is here
         assert traj.reward == traj.num_generated and traj.turns == 3
     # Only generated tokens are trained on, and they are the support rows' tokens.
     rows = traj.support_offsets.tolist()
     sampled = traj.tokens[traj.loss_mask].tolist()
     for i, tok in enumerate(sampled):
-        assert tok in traj.support_ids[rows[i]:rows[i + 1]].tolist()
+        assert tok in traj.support_ids[rows[i] : rows[i + 1]].tolist()

@@ -1,5 +1,6 @@
 """The gateway's HTTP surface in-process: OpenAI-style errors, routing by URL or API key,
 streaming through the official client, plain completions, and the reward channel."""
+
 from __future__ import annotations
 
 import json
@@ -29,12 +30,18 @@ class Replies:
         ids = ids[: req.max_new_tokens]
         self.requests.append(req)
         n = len(ids)
-        return GenerateResult(request_id=req.request_id, token_ids=ids,
-                              support_ids=torch.tensor(ids, dtype=torch.int32),
-                              support_offsets=torch.arange(n + 1, dtype=torch.int32),
-                              support_logq=torch.zeros(n), versions=[2] * n,
-                              finish_reason="stop" if ids[-1] == self.fmt.chat.end_id else "length",
-                              pool="fake", prompt_tokens=len(req.prompt_ids), seconds=0.0)
+        return GenerateResult(
+            request_id=req.request_id,
+            token_ids=ids,
+            support_ids=torch.tensor(ids, dtype=torch.int32),
+            support_offsets=torch.arange(n + 1, dtype=torch.int32),
+            support_logq=torch.zeros(n),
+            versions=[2] * n,
+            finish_reason="stop" if ids[-1] == self.fmt.chat.end_id else "length",
+            pool="fake",
+            prompt_tokens=len(req.prompt_ids),
+            seconds=0.0,
+        )
 
 
 @pytest.fixture
@@ -65,14 +72,16 @@ async def test_malformed_requests_get_openai_errors_and_the_server_keeps_serving
     await _err(await c.post(url, json=[1, 2]), 400)
     await _err(await c.post(url, json={"model": "tiny"}), 400, "messages")
     await _err(await c.post(url, json={**ok, "messages": []}), 400, "messages")
-    await _err(await c.post(url, json={**ok, "messages": [{"role": "robot", "content": "x"}]}), 400,
-               "messages.0.role")
+    await _err(await c.post(url, json={**ok, "messages": [{"role": "robot", "content": "x"}]}), 400, "messages.0.role")
     await _err(await c.post(url, json={**ok, "n": 2}), 400, "n")
     await _err(await c.post(url, json={**ok, "temperature": -1}), 400, "temperature")
     await _err(await c.post(url, json={**ok, "max_tokens": 0}), 400, "max_tokens")
     await _err(await c.post(url, json={**ok, "tools": [{"type": "web"}]}), 400)
-    await _err(await c.post(url, json={**ok, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
-               400, "messages.0.content.0.type")
+    await _err(
+        await c.post(url, json={**ok, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
+        400,
+        "messages.0.content.0.type",
+    )
     # The word format has no tool turns: a clear 400, not a crash.
     await _err(await c.post(url, json={**ok, "messages": [{"role": "tool", "content": "5"}]}), 400, "messages")
     await _err(await c.post(url, json={**ok, "messages": [{"role": "user", "content": "x " * 60}]}), 400)
@@ -82,13 +91,18 @@ async def test_malformed_requests_get_openai_errors_and_the_server_keeps_serving
     await _err(await c.get("/v1/nothing"), 404)
     await _err(await c.get(url), 405)
     await _err(await c.post(f"/s/{s.id}/reward", json={"reward": "lots"}), 400, "reward")
-    assert gen.requests == []   # nothing malformed reached the sampler
+    assert gen.requests == []  # nothing malformed reached the sampler
     # ... and the server still answers, by URL and by API key.
     r = await c.post(url, json=ok)
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "3"
-    r = await c.post("/v1/chat/completions", headers={"Authorization": f"Bearer {s.id}"},
-                     json={**ok, "messages": ok["messages"] + [{"role": "assistant", "content": "3"},
-                                                                {"role": "user", "content": "higher"}]})
+    r = await c.post(
+        "/v1/chat/completions",
+        headers={"Authorization": f"Bearer {s.id}"},
+        json={
+            **ok,
+            "messages": ok["messages"] + [{"role": "assistant", "content": "3"}, {"role": "user", "content": "higher"}],
+        },
+    )
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "5"
     assert len(s.segments) == 1
     models = (await c.get(f"/s/{s.id}/v1/models")).json()
@@ -104,8 +118,7 @@ async def test_malformed_requests_get_openai_errors_and_the_server_keeps_serving
 async def test_openai_client_streams_and_history_is_extended_not_retokenised(served) -> None:
     openai = pytest.importorskip("openai")
     gw, s, gen, c = served
-    client = openai.AsyncOpenAI(base_url=f"{gw.address}/s/{s.id}/v1", api_key="unused", max_retries=0,
-                                http_client=c)
+    client = openai.AsyncOpenAI(base_url=f"{gw.address}/s/{s.id}/v1", api_key="unused", max_retries=0, http_client=c)
     messages = [{"role": "user", "content": "guess the number"}]
     text = ""
     async with await client.chat.completions.create(model="tiny", messages=messages, stream=True) as stream:
@@ -126,8 +139,11 @@ async def test_openai_client_streams_and_history_is_extended_not_retokenised(ser
     assert traj.versions.tolist() == [2, 2, 2, 2] and all(r.session_id == s.id for r in gen.requests)
     # The recipe's sampling, min_keep included (a one-token support would get no gradient).
     recipe = SamplingParams()
-    assert all((r.temperature, r.top_k, r.top_p, r.min_keep) == (recipe.temperature, recipe.top_k, recipe.top_p,
-                                                               recipe.min_keep) for r in gen.requests)
+    assert all(
+        (r.temperature, r.top_k, r.top_p, r.min_keep)
+        == (recipe.temperature, recipe.top_k, recipe.top_p, recipe.min_keep)
+        for r in gen.requests
+    )
     assert recipe.min_keep == 2
 
 
@@ -173,11 +189,12 @@ async def test_requests_of_one_session_are_served_one_at_a_time(served) -> None:
         most[0] = max(most[0], in_flight[0])
         if not entered.is_set():
             entered.set()
-            await release.wait()   # the first request holds the sampler until released
+            await release.wait()  # the first request holds the sampler until released
         try:
             return await inner(req)
         finally:
             in_flight[0] -= 1
+
     s.generate = slow
     url = f"/s/{s.id}/v1/chat/completions"
     answers = []
@@ -185,12 +202,13 @@ async def test_requests_of_one_session_are_served_one_at_a_time(served) -> None:
     async def ask() -> None:
         r = await c.post(url, json={"messages": [{"role": "user", "content": "guess"}], "max_tokens": 2})
         answers.append(r.status_code)
+
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(ask)
             nursery.start_soon(ask)
             await entered.wait()
-            while s._lock._lock.statistics().tasks_waiting < 1:   # the second is queued
+            while s._lock._lock.statistics().tasks_waiting < 1:  # the second is queued
                 await trio.sleep(0.01)
             assert most[0] == 1 and not answers
             release.set()
@@ -202,11 +220,10 @@ async def test_logprobs_come_from_the_sampler_and_unsupported_asks_are_clear_400
     url = f"/s/{s.id}/v1/chat/completions"
     ok = {"messages": [{"role": "user", "content": "guess"}]}
     await _err(await c.post(url, json={**ok, "top_logprobs": 2}), 400, "top_logprobs")
-    await _err(await c.post(f"/s/{s.id}/v1/completions", json={"prompt": "guess", "logprobs": 2}), 400,
-               "logprobs")
+    await _err(await c.post(f"/s/{s.id}/v1/completions", json={"prompt": "guess", "logprobs": 2}), 400, "logprobs")
     body = (await c.post(url, json={**ok, "logprobs": True, "top_logprobs": 1})).json()
     entries = body["choices"][0]["logprobs"]["content"]
-    assert len(entries) == body["usage"]["completion_tokens"] == 2   # "3" and the end marker
+    assert len(entries) == body["usage"]["completion_tokens"] == 2  # "3" and the end marker
     # The scripted sampler's support is the sampled token alone: log q = 0, and it is the top one.
     assert [e["logprob"] for e in entries] == [0.0, 0.0] and entries[0]["token"] == "3"
     assert entries[0]["top_logprobs"] == [{"token": "3", "logprob": 0.0, "bytes": [51]}]
@@ -223,6 +240,7 @@ async def test_a_stream_has_a_usage_chunk_only_when_asked(served) -> None:
         lines = [x.removeprefix("data: ") for x in r.text.split("\n\n") if x.startswith("data: ")]
         assert lines[-1] == "[DONE]"
         return [json.loads(x) for x in lines[:-1]]
+
     plain = await chunks(ok)
     assert all(ch["choices"] for ch in plain) and all("usage" not in ch for ch in plain)
     assert plain[0]["choices"][0]["delta"]["role"] == "assistant" and plain[-1]["choices"][0]["finish_reason"] == "stop"

@@ -1,6 +1,7 @@
 """The Responses and Messages APIs over raw HTTP, in-process: their event sequences as the
 vendors document them, their error shapes, previous_response_id, stop sequences, the
 x-api-key header, and that the history they resend extends the session's ids."""
+
 from __future__ import annotations
 
 import json
@@ -31,12 +32,18 @@ class Script:
         ids = self.fmt.encode(self.texts[len(self.requests) % len(self.texts)])[: req.max_new_tokens]
         self.requests.append(req)
         n = len(ids)
-        return GenerateResult(request_id=req.request_id, token_ids=ids,
-                              support_ids=torch.tensor(ids, dtype=torch.int32),
-                              support_offsets=torch.arange(n + 1, dtype=torch.int32),
-                              support_logq=torch.zeros(n), versions=[1] * n,
-                              finish_reason="stop" if ids and ids[-1] in req.stop_token_ids else "length",
-                              pool="fake", prompt_tokens=len(req.prompt_ids), seconds=0.0)
+        return GenerateResult(
+            request_id=req.request_id,
+            token_ids=ids,
+            support_ids=torch.tensor(ids, dtype=torch.int32),
+            support_offsets=torch.arange(n + 1, dtype=torch.int32),
+            support_logq=torch.zeros(n),
+            versions=[1] * n,
+            finish_reason="stop" if ids and ids[-1] in req.stop_token_ids else "length",
+            pool="fake",
+            prompt_tokens=len(req.prompt_ids),
+            seconds=0.0,
+        )
 
 
 @pytest.fixture(scope="module")
@@ -78,47 +85,79 @@ async def test_responses_stream_events_previous_response_id_and_tool_round_trip(
     s, script = _open(gw, fmt, [TOOL, "The answer is 5.<|im_end|>", "The answer is 5, again.<|im_end|>"])
     url = f"/s/{s.id}/v1/responses"
     tools = [{"type": "function", "name": "add", "description": "Add.", "parameters": PARAMS, "strict": True}]
-    r = await c.post(url, json={"model": "m", "instructions": "You are a helpful assistant.", "input": "What is 2+3?",
-                                "tools": tools, "store": False, "reasoning": {"effort": "low"}})
+    r = await c.post(
+        url,
+        json={
+            "model": "m",
+            "instructions": "You are a helpful assistant.",
+            "input": "What is 2+3?",
+            "tools": tools,
+            "store": False,
+            "reasoning": {"effort": "low"},
+        },
+    )
     assert r.status_code == 200, r.text
     assert float(r.headers["x-flotilla-sampler-ms"]) >= 0
     first = r.json()
     assert first["object"] == "response" and first["status"] == "completed"
     [call] = first["output"]
-    assert call["type"] == "function_call" and call["name"] == "add" and json.loads(call["arguments"]) == {"a": 2, "b": 3}
+    assert (
+        call["type"] == "function_call" and call["name"] == "add" and json.loads(call["arguments"]) == {"a": 2, "b": 3}
+    )
     assert first["usage"]["output_tokens"] == len(fmt.encode(TOOL))
     # The whole input resent (with a reasoning item a client kept), streamed.
-    items = [{"role": "user", "content": [{"type": "input_text", "text": "What is 2+3?"}]},
-             {"type": "reasoning", "id": "rs_1", "summary": []}, call,
-             {"type": "function_call_output", "call_id": call["call_id"], "output": "5"}]
-    r = await c.post(url, json={"instructions": "You are a helpful assistant.", "input": items, "tools": tools,
-                                "stream": True})
+    items = [
+        {"role": "user", "content": [{"type": "input_text", "text": "What is 2+3?"}]},
+        {"type": "reasoning", "id": "rs_1", "summary": []},
+        call,
+        {"type": "function_call_output", "call_id": call["call_id"], "output": "5"},
+    ]
+    r = await c.post(
+        url, json={"instructions": "You are a helpful assistant.", "input": items, "tools": tools, "stream": True}
+    )
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     events = _events(r.text)
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     kinds = [e["type"] for e in events]
     deltas = kinds.count("response.output_text.delta")
-    assert deltas >= 2 and kinds == ["response.created", "response.in_progress", "response.output_item.added",
-                                     "response.content_part.added", *["response.output_text.delta"] * deltas,
-                                     "response.output_text.done", "response.content_part.done",
-                                     "response.output_item.done", "response.completed"]
+    assert deltas >= 2 and kinds == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        *["response.output_text.delta"] * deltas,
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
     assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == "The answer is 5."
     done = events[-1]["response"]
     assert done["output"][0]["content"][0]["text"] == "The answer is 5."
     # previous_response_id continues from it; max_output_tokens cuts the reply.
-    r = await c.post(url, json={"previous_response_id": done["id"], "input": "Again.", "tools": tools,
-                                "instructions": "You are a helpful assistant.", "max_output_tokens": 2})
+    r = await c.post(
+        url,
+        json={
+            "previous_response_id": done["id"],
+            "input": "Again.",
+            "tools": tools,
+            "instructions": "You are a helpful assistant.",
+            "max_output_tokens": 2,
+        },
+    )
     last = r.json()
     assert last["status"] == "incomplete" and last["incomplete_details"] == {"reason": "max_output_tokens"}
     assert last["usage"]["output_tokens"] == 2 and last["output"][0]["status"] == "incomplete"
     _extends(script.requests, [fmt.encode(t) for t in script.texts])
     assert len(s.segments) == 1
     assert fmt.decode(script.requests[0].prompt_ids, skip_special=False).startswith(
-        "<|im_start|>system\nYou are a helpful assistant.")
+        "<|im_start|>system\nYou are a helpful assistant."
+    )
     # A function call's arguments stream in pieces that join to them.
     s2, _ = _open(gw, fmt, [TOOL])
-    events = _events((await c.post(f"/s/{s2.id}/v1/responses", json={"input": "x", "tools": tools,
-                                                                     "stream": True})).text)
+    events = _events(
+        (await c.post(f"/s/{s2.id}/v1/responses", json={"input": "x", "tools": tools, "stream": True})).text
+    )
     args = "".join(e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta")
     assert json.loads(args) == {"a": 2, "b": 3}
     assert next(e for e in events if e["type"] == "response.function_call_arguments.done")["arguments"] == args
@@ -137,8 +176,9 @@ async def test_responses_errors_are_openai_errors(gateway, fmt) -> None:
 
     await err({"model": "m"}, "input")
     await err({"input": "x", "previous_response_id": "resp_nope"}, "previous_response_id")
-    await err({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
-              "input[0].content[0]")
+    await err(
+        {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]"
+    )
     await err({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type")
     await err({"input": "x", "tools": [{"type": "web_search"}]}, "tools")
     await err({"input": "x", "max_output_tokens": 0}, "max_output_tokens")
@@ -154,32 +194,52 @@ async def test_messages_stream_stop_sequences_tools_and_the_api_key_header(gatew
     tools = [{"name": "add", "description": "Add.", "input_schema": PARAMS}]
     system = [{"type": "text", "text": "You are a helpful assistant."}]
     msgs = [{"role": "user", "content": "What is 2+3?"}]
-    r = await c.post("/v1/messages", headers=headers, json={"model": "m", "max_tokens": 32, "system": system,
-                                                            "tools": tools, "messages": msgs})
+    r = await c.post(
+        "/v1/messages",
+        headers=headers,
+        json={"model": "m", "max_tokens": 32, "system": system, "tools": tools, "messages": msgs},
+    )
     assert r.status_code == 200, r.text
     assert float(r.headers["x-flotilla-sampler-ms"]) >= 0
     first = r.json()
     assert first["type"] == "message" and first["stop_reason"] == "tool_use" and first["stop_sequence"] is None
     [use] = first["content"]
     assert use["type"] == "tool_use" and use["input"] == {"a": 2, "b": 3} and use["id"].startswith("toolu_")
-    msgs += [{"role": "assistant", "content": first["content"]},
-             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use["id"],
-                                           "content": [{"type": "text", "text": "5"}]}]}]
-    r = await c.post(f"/s/{s.id}/v1/messages", json={"max_tokens": 32, "system": system, "tools": tools,
-                                                     "messages": msgs, "stream": True})
+    msgs += [
+        {"role": "assistant", "content": first["content"]},
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": use["id"], "content": [{"type": "text", "text": "5"}]}],
+        },
+    ]
+    r = await c.post(
+        f"/s/{s.id}/v1/messages",
+        json={"max_tokens": 32, "system": system, "tools": tools, "messages": msgs, "stream": True},
+    )
     events = _events(r.text)
     kinds = [e["type"] for e in events]
     deltas = kinds.count("content_block_delta")
-    assert deltas >= 2 and kinds == ["message_start", "content_block_start", "ping",
-                                     *["content_block_delta"] * deltas, "content_block_stop", "message_delta",
-                                     "message_stop"]
+    assert deltas >= 2 and kinds == [
+        "message_start",
+        "content_block_start",
+        "ping",
+        *["content_block_delta"] * deltas,
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
+    ]
     assert "".join(e["delta"]["text"] for e in events if e["type"] == "content_block_delta") == "The answer is 5."
     assert events[-2]["delta"] == {"stop_reason": "end_turn", "stop_sequence": None}
     assert events[-2]["usage"]["output_tokens"] == len(fmt.encode("The answer is 5.<|im_end|>"))
-    msgs += [{"role": "assistant", "content": [{"type": "text", "text": "The answer is 5."}]},
-             {"role": "user", "content": "Again."}]
-    r = await c.post("/v1/messages", headers=headers, json={"max_tokens": 32, "system": system, "tools": tools,
-                                                            "messages": msgs, "stop_sequences": [", again"]})
+    msgs += [
+        {"role": "assistant", "content": [{"type": "text", "text": "The answer is 5."}]},
+        {"role": "user", "content": "Again."},
+    ]
+    r = await c.post(
+        "/v1/messages",
+        headers=headers,
+        json={"max_tokens": 32, "system": system, "tools": tools, "messages": msgs, "stop_sequences": [", again"]},
+    )
     last = r.json()
     assert last["stop_reason"] == "stop_sequence" and last["stop_sequence"] == ", again"
     assert last["content"] == [{"type": "text", "text": "The answer is 5"}]
@@ -187,8 +247,13 @@ async def test_messages_stream_stop_sequences_tools_and_the_api_key_header(gatew
     assert len(s.segments) == 1
     # A streamed tool_use block: its input JSON in input_json_delta pieces.
     s2, _ = _open(gw, fmt, [TOOL])
-    events = _events((await c.post(f"/s/{s2.id}/v1/messages", json={"max_tokens": 32, "tools": tools, "stream": True,
-                                                                    "messages": msgs[:1]})).text)
+    events = _events(
+        (
+            await c.post(
+                f"/s/{s2.id}/v1/messages", json={"max_tokens": 32, "tools": tools, "stream": True, "messages": msgs[:1]}
+            )
+        ).text
+    )
     start = next(e for e in events if e["type"] == "content_block_start")["content_block"]
     assert start["type"] == "tool_use" and start["name"] == "add" and start["input"] == {}
     pieces = [e["delta"] for e in events if e["type"] == "content_block_delta"]
@@ -210,14 +275,27 @@ async def test_messages_errors_are_anthropic_errors(gateway, fmt) -> None:
 
     await err(await c.post(url, json={"messages": ok["messages"]}), 400, "invalid_request_error", "max_tokens")
     await err(await c.post(url, content=b"{nope"), 400, "invalid_request_error", "JSON")
-    await err(await c.post(url, json={**ok, "messages": [{"role": "user", "content": [{"type": "image"}]}]}), 400,
-              "invalid_request_error", "messages[0].content[0]")
-    await err(await c.post(url, json={**ok, "messages": [*ok["messages"], {"role": "assistant", "content": "I"}]}),
-              400, "invalid_request_error", "prefill")
-    await err(await c.post(url, json={**ok, "tools": [{"type": "web_search_20250305", "name": "web"}]}), 400,
-              "invalid_request_error", "tools")
-    await err(await c.post("/v1/messages", json=ok, headers={"x-api-key": "nope"}), 401, "authentication_error",
-              "unknown")
+    await err(
+        await c.post(url, json={**ok, "messages": [{"role": "user", "content": [{"type": "image"}]}]}),
+        400,
+        "invalid_request_error",
+        "messages[0].content[0]",
+    )
+    await err(
+        await c.post(url, json={**ok, "messages": [*ok["messages"], {"role": "assistant", "content": "I"}]}),
+        400,
+        "invalid_request_error",
+        "prefill",
+    )
+    await err(
+        await c.post(url, json={**ok, "tools": [{"type": "web_search_20250305", "name": "web"}]}),
+        400,
+        "invalid_request_error",
+        "tools",
+    )
+    await err(
+        await c.post("/v1/messages", json=ok, headers={"x-api-key": "nope"}), 401, "authentication_error", "unknown"
+    )
     await err(await c.post("/s/nope/v1/messages", json=ok), 404, "not_found_error", "nope")
     assert script.requests == []
     r = await c.post(url, json=ok)
@@ -234,13 +312,22 @@ async def test_the_vendors_stream_helpers_accumulate_tool_calls(gateway, fmt) ->
     s2, _ = _open(gw, fmt, [TOOL])
 
     def play() -> tuple:
-        with openai.OpenAI(base_url=f"{gw.address}/s/{s.id}/v1", api_key="k", max_retries=0) as client, \
-                client.responses.stream(model="m", input="What is 2+3?", tools=[
-                    {"type": "function", "name": "add", "parameters": PARAMS}]) as stream:
+        with (
+            openai.OpenAI(base_url=f"{gw.address}/s/{s.id}/v1", api_key="k", max_retries=0) as client,
+            client.responses.stream(
+                model="m", input="What is 2+3?", tools=[{"type": "function", "name": "add", "parameters": PARAMS}]
+            ) as stream,
+        ):
             response = stream.get_final_response()
-        with anthropic.Anthropic(base_url=gw.address, api_key=s2.id, max_retries=0) as client, \
-                client.messages.stream(model="m", max_tokens=32, messages=[{"role": "user", "content": "2+3?"}],
-                                       tools=[{"name": "add", "input_schema": PARAMS}]) as stream:
+        with (
+            anthropic.Anthropic(base_url=gw.address, api_key=s2.id, max_retries=0) as client,
+            client.messages.stream(
+                model="m",
+                max_tokens=32,
+                messages=[{"role": "user", "content": "2+3?"}],
+                tools=[{"name": "add", "input_schema": PARAMS}],
+            ) as stream,
+        ):
             message = stream.get_final_message()
         return response, message
 

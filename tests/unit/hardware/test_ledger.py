@@ -24,8 +24,9 @@ DENSE4 = ModelSpec(total_params=4e9, active_params=4e9)
 def pools(dear_device: str = "cuda") -> list[PoolConfig]:
     return [
         PoolConfig(name="cheap", gpu="A100-80GB", count=2, price_per_gpu_hour=2.0, device="cuda"),
-        PoolConfig(name="dear", gpu="B200", count=1, price_per_gpu_hour=6.0, device=dear_device,
-                   max_concurrent_rollouts=10),
+        PoolConfig(
+            name="dear", gpu="B200", count=1, price_per_gpu_hour=6.0, device=dear_device, max_concurrent_rollouts=10
+        ),
     ]
 
 
@@ -198,5 +199,5 @@ max_concurrent_rollouts = 2
     assert rep.totals.rollouts == 4 and rep.totals.tokens == 400
     assert all(p.billing == "modelled" for p in rep.pools)
     assert rep.counterfactual is not None and rep.counterfactual.pool == "b200"
-    json_path, md_path = rep.write(tmp_path)
+    _json_path, md_path = rep.write(tmp_path)
     assert "(emulated)" in md_path.read_text()

@@ -19,22 +19,25 @@ def test_sglang_pool_connects_or_launches() -> None:
     assert q.launch is not None and q.launch.module == "sglang.launch_server" and q.launch.port == 30000
 
 
-@pytest.mark.parametrize(("fields", "message"), [
-    ({"backend": "sglang"}, "exactly one of urls"),
-    ({"backend": "sglang", "urls": ["http://a:1"], "launch": {"model_path": "m"}}, "exactly one of urls"),
-    ({"backend": "sglang", "count": 2, "urls": ["http://a:1"]}, "urls lists 1 servers for count 2"),
-    ({"backend": "sglang", "urls": ["a:1"]}, "http:// or https://"),
-    ({"backend": "sglang", "device": "cpu", "urls": ["http://a:1"]}, "device must be 'cuda'"),
-    ({"urls": ["http://a:1"]}, "belong to backend 'sglang'"),
-    ({"backend": "vllm"}, "backend"),
-    ({"hosts": ["10.0.0.5:5555"]}, "is not tcp://HOST:PORT"),
-    ({"count": 2, "gpus": [0]}, "gpus must list 2 device indices"),
-    ({"device": "cpu", "gpus": [0]}, "gpus is for device 'cuda' pools"),
-    ({"backend": "sglang", "launch": {"model_path": "m", "port": 0}}, "port"),
-    ({"backend": "sglang", "urls": ["http://a:1"], "stale_prefix": "recompute"}, "torch-backend settings"),
-    ({"backend": "sglang", "urls": ["http://a:1"], "prefix_cache": False}, "torch-backend settings"),
-    ({"stale_prefix": "sometimes"}, "stale_prefix"),
-])
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"backend": "sglang"}, "exactly one of urls"),
+        ({"backend": "sglang", "urls": ["http://a:1"], "launch": {"model_path": "m"}}, "exactly one of urls"),
+        ({"backend": "sglang", "count": 2, "urls": ["http://a:1"]}, "urls lists 1 servers for count 2"),
+        ({"backend": "sglang", "urls": ["a:1"]}, "http:// or https://"),
+        ({"backend": "sglang", "device": "cpu", "urls": ["http://a:1"]}, "device must be 'cuda'"),
+        ({"urls": ["http://a:1"]}, "belong to backend 'sglang'"),
+        ({"backend": "vllm"}, "backend"),
+        ({"hosts": ["10.0.0.5:5555"]}, "is not tcp://HOST:PORT"),
+        ({"count": 2, "gpus": [0]}, "gpus must list 2 device indices"),
+        ({"device": "cpu", "gpus": [0]}, "gpus is for device 'cuda' pools"),
+        ({"backend": "sglang", "launch": {"model_path": "m", "port": 0}}, "port"),
+        ({"backend": "sglang", "urls": ["http://a:1"], "stale_prefix": "recompute"}, "torch-backend settings"),
+        ({"backend": "sglang", "urls": ["http://a:1"], "prefix_cache": False}, "torch-backend settings"),
+        ({"stale_prefix": "sometimes"}, "stale_prefix"),
+    ],
+)
 def test_impossible_placements_are_refused_naming_the_field(fields, message) -> None:
     with pytest.raises(ValidationError, match=message):
         _pool(**fields)

@@ -28,8 +28,13 @@ def drive(sched: Scheduler, ledger: CostLedger, rng: random.Random, n: int) -> l
     """A deterministic stretch of controller traffic; returns the decisions."""
     out = []
     for k in range(n):
-        sched.set_trainer(k // 20, demand=rng.randint(-4, 30), horizon_s=rng.random() * 3,
-                          consume_per_s=rng.choice([0.0, 4.0, 12.0]), batch=rng.choice([0, 16]))
+        sched.set_trainer(
+            k // 20,
+            demand=rng.randint(-4, 30),
+            horizon_s=rng.random() * 3,
+            consume_per_s=rng.choice([0.0, 4.0, 12.0]),
+            batch=rng.choice([0, 16]),
+        )
         name = sched.place()
         out.append(name)
         if name is not None and rng.random() < 0.6:
@@ -95,7 +100,7 @@ def test_round_robin_position_is_resumed():
 
 def test_bad_states_are_refused_and_change_nothing():
     pools = fleet()
-    tp, sched, ledger = parts(pools)
+    _tp, sched, ledger = parts(pools)
     drive(sched, ledger, random.Random(3), 100)
     before = (ledger.report().model_dump(), sched.state())
     sched.load_state({})  # nothing saved yet (first checkpoint of an old run): no change

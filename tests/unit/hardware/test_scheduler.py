@@ -15,8 +15,14 @@ R = 1000 * 2e9 / 2039e9
 
 
 def a100(name: str, price: float, cap: int = 4, budget: int = 2) -> PoolConfig:
-    return PoolConfig(name=name, gpu="A100-80GB", count=1, price_per_gpu_hour=price,
-                      max_concurrent_rollouts=cap, staleness_budget=budget)
+    return PoolConfig(
+        name=name,
+        gpu="A100-80GB",
+        count=1,
+        price_per_gpu_hour=price,
+        max_concurrent_rollouts=cap,
+        staleness_budget=budget,
+    )
 
 
 def make(pools, **kw) -> Scheduler:
@@ -53,7 +59,7 @@ def test_spill_only_when_cheap_pools_cannot_deliver_in_time():
     s.set_trainer(0, demand=40, horizon_s=10.0)
     assert s.place() is None and not s.would_spill("dear")
     s.set_trainer(0, demand=41, horizon_s=10.0)
-    assert 41 > supply and s.would_spill("dear")
+    assert supply < 41 and s.would_spill("dear")
     assert s.place() == "dear"
     # Trainer waiting now: a rollout on "dear" lands at R, when "cheap" has finished its 4.
     s2 = make([a100("cheap", 1.0), a100("dear", 2.0)])
@@ -148,8 +154,16 @@ def test_a_decision_with_100_pools_walks_to_the_last_pool():
     kinds = [("A100-80GB", "bf16"), ("H100-SXM", "fp8"), ("H200", "bf16"), ("B200", "bf16"), ("L40S", "fp8")]
     for i in range(100):
         gpu, prec = kinds[i % 5]
-        pools.append(PoolConfig(name=f"p{i:03d}", gpu=gpu, precision=prec, count=2, max_concurrent_rollouts=8,
-                                price_per_gpu_hour=CATALOG[gpu].price_per_hour * (1 + i / 100)))
+        pools.append(
+            PoolConfig(
+                name=f"p{i:03d}",
+                gpu=gpu,
+                precision=prec,
+                count=2,
+                max_concurrent_rollouts=8,
+                price_per_gpu_hour=CATALOG[gpu].price_per_hour * (1 + i / 100),
+            )
+        )
     s = Scheduler(pools, ThroughputModel(pools, DENSE), mean_rollout_tokens=1000)
     ranking = s.ranking()
     s.set_trainer(0, demand=10**9)
@@ -206,9 +220,11 @@ def test_a_small_shortfall_goes_where_its_few_tokens_are_cheapest():
     # is cheaper per token full (1.0 / 268 vs 1.5 / 320 $/h per tokens/s), but one sequence
     # on it keeps two GPUs busy: 1.0 / 33.5 vs 1.5 / 80 on "small".
     model = ModelSpec(total_params=50e9, active_params=50e9)
-    pools = [PoolConfig(name="base", gpu="B200", count=1, price_per_gpu_hour=0.5, max_concurrent_rollouts=4),
-             PoolConfig(name="big", gpu="H100-SXM", count=2, price_per_gpu_hour=1.0, max_concurrent_rollouts=8),
-             PoolConfig(name="small", gpu="B200", count=1, price_per_gpu_hour=1.5, max_concurrent_rollouts=4)]
+    pools = [
+        PoolConfig(name="base", gpu="B200", count=1, price_per_gpu_hour=0.5, max_concurrent_rollouts=4),
+        PoolConfig(name="big", gpu="H100-SXM", count=2, price_per_gpu_hour=1.0, max_concurrent_rollouts=8),
+        PoolConfig(name="small", gpu="B200", count=1, price_per_gpu_hour=1.5, max_concurrent_rollouts=4),
+    ]
     tp = ThroughputModel(pools, model, IDEAL)
     assert (tp.replica_gpus("big"), tp.slots_per_replica("big"), tp.replica_gpus("small")) == (2, 8, 1)
     assert tp.roofline("big", 0.5) == pytest.approx(0.5 / (50e9 / 3350e9))

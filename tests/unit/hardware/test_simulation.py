@@ -15,14 +15,30 @@ TOKENS = 1000
 
 
 def a100(name: str, price: float, cap: int = 8, budget: int = 2) -> PoolConfig:
-    return PoolConfig(name=name, gpu="A100-80GB", count=1, price_per_gpu_hour=price,
-                      max_concurrent_rollouts=cap, staleness_budget=budget)
+    return PoolConfig(
+        name=name,
+        gpu="A100-80GB",
+        count=1,
+        price_per_gpu_hour=price,
+        max_concurrent_rollouts=cap,
+        staleness_budget=budget,
+    )
 
 
 def simulate(pools, *, batch, step_seconds, steps, **kw):
     sched = Scheduler(pools, ThroughputModel(pools, DENSE, IDEAL), mean_rollout_tokens=TOKENS)
-    sim = FleetSim(pools, DENSE, sched, batch=batch, step_seconds=step_seconds, steps=steps,
-                   rollout_tokens=lambda rng: TOKENS, assumptions=IDEAL, trace=True, **kw)
+    sim = FleetSim(
+        pools,
+        DENSE,
+        sched,
+        batch=batch,
+        step_seconds=step_seconds,
+        steps=steps,
+        rollout_tokens=lambda rng: TOKENS,
+        assumptions=IDEAL,
+        trace=True,
+        **kw,
+    )
     return sched, sim.run()
 
 
@@ -36,7 +52,7 @@ def assert_within_capacity(pools, result):
 def test_slow_trainer_is_fed_by_the_cheapest_pool_alone():
     pools = [a100("dear", 3.0), a100("cheap", 1.0), a100("mid", 2.0)]
     # The trainer takes 8 rollouts every 10 s; the cheap pool alone makes ~8 per second.
-    sched, r = simulate(pools, batch=8, step_seconds=10.0, steps=6)
+    _sched, r = simulate(pools, batch=8, step_seconds=10.0, steps=6)
     assert [pl.pool for pl in r.placements[:8]] == ["cheap"] * 8
     after_start = [pl for pl in r.placements if pl.t > 0.0]
     assert after_start and all(pl.pool == "cheap" for pl in after_start)
@@ -49,7 +65,7 @@ def test_slow_trainer_is_fed_by_the_cheapest_pool_alone():
 def test_dearer_pools_only_when_the_cheap_one_is_full_and_the_trainer_would_starve():
     pools = [a100("cheap", 1.0), a100("mid", 2.0), a100("dear", 3.0)]
     # 16 rollouts every 0.5 s is ~4× what the cheap pool makes: the trainer starves without help.
-    sched, r = simulate(pools, batch=16, step_seconds=0.5, steps=30, max_ahead_steps=1.0)
+    _sched, r = simulate(pools, batch=16, step_seconds=0.5, steps=30, max_ahead_steps=1.0)
     assert r.pools["mid"].placed > 0 and r.pools["dear"].placed > 0
     rank = {"cheap": 0, "mid": 1, "dear": 2}
     consume = 16 / 0.5
@@ -73,7 +89,7 @@ def test_no_rollout_starts_on_a_pool_lagging_beyond_its_budget():
     # The cheap pool receives each version 5 s late, so within a few fast steps it lags far
     # beyond its budget of 1; it must then sit out even though it is cheapest and has room.
     pools = [a100("cheap", 1.0, budget=1), a100("dear", 3.0, budget=2)]
-    sched, r = simulate(pools, batch=8, step_seconds=0.2, steps=20, sync_delay_s={"cheap": 5.0, "dear": 0.0})
+    _sched, r = simulate(pools, batch=8, step_seconds=0.2, steps=20, sync_delay_s={"cheap": 5.0, "dear": 0.0})
     by_name = {p.name: p for p in pools}
     assert all(pl.lag <= by_name[pl.pool].staleness_budget for pl in r.placements)
     skipped = [pl for pl in r.placements if pl.pool == "dear" and pl.in_flight["cheap"] < by_name["cheap"].capacity]
@@ -86,8 +102,9 @@ def test_no_rollout_starts_on_a_pool_lagging_beyond_its_budget():
 def test_a_pool_that_halves_its_speed_gets_half_the_rollouts_once_the_estimate_adapts():
     pools = [a100("a", 1.0), a100("b", 1.0)]  # equal price and speed: "a" first by name
     change_at = 60.0
-    sched, r = simulate(pools, batch=16, step_seconds=0.05, steps=220, speed_changes=[(change_at, "a", 0.5)],
-                        observe_every_s=2.0)
+    sched, r = simulate(
+        pools, batch=16, step_seconds=0.05, steps=220, speed_changes=[(change_at, "a", 0.5)], observe_every_s=2.0
+    )
     assert r.sim_seconds > change_at + 60
     assert sched.throughput.factor("a") == pytest.approx(0.5, rel=0.1)
     assert sched.throughput.factor("b") == pytest.approx(1.0, rel=0.1)
@@ -105,8 +122,17 @@ def test_billing_is_busy_gpus_whatever_their_batch():
     model = ModelSpec(total_params=50e9, active_params=50e9)
     pools = [PoolConfig(name="h", gpu="H100-SXM", count=4, price_per_gpu_hour=3.6, max_concurrent_rollouts=16)]
     sched = Scheduler(pools, ThroughputModel(pools, model, IDEAL), mean_rollout_tokens=TOKENS)
-    r = FleetSim(pools, model, sched, batch=1, step_seconds=1.0, steps=1, rollout_tokens=lambda rng: TOKENS,
-                 assumptions=IDEAL, max_ahead_steps=0.0).run()
+    r = FleetSim(
+        pools,
+        model,
+        sched,
+        batch=1,
+        step_seconds=1.0,
+        steps=1,
+        rollout_tokens=lambda rng: TOKENS,
+        assumptions=IDEAL,
+        max_ahead_steps=0.0,
+    ).run()
     step = 50e9 / 3350e9
     # The next rollout starts when the trainer takes the first and runs through its 1 s step:
     # unfinished at the end, it is billed and counted, but not trained on.

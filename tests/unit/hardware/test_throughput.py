@@ -107,8 +107,10 @@ def test_online_factor_is_a_log_space_ewma_and_drives_the_estimate():
 def test_emulated_pools_are_corrected_against_the_cpu_roofline():
     # Two pools emulated on the CPU run at the same real speed; each keeps its own GPU's
     # modelled speed, so the B200 stays faster than the A100 after measurements.
-    pools = [PoolConfig(name="b", gpu="B200", device="cpu", max_concurrent_rollouts=8),
-             PoolConfig(name="a", gpu="A100-80GB", device="cpu", max_concurrent_rollouts=8)]
+    pools = [
+        PoolConfig(name="b", gpu="B200", device="cpu", max_concurrent_rollouts=8),
+        PoolConfig(name="a", gpu="A100-80GB", device="cpu", max_concurrent_rollouts=8),
+    ]
     dense = ModelSpec(total_params=1e6, active_params=1e6)
     tp = ThroughputModel(pools, dense, alpha=1.0)
     cpu = roofline_tokens_per_s(CATALOG["cpu"], "bf16", dense, 8)
@@ -122,8 +124,10 @@ def test_a_pool_keeps_the_replica_size_of_its_full_batch():
     # 35e9 dense BF16 (70 GB) with 1 GB of KV cache per sequence on H100s (72 GB usable):
     # 10 sequences per GPU need 2-GPU replicas, one sequence alone would fit on one GPU.
     m = ModelSpec(total_params=35e9, active_params=35e9, kv_bytes_per_token=1e5, context_tokens=1e4)
-    pools = [PoolConfig(name="h", gpu="H100-SXM", count=4, max_concurrent_rollouts=40),
-             PoolConfig(name="lone", gpu="H100-SXM", count=1, max_concurrent_rollouts=10)]
+    pools = [
+        PoolConfig(name="h", gpu="H100-SXM", count=4, max_concurrent_rollouts=40),
+        PoolConfig(name="lone", gpu="H100-SXM", count=1, max_concurrent_rollouts=10),
+    ]
     tp = ThroughputModel(pools, m, IDEAL)
     assert (tp.replica_gpus("h"), tp.slots_per_replica("h")) == (2, 20)
     # At one sequence per GPU the pool still runs 2-GPU replicas: 2 sequences per step read
@@ -141,8 +145,10 @@ def test_a_pool_keeps_the_replica_size_of_its_full_batch():
 def test_throughput_state_round_trips_through_json():
     import json
 
-    pools = [PoolConfig(name="a", gpu="B200", count=2, max_concurrent_rollouts=20),
-             PoolConfig(name="b", gpu="A100-80GB", count=1, max_concurrent_rollouts=4)]
+    pools = [
+        PoolConfig(name="a", gpu="B200", count=2, max_concurrent_rollouts=20),
+        PoolConfig(name="b", gpu="A100-80GB", count=1, max_concurrent_rollouts=4),
+    ]
     dense = ModelSpec(total_params=4e9, active_params=4e9)
     tp = ThroughputModel(pools, dense, IDEAL)
     tp.observe("a", tokens=50_000, gpu_seconds=10.0)

@@ -5,6 +5,7 @@ The checkpoints are real: a tiny trainer writes its safetensors files through th
 replacement sequence a run uses; the damage is what fault injection did to such files
 (64 bytes XORed in the middle, 0xFF bytes which read as NaN, a broken header).
 """
+
 from __future__ import annotations
 
 import json
@@ -68,7 +69,7 @@ def _xor_middle(path: Path) -> None:
 def _nan_middle(path: Path) -> None:
     data = bytearray(path.read_bytes())
     mid = len(data) // 2
-    data[mid:mid + 64] = b"\xff" * 64
+    data[mid : mid + 64] = b"\xff" * 64
     path.write_bytes(bytes(data))
 
 
@@ -78,9 +79,13 @@ def _bad_header(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
-DAMAGE = {"xor in the model": (MODEL, _xor_middle), "NaN in the model": (MODEL, _nan_middle),
-          "NaN in the optimizer": (OPT, _nan_middle), "bad model header": (MODEL, _bad_header),
-          "bad optimizer header": (OPT, _bad_header)}
+DAMAGE = {
+    "xor in the model": (MODEL, _xor_middle),
+    "NaN in the model": (MODEL, _nan_middle),
+    "NaN in the optimizer": (OPT, _nan_middle),
+    "bad model header": (MODEL, _bad_header),
+    "bad optimizer header": (OPT, _bad_header),
+}
 
 
 def _marker(ckpt: Path) -> dict:
@@ -143,7 +148,9 @@ def test_an_old_checkpoint_without_digests_is_still_checked_by_the_loader(case: 
         Trainer(TrainerConfig(), resume_from=str(ckpt))
     msg = _one_line(str(e.value))
     assert msg.startswith(f"{ckpt / rel}: "), msg
-    expected = "non-finite value" if "NaN" in case else "cannot be read: SafetensorError: Error while deserializing header"
+    expected = (
+        "non-finite value" if "NaN" in case else "cannot be read: SafetensorError: Error while deserializing header"
+    )
     assert expected in msg and len(msg) < 400, msg
 
 

@@ -5,6 +5,7 @@ right after step k of the sequence, for every k (including in the middle of writ
 file and between the deletions of the old checkpoint); resume must then find a complete
 checkpoint that verifies (its digests) and whose every byte belongs to one generation.
 """
+
 from __future__ import annotations
 
 import json
@@ -53,7 +54,7 @@ def step(name):
 
 def files(g):
     return {"model/weights.bin": bytes([g]) * (1000 * g + 7), "optimizer.bin": bytes([g + 100]) * (500 * g + 3),
-            "controller_state.json": ('{"step": %d}' % (10 * g)).encode()}
+            "controller_state.json": f'{{"step": {10 * g}}}'.encode()}
 
 async def write(d):
     for rel, data in files(gen).items():
@@ -71,16 +72,23 @@ trio.run(lambda: mod.save_checkpoint_dir(run_dir, write, meta={"gen": gen}, on_s
 
 
 def _gen_files(g: int) -> dict[str, bytes]:
-    return {"model/weights.bin": bytes([g]) * (1000 * g + 7), "optimizer.bin": bytes([g + 100]) * (500 * g + 3),
-            "controller_state.json": ('{"step": %d}' % (10 * g)).encode()}
+    return {
+        "model/weights.bin": bytes([g]) * (1000 * g + 7),
+        "optimizer.bin": bytes([g + 100]) * (500 * g + 3),
+        "controller_state.json": f'{{"step": {10 * g}}}'.encode(),
+    }
 
 
 def _save(run_dir: Path, gen: int, kill_at: int = 0, log: Path | None = None) -> subprocess.CompletedProcess:
     """Save generation `gen` in a subprocess that SIGKILLs itself after step `kill_at` (0: never)."""
     log = log or run_dir.parent / f"steps-{gen}.log"
     module = ROOT / "orchestrator" / "state" / "checkpoints.py"
-    return subprocess.run([sys.executable, "-c", _SAVER, str(run_dir), str(gen), str(kill_at), str(log), str(module)],
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-c", _SAVER, str(run_dir), str(gen), str(kill_at), str(log), str(module)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def _save_here(run_dir: Path, gen: int) -> None:
@@ -110,8 +118,18 @@ def _kill_and_resume(tmp_path: Path, only: set[str] | None) -> list[str]:
     log = tmp_path / "probe-steps.log"
     assert _save(probe / "run", 2, log=log).returncode == 0
     steps = log.read_text().split()
-    assert {"stage", "write:half-file", "fsync", "marker", "verify", "retire", "promote", "delete:marker",
-            "delete:file", "delete:dir"} <= set(steps)
+    assert {
+        "stage",
+        "write:half-file",
+        "fsync",
+        "marker",
+        "verify",
+        "retire",
+        "promote",
+        "delete:marker",
+        "delete:file",
+        "delete:dir",
+    } <= set(steps)
     assert steps.index("marker") < steps.index("verify") < steps.index("retire")  # verified before any deletion
     marker_at = steps.index("marker") + 1
 
@@ -217,12 +235,14 @@ def test_a_torn_last_metrics_line_is_truncated_with_a_warning(tmp_path: Path) ->
 def test_a_writer_killed_mid_line_leaves_a_tail_that_repair_removes(tmp_path: Path) -> None:
     """A real process appending spans is SIGKILLed between the two halves of a line."""
     path = tmp_path / "traces.jsonl"
-    code = ("import json, os, signal, sys\n"
-            "f = open(sys.argv[1], 'a')\n"
-            "for i in range(3):\n"
-            "    f.write(json.dumps({'name': 'span', 'i': i}) + '\\n'); f.flush()\n"
-            "f.write('{\"name\": \"spa'); f.flush()\n"
-            "os.kill(os.getpid(), signal.SIGKILL)\n")
+    code = (
+        "import json, os, signal, sys\n"
+        "f = open(sys.argv[1], 'a')\n"
+        "for i in range(3):\n"
+        "    f.write(json.dumps({'name': 'span', 'i': i}) + '\\n'); f.flush()\n"
+        "f.write('{\"name\": \"spa'); f.flush()\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
     proc = subprocess.run([sys.executable, "-c", code, str(path)], timeout=30)
     assert proc.returncode == -signal.SIGKILL
     warnings: list[str] = []

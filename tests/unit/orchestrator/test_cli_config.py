@@ -16,8 +16,9 @@ DEMO = ROOT / "examples" / "guess_number.toml"
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "orchestrator", *args], cwd=ROOT, text=True,
-                          capture_output=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrator", *args], cwd=ROOT, text=True, capture_output=True, timeout=60
+    )
 
 
 def test_help_does_not_import_torch():
@@ -36,8 +37,10 @@ def test_demo_config_loads_and_overrides_apply():
 
 
 def test_config_errors_name_the_file_and_the_field(tmp_path):
-    raw = {"pools": [{"name": "a", "gpu": "A100-80GB", "precision": "fp8", "device": "cpu"}],
-           "rollout": {"group_size": 1}}
+    raw = {
+        "pools": [{"name": "a", "gpu": "A100-80GB", "precision": "fp8", "device": "cpu"}],
+        "rollout": {"group_size": 1},
+    }
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps(raw))
     with pytest.raises(ConfigError) as err:
@@ -71,8 +74,8 @@ def _fields(model, prefix=""):
 
 
 def test_config_help_documents_every_field_from_the_models():
-    from orchestrator.state.config import RunConfig
     from orchestrator.entry.confighelp import config_help
+    from orchestrator.state.config import RunConfig
 
     text = config_help()
     leaves = list(_fields(RunConfig))

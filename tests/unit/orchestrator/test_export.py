@@ -1,5 +1,6 @@
 """`flotilla export`: a run's checkpoint becomes a directory transformers loads, with the
 trainer's logits, the right architecture and dtype, and the run's tokenizer + template."""
+
 from __future__ import annotations
 
 import json
@@ -11,8 +12,8 @@ from actors.tiny import make_checkpoint
 from actors.tokenizer import default_chat_tokens
 from actors.trainer import TrainerConfig
 from actors.trainer._core import Trainer
-from orchestrator.entry.cli import main
 from orchestrator.controller import ControllerState
+from orchestrator.entry.cli import main
 from orchestrator.entry.export import ExportError, export_run
 
 torch.set_num_threads(1)
@@ -48,19 +49,20 @@ def test_export_reloads_with_the_trainers_logits(tmp_path) -> None:
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, want, atol=1e-5, rtol=0)
 
-    assert main(["export", str(run), str(tmp_path / "bf16")]) == 0   # default dtype bf16
+    assert main(["export", str(run), str(tmp_path / "bf16")]) == 0  # default dtype bf16
     bf16 = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", local_files_only=True).eval()
     assert next(bf16.parameters()).dtype == torch.bfloat16
     with torch.no_grad():
         got = bf16(ids).logits.float()
-    assert (got - want).abs().max() < 0.05   # bf16 rounding of weights and activations only
+    assert (got - want).abs().max() < 0.05  # bf16 rounding of weights and activations only
 
     tok = AutoTokenizer.from_pretrained(out, local_files_only=True)
     source = AutoTokenizer.from_pretrained(src, local_files_only=True)
     assert tok.chat_template == source.chat_template
     msgs = [{"role": "user", "content": "two plus two"}]
-    assert tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == \
-        source.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == source.apply_chat_template(
+        msgs, tokenize=False, add_generation_prompt=True
+    )
 
 
 def test_export_of_a_builtin_model_run_carries_the_word_layout(tmp_path) -> None:
@@ -70,8 +72,9 @@ def test_export_of_a_builtin_model_run_carries_the_word_layout(tmp_path) -> None
     out = export_run(run, tmp_path / "out", dtype="float32")
     tok = AutoTokenizer.from_pretrained(out, local_files_only=True)
     chat = default_chat_tokens()
-    enc = tok.apply_chat_template([{"role": "user", "content": "what is 2 + 3 ?"}],
-                                  tokenize=True, add_special_tokens=False)
+    enc = tok.apply_chat_template(
+        [{"role": "user", "content": "what is 2 + 3 ?"}], tokenize=True, add_special_tokens=False
+    )
     assert list(enc["input_ids"]) == chat.prompt("what is 2 + 3 ?")
 
 

@@ -1,5 +1,6 @@
 """Checks before any actor starts: each bad input is one line naming the problem, and a
 checkpoint too large for this machine is refused with its size and the memory available."""
+
 from __future__ import annotations
 
 import json
@@ -10,8 +11,8 @@ from typing import Any
 import pytest
 
 from actors.tiny import make_checkpoint
-from orchestrator.state.config import ConfigError, load_config
 from orchestrator.entry.preflight import estimate_memory, preflight
+from orchestrator.state.config import ConfigError, load_config
 
 POOL = {"name": "cpu", "gpu": "cpu", "precision": "bf16", "device": "cpu"}
 
@@ -52,20 +53,17 @@ def test_task_errors_before_any_actor(tmp_path) -> None:
 
 def test_dataset_rows_are_checked_against_the_task(tmp_path) -> None:
     rows = tmp_path / "rows.jsonl"
-    rows.write_text("\n" + json.dumps({"prompt": "hi"}) + "\n")   # no answer, on the file's line 2
+    rows.write_text("\n" + json.dumps({"prompt": "hi"}) + "\n")  # no answer, on the file's line 2
     with pytest.raises(ConfigError) as e:
         preflight(_cfg(tmp_path, task={"name": "chat_dataset", "dataset": str(rows)}))
     assert "task.params: task 'chat_dataset' rejected" in _one_line(e) and "rows.jsonl:2)" in str(e.value)
     rows.write_text(json.dumps({"prompt": "hi", "answer": "yo"}) + "\n")
-    checked = preflight(_cfg(tmp_path, task={"name": "chat_dataset", "dataset": str(rows),
-                                             "eval_dataset": str(rows)}))
+    checked = preflight(_cfg(tmp_path, task={"name": "chat_dataset", "dataset": str(rows), "eval_dataset": str(rows)}))
     assert checked.dataset.rows == [{"prompt": "hi", "answer": "yo"}]
     with pytest.raises(ConfigError, match="task.eval_dataset is not"):
-        preflight(_cfg(tmp_path, task={"name": "chat_dataset", "dataset": str(rows)},
-                       eval={"every": 2}))
+        preflight(_cfg(tmp_path, task={"name": "chat_dataset", "dataset": str(rows)}, eval={"every": 2}))
     with pytest.raises(ConfigError, match="task.dataset: dataset .*missing.jsonl: no such file"):
-        preflight(_cfg(tmp_path, task={"name": "chat_dataset",
-                                       "dataset": str(tmp_path / "missing.jsonl")}))
+        preflight(_cfg(tmp_path, task={"name": "chat_dataset", "dataset": str(tmp_path / "missing.jsonl")}))
     with pytest.raises(ConfigError, match="eval.pool 'gpu' is not a pool"):
         _cfg(tmp_path, eval={"every": 1, "pool": "gpu"})
 
@@ -80,8 +78,7 @@ def test_model_directory_errors(tmp_path) -> None:
     ckpt = make_checkpoint(tmp_path / "m", "llama")
     checked = preflight(_cfg(tmp_path, model={"path": str(ckpt), "max_seq_len": 128}))
     assert checked.params > 0
-    with pytest.raises(ConfigError, match="max_seq_len=4096 exceeds the model's "
-                                          "max_position_embeddings=512"):
+    with pytest.raises(ConfigError, match="max_seq_len=4096 exceeds the model's max_position_embeddings=512"):
         preflight(_cfg(tmp_path, model={"path": str(ckpt), "max_seq_len": 4096}))
 
 
@@ -94,12 +91,13 @@ def test_a_checkpoint_too_large_for_this_machine_fails_with_both_sizes(tmp_path)
     for f in ckpt.glob("*.safetensors"):
         f.unlink()
     rows = psutil.virtual_memory().total // (4 * 4096) + 1
-    header = json.dumps({"model.embed_tokens.weight": {
-        "dtype": "F32", "shape": [rows, 4096], "data_offsets": [0, rows * 4096 * 4]}}).encode()
+    header = json.dumps(
+        {"model.embed_tokens.weight": {"dtype": "F32", "shape": [rows, 4096], "data_offsets": [0, rows * 4096 * 4]}}
+    ).encode()
     path = ckpt / "model.safetensors"
     with open(path, "wb") as fh:
         fh.write(struct.pack("<Q", len(header)) + header)
-        fh.truncate(8 + len(header) + rows * 4096 * 4)   # sparse: no disk used
+        fh.truncate(8 + len(header) + rows * 4096 * 4)  # sparse: no disk used
     cfg = _cfg(tmp_path, model={"path": str(ckpt)})
     with pytest.raises(ConfigError) as e:
         preflight(cfg)

@@ -3,8 +3,10 @@ section drawn from complete files; damaged or missing files named on the page; t
 
 from __future__ import annotations
 
+import functools
 import io
 import json
+import operator
 import random
 import subprocess
 import sys
@@ -13,11 +15,11 @@ from pathlib import Path
 import pytest
 
 from hardware import CostLedger
-from orchestrator.state.config import load_config
 from orchestrator.entry.live import LiveProgress, make_progress, sparkline
-from orchestrator.state.progress import Progress
 from orchestrator.entry.report import load_run, render_report, write_compare, write_report
 from orchestrator.entry.report._charts import cost_series, rolling_mean
+from orchestrator.state.config import load_config
+from orchestrator.state.progress import Progress
 from orchestrator.state.sinks import flatten
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -32,24 +34,59 @@ def _metrics(steps: int, rng: random.Random) -> list[dict]:
         for p in POOLS:
             busy[p] += rng.uniform(0.1, 0.5)
             toks[p] += rng.randint(50, 150)
-            pools[p] = {"busy_s": busy[p], "tokens": toks[p], "tokens_per_s": rng.uniform(100, 400),
-                        "rollouts": 8, "staleness_mean": rng.uniform(0, 2), "staleness_max": rng.randint(0, 2),
-                        "mismatch_kl": rng.uniform(0, 0.01), "masked_fraction": rng.uniform(0, 0.05),
-                        "requests": 10, "prefill_batches": 3}
+            pools[p] = {
+                "busy_s": busy[p],
+                "tokens": toks[p],
+                "tokens_per_s": rng.uniform(100, 400),
+                "rollouts": 8,
+                "staleness_mean": rng.uniform(0, 2),
+                "staleness_max": rng.randint(0, 2),
+                "mismatch_kl": rng.uniform(0, 0.01),
+                "masked_fraction": rng.uniform(0, 0.05),
+                "requests": 10,
+                "prefill_batches": 3,
+            }
         dropped += rng.randint(0, 1)
-        rows.append({"step": step, "version": step, "wall_s": 0.5 * step, "reward_mean": rng.random(),
-                     "rollouts": 16, "staleness_mean": rng.uniform(0, 2), "staleness_max": 2,
-                     "dropped_stale": dropped, "dropped_failed": 0, "dropped_total": dropped,
-                     "loss": rng.uniform(-0.1, 0.1), "grad_norm": rng.uniform(0.1, 1),
-                     "mismatch_kl": rng.uniform(0, 0.01), "masked_fraction": rng.uniform(0, 0.05),
-                     "mean_weight": rng.uniform(0.99, 1.01), "entropy": rng.uniform(2, 4), "train_s": 0.2,
-                     "cost_usd": 0.0, "pools": pools})
+        rows.append(
+            {
+                "step": step,
+                "version": step,
+                "wall_s": 0.5 * step,
+                "reward_mean": rng.random(),
+                "rollouts": 16,
+                "staleness_mean": rng.uniform(0, 2),
+                "staleness_max": 2,
+                "dropped_stale": dropped,
+                "dropped_failed": 0,
+                "dropped_total": dropped,
+                "loss": rng.uniform(-0.1, 0.1),
+                "grad_norm": rng.uniform(0.1, 1),
+                "mismatch_kl": rng.uniform(0, 0.01),
+                "masked_fraction": rng.uniform(0, 0.05),
+                "mean_weight": rng.uniform(0.99, 1.01),
+                "entropy": rng.uniform(2, 4),
+                "train_s": 0.2,
+                "cost_usd": 0.0,
+                "pools": pools,
+            }
+        )
     return rows
 
 
 def _span(name, service, trace, span, parent, start, end, **attrs) -> str:
-    return json.dumps({"name": name, "trace_id": trace, "span_id": span, "parent_span_id": parent,
-                       "start_ns": start, "end_ns": end, "attributes": attrs, "service": service, "pid": 1})
+    return json.dumps(
+        {
+            "name": name,
+            "trace_id": trace,
+            "span_id": span,
+            "parent_span_id": parent,
+            "start_ns": start,
+            "end_ns": end,
+            "attributes": attrs,
+            "service": service,
+            "pid": 1,
+        }
+    )
 
 
 def _traces(n: int, rng: random.Random) -> tuple[list[str], dict[str, int]]:
@@ -61,19 +98,35 @@ def _traces(n: int, rng: random.Random) -> tuple[list[str], dict[str, int]]:
         durations[trace] = dur
         pool = POOLS[i % 2]
         lines += [
-            _span("sampler.generate", f"sampler-{pool}[0]", trace, f"{i}c", f"{i}g", t0 + 300, t0 + dur // 2, pool=pool),
+            _span(
+                "sampler.generate", f"sampler-{pool}[0]", trace, f"{i}c", f"{i}g", t0 + 300, t0 + dur // 2, pool=pool
+            ),
             _span("generate", "env[0]", trace, f"{i}g", f"{i}e", t0 + 200, t0 + dur // 2 + 100, pool=pool, turn=0),
             _span("rollout", "env[0]", trace, f"{i}e", f"{i}r", t0 + 100, t0 + dur - 100, pool=pool),
-            _span("rollout", "controller", trace, f"{i}r", None, t0, t0 + dur, pool=pool, staleness=i % 3,
-                  tokens=3, reward=1.0, policy_version=0),
+            _span(
+                "rollout",
+                "controller",
+                trace,
+                f"{i}r",
+                None,
+                t0,
+                t0 + dur,
+                pool=pool,
+                staleness=i % 3,
+                tokens=3,
+                reward=1.0,
+                policy_version=0,
+            ),
         ]
-    lines.append(_span("rollout.dropped", "controller", "t-drop", "sd", None, 5, 6, pool=POOLS[1],
-                       reason="stale", staleness=3))
+    lines.append(
+        _span("rollout.dropped", "controller", "t-drop", "sd", None, 5, 6, pool=POOLS[1], reason="stale", staleness=3)
+    )
     return lines, durations
 
 
-def make_run(root: Path, name: str = "synthetic", steps: int = 30, traces: bool = True,
-             cost: bool = True, seed: int = 0) -> tuple[Path, dict[str, int]]:
+def make_run(
+    root: Path, name: str = "synthetic", steps: int = 30, traces: bool = True, cost: bool = True, seed: int = 0
+) -> tuple[Path, dict[str, int]]:
     rng = random.Random(seed)
     run_dir = root / name
     run_dir.mkdir(parents=True)
@@ -114,7 +167,9 @@ def test_complete_run_dir_draws_every_chart_and_picks_the_slowest_and_median_rol
     assert data.waterfalls["median"][0].trace_id == ranked[len(ranked) // 2]
     assert f"Slowest rollout ({durations[ranked[-1]] / 1e6:.1f} ms)" in html
     assert "finished: 30 of 30 steps" in html
-    assert sorted(sum(data.rollout_staleness.values(), [])) == sorted(i % 3 for i in range(12))
+    assert sorted(functools.reduce(operator.iadd, data.rollout_staleness.values(), [])) == sorted(
+        i % 3 for i in range(12)
+    )
     assert data.dropped_staleness == {"h100-fp8": [3]}
     assert "https://" not in html.split("<body>")[1].split("<script")[0]  # head lines: no links out
 
@@ -127,8 +182,16 @@ def test_eval_lines_are_drawn_against_step_and_wall_time(tmp_path):
     for r in rows:
         out.append(r)
         if r["step"] % 5 == 1 and r["step"] > 1:
-            out.append({"step": r["step"] - 1, "eval_reward": r["step"] / 20, "eval_version": r["step"] - 1,
-                        "eval_s": 0.1, "eval_episodes": 8, "eval_failed": 0})
+            out.append(
+                {
+                    "step": r["step"] - 1,
+                    "eval_reward": r["step"] / 20,
+                    "eval_version": r["step"] - 1,
+                    "eval_s": 0.1,
+                    "eval_episodes": 8,
+                    "eval_failed": 0,
+                }
+            )
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in out))
     data = load_run(run_dir)
     assert [r["step"] for r in data.metrics] == list(range(1, 13))
@@ -152,7 +215,7 @@ def test_cost_curves_end_at_the_cost_reports_figures(tmp_path):
         assert per_pool[p] == sorted(per_pool[p])  # cumulative
     assert counterfactual[-1] == pytest.approx(data.cost["counterfactual"]["cost_usd"])
     # The stacked total follows the ledger's own running cost at every step.
-    totals = [sum(v) for v in zip(*per_pool.values())]
+    totals = [sum(v) for v in zip(*per_pool.values(), strict=False)]
     assert totals == pytest.approx([r["cost_usd"] for r in data.metrics], rel=1e-9)
 
 
@@ -196,8 +259,12 @@ def test_zero_steps_gives_a_report_that_says_so(tmp_path):
 def test_a_directory_with_nothing_in_it_still_reports(tmp_path):
     (tmp_path / "empty").mkdir()
     html = write_report(tmp_path / "empty").read_text()
-    for name in ("config.json is missing", "metrics.jsonl is missing", "traces.jsonl is missing",
-                 "cost_report.json is missing"):
+    for name in (
+        "config.json is missing",
+        "metrics.jsonl is missing",
+        "traces.jsonl is missing",
+        "cost_report.json is missing",
+    ):
         assert name in html
     with pytest.raises(FileNotFoundError, match="not a directory"):
         write_report(tmp_path / "nowhere")
@@ -215,8 +282,9 @@ def test_compare_overlays_every_run(tmp_path):
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "orchestrator", *args], cwd=ROOT, text=True,
-                          capture_output=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrator", *args], cwd=ROOT, text=True, capture_output=True, timeout=120
+    )
 
 
 def test_cli_report_and_compare(tmp_path, capsys):

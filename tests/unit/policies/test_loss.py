@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -190,7 +191,9 @@ def test_bandit_detects_bias_without_weights() -> None:
     assert ((mean - exact).abs() > 10 * se).any()  # the test above has power
 
 
-@pytest.mark.parametrize("cfg", [RecipeConfig(), RecipeConfig(is_level="sequence"), RecipeConfig(is_level="geometric", importance="tis")])
+@pytest.mark.parametrize(
+    "cfg", [RecipeConfig(), RecipeConfig(is_level="sequence"), RecipeConfig(is_level="geometric", importance="tis")]
+)
 def test_masked_tokens_change_neither_loss_nor_gradient(cfg: RecipeConfig) -> None:
     logits, support, tokens, adv, seq, mask = _random_batch(5, dtype=torch.float32)
     assert (~mask).any()
@@ -241,7 +244,7 @@ def test_micro_batches_equal_whole_batch(level: str) -> None:
     hidden.grad = weight.grad = None
     total, parts = 0.0, []
     bounds = [0, 10, 20, 21, t]  # trajectory boundaries
-    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+    for a, b in itertools.pairwise(bounds):
         loss, m = step(a, b)
         loss.backward()  # gradient accumulation
         total += float(loss.detach())
@@ -280,7 +283,7 @@ def test_bf16_and_extreme_logq_stay_finite(cfg: RecipeConfig) -> None:
 
 def test_without_replay_uses_full_vocab_logprob_and_processed_q() -> None:
     cfg = RecipeConfig(mask_replay=False, score_centering=False, importance="tis", tis_cap=1.5)
-    logits, support, tokens, adv, seq, mask = _random_batch(8)
+    logits, support, tokens, adv, _seq, mask = _random_batch(8)
     lp = full_vocab_logprobs(logits, tokens, 0.8)
     loss, m = recipe_loss(cfg, support, tokens, adv, logp_token_full=lp, num_loss_tokens=10, loss_mask=mask)
     (g,) = torch.autograd.grad(loss, logits)
@@ -297,7 +300,7 @@ def test_without_replay_uses_full_vocab_logprob_and_processed_q() -> None:
 
 
 def test_loss_input_errors() -> None:
-    logits, support, tokens, adv, seq, mask = _random_batch(1)
+    logits, support, tokens, adv, _seq, _mask = _random_batch(1)
     rep = replay_logprobs(logits, support, tokens, 1.0)
     with pytest.raises(ValueError, match="num_loss_tokens"):
         recipe_loss(RecipeConfig(), support, tokens, adv, replay=rep, num_loss_tokens=0)

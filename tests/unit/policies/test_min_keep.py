@@ -35,8 +35,13 @@ def _loss_and_grads(cfg: RecipeConfig, union: bool, advantage: float = -1.0):
     with torch.no_grad():
         sampler_logits = hidden @ weight.T + bias
     tokens, support = sample_with_support(
-        sampler_logits, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
-        min_keep=cfg.min_keep, generator=torch.Generator().manual_seed(1))
+        sampler_logits,
+        temperature=cfg.temperature,
+        top_k=cfg.top_k,
+        top_p=cfg.top_p,
+        min_keep=cfg.min_keep,
+        generator=torch.Generator().manual_seed(1),
+    )
     if union:
         rep = replay_logprobs_from_hidden(hidden, weight, support, tokens, cfg.temperature, bias)
     else:

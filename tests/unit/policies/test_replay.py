@@ -21,9 +21,7 @@ def _problem(t=48, h=24, v=400, seed=0, dtype=torch.float32, bias=True):
     b = (torch.randn(v, generator=gen) * 0.1).to(dtype).requires_grad_() if bias else None
     with torch.no_grad():
         sampler_logits = hidden.float() @ weight.float().T + torch.randn(t, v, generator=gen) * 0.3
-    tokens, support = sample_with_support(
-        sampler_logits, temperature=0.8, top_k=32, top_p=0.95, generator=gen
-    )
+    tokens, support = sample_with_support(sampler_logits, temperature=0.8, top_k=32, top_p=0.95, generator=gen)
     return hidden, weight, b, tokens, support
 
 
@@ -57,7 +55,9 @@ def test_replayed_values_are_the_renormalised_support_softmax() -> None:
         ids = support.ids[off[t] : off[t + 1]].long()
         expect = torch.log_softmax(logits[t, ids], 0)
         torch.testing.assert_close(res.logp_support[off[t] : off[t + 1]].detach(), expect, atol=1e-5, rtol=0)
-        assert float(res.logp_token[t].detach()) == pytest.approx(float(expect[ids.tolist().index(int(tokens[t]))]), abs=1e-5)
+        assert float(res.logp_token[t].detach()) == pytest.approx(
+            float(expect[ids.tolist().index(int(tokens[t]))]), abs=1e-5
+        )
 
 
 def test_bfloat16_inputs_match_float32_math() -> None:

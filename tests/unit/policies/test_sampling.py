@@ -36,8 +36,7 @@ def reference_support(row: torch.Tensor, temperature: float, top_k: int, top_p: 
 def _rows(support: SupportRecord):
     off = support.offsets.tolist()
     return [
-        (support.ids[off[i] : off[i + 1]].tolist(), support.logq[off[i] : off[i + 1]])
-        for i in range(support.n_rows)
+        (support.ids[off[i] : off[i + 1]].tolist(), support.logq[off[i] : off[i + 1]]) for i in range(support.n_rows)
     ]
 
 
@@ -117,9 +116,7 @@ def test_sampling_frequencies_match_q_chi_square() -> None:
     logits = torch.tensor([2.0, 1.5, 1.5, 1.0, 0.2, -1.0, -3.0, 0.5])
     n = 40_000
     gen = torch.Generator().manual_seed(1234)
-    tokens, support = sample_with_support(
-        logits.expand(n, -1), temperature=0.9, top_k=6, top_p=0.9, generator=gen
-    )
+    tokens, support = sample_with_support(logits.expand(n, -1), temperature=0.9, top_k=6, top_p=0.9, generator=gen)
     ids, logq = _rows(support)[0]
     assert all(r[0] == ids for r in _rows(support)[:5])
     ref_ids, _ = reference_support(logits, 0.9, 6, 0.9)
@@ -177,8 +174,14 @@ def test_one_token_nucleus_keeps_its_runner_up_with_min_keep() -> None:
     _, one = sample_with_support(logits, temperature=1.0, top_k=64, top_p=0.97, min_keep=1)
     assert one.ids.tolist() == [1] and one.logq.tolist() == [0.0]
     n = 20_000
-    tokens, two = sample_with_support(logits.expand(n, -1), temperature=1.0, top_k=64, top_p=0.97,
-                                      min_keep=2, generator=torch.Generator().manual_seed(0))
+    tokens, two = sample_with_support(
+        logits.expand(n, -1),
+        temperature=1.0,
+        top_k=64,
+        top_p=0.97,
+        min_keep=2,
+        generator=torch.Generator().manual_seed(0),
+    )
     ids, logq = _rows(two)[0]
     assert ids == [1, 2]
     torch.testing.assert_close(logq, torch.log_softmax(torch.tensor([9.0, 2.0]), 0), atol=1e-6, rtol=0)

@@ -17,12 +17,11 @@ import trio
 
 from actors.trainer import StepResult
 from actors.types import SamplingParams, TaskSpec, Trajectory
-from hardware import CostLedger, PoolConfig, Scheduler, ThroughputModel
-from hardware import ModelSpec
-from orchestrator.state.config import RunConfig
+from hardware import CostLedger, ModelSpec, PoolConfig, Scheduler, ThroughputModel
 from orchestrator.controller import Controller, ControllerState, Links
-from orchestrator.state.progress import Progress
 from orchestrator.runtime import ActorDied, ActorError
+from orchestrator.state.config import RunConfig
+from orchestrator.state.progress import Progress
 from policies.metrics import PoolMetrics
 
 TOKENS = 4  # generated tokens per episode
@@ -33,9 +32,16 @@ def run_config(**over: Any) -> RunConfig:
         "steps": 6,
         "rollout": {"prompts_per_step": 2, "group_size": 2, "max_buffered_groups": 2},
         "checkpoint": {"every_steps": 2},
-        "pools": [{"name": "cheap", "gpu": "cpu", "staleness_budget": 1, "max_concurrent_rollouts": 4},
-                  {"name": "dear", "gpu": "cpu", "price_per_gpu_hour": 2.0, "staleness_budget": 1,
-                   "max_concurrent_rollouts": 4}],
+        "pools": [
+            {"name": "cheap", "gpu": "cpu", "staleness_budget": 1, "max_concurrent_rollouts": 4},
+            {
+                "name": "dear",
+                "gpu": "cpu",
+                "price_per_gpu_hour": 2.0,
+                "staleness_budget": 1,
+                "max_concurrent_rollouts": 4,
+            },
+        ],
     }
     for k, v in over.items():
         if isinstance(v, dict) and isinstance(raw.get(k), dict):
@@ -91,11 +97,20 @@ class FakeTrainer:
         if self.die_after is not None and len(self.batches) == self.die_after:
             self.die_after, self.dead = None, True  # this step's result still arrives
         tokens = sum(t.num_generated for t in batch)
-        return StepResult(version=self.v, applied=True, loss=0.0, grad_norm=1.0, tokens=tokens,
-                          trajectories=len(batch), failed_skipped=0, micro_batches=1,
-                          reward_mean=sum(t.reward for t in batch) / len(batch), seconds=0.1,
-                          overall=_metrics(tokens),
-                          per_pool={p: _metrics(1) for p in {t.pool for t in batch}})
+        return StepResult(
+            version=self.v,
+            applied=True,
+            loss=0.0,
+            grad_norm=1.0,
+            tokens=tokens,
+            trajectories=len(batch),
+            failed_skipped=0,
+            micro_batches=1,
+            reward_mean=sum(t.reward for t in batch) / len(batch),
+            seconds=0.1,
+            overall=_metrics(tokens),
+            per_pool={p: _metrics(1) for p in {t.pool for t in batch}},
+        )
 
     async def update_path(self, receiver: str, have: int, precision: str, part_bytes: int) -> dict[str, Any]:
         """A sampler with nothing gets a two-part keyframe of the current version."""
@@ -104,8 +119,9 @@ class FakeTrainer:
             return {"keyframe": {"version": self.v, "parts": 2, "wire_bytes": 2}, "deltas": []}
         return {"keyframe": None, "deltas": [[str(self.v).encode()]]}
 
-    async def keyframe_part(self, precision: str, version: int, seq: int,
-                            part_bytes: int) -> tuple[dict[str, Any], list[bytes]]:
+    async def keyframe_part(
+        self, precision: str, version: int, seq: int, part_bytes: int
+    ) -> tuple[dict[str, Any], list[bytes]]:
         self._alive()
         if version != self.v:
             raise ActorError("VersionError", f"keyframe v{version} is no longer held", "")
@@ -211,8 +227,12 @@ class FakePool:
         await trio.sleep(0.001)
         if rank in self.dead:
             return None
-        return {"tokens_generated": self.tokens[rank], "busy_seconds": self.busy[rank],
-                "requests_finished": 0, "prefill_batches": 0}
+        return {
+            "tokens_generated": self.tokens[rank],
+            "busy_seconds": self.busy[rank],
+            "requests_finished": 0,
+            "prefill_batches": 0,
+        }
 
     async def ping(self, rank: int) -> None:
         await self._thawed(rank)
@@ -247,8 +267,9 @@ class FakeEnvs:
 
     size = 1
 
-    async def run_episode(self, pool: FakePool, rank: int, task: TaskSpec,
-                          sampling: SamplingParams, min_version: int, env_rank: int) -> Trajectory:
+    async def run_episode(
+        self, pool: FakePool, rank: int, task: TaskSpec, sampling: SamplingParams, min_version: int, env_rank: int
+    ) -> Trajectory:
         pool._alive(rank)
         epoch = pool.epoch[rank]
         assert pool.held[rank] >= min_version, "started on weights older than asked for"
@@ -263,12 +284,22 @@ class FakeEnvs:
         failed = self.rng.random() < self.fail_rate
         n = TOKENS
         return Trajectory(
-            task=task.task, prompt_id=task.prompt_id, group_id=task.group_id, pool=pool.config.name,
-            tokens=torch.arange(n + 1), loss_mask=torch.tensor([0] + [1] * n, dtype=torch.bool),
-            support_ids=torch.zeros(n, dtype=torch.int32), support_offsets=torch.arange(n + 1, dtype=torch.int32),
-            support_logq=torch.zeros(n), versions=torch.full((n,), version, dtype=torch.int32),
-            reward=float(self.rng.random() < 0.5), failed=failed,
-            error="Traceback...\nValueError: env exploded" if failed else None, turns=1, seconds=self.episode_s)
+            task=task.task,
+            prompt_id=task.prompt_id,
+            group_id=task.group_id,
+            pool=pool.config.name,
+            tokens=torch.arange(n + 1),
+            loss_mask=torch.tensor([0] + [1] * n, dtype=torch.bool),
+            support_ids=torch.zeros(n, dtype=torch.int32),
+            support_offsets=torch.arange(n + 1, dtype=torch.int32),
+            support_logq=torch.zeros(n),
+            versions=torch.full((n,), version, dtype=torch.int32),
+            reward=float(self.rng.random() < 0.5),
+            failed=failed,
+            error="Traceback...\nValueError: env exploded" if failed else None,
+            turns=1,
+            seconds=self.episode_s,
+        )
 
     async def ping(self, rank: int) -> None:
         await trio.sleep(0.001)
@@ -297,25 +328,41 @@ class Metrics:
 class Harness:
     """A controller over fakes, with what the tests look at."""
 
-    def __init__(self, cfg: RunConfig, state: ControllerState | None = None, *, ranks: int = 1,
-                 envs: FakeEnvs | None = None, checkpoints: bool = True,
-                 handle_sigint: bool = False) -> None:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        state: ControllerState | None = None,
+        *,
+        ranks: int = 1,
+        envs: FakeEnvs | None = None,
+        checkpoints: bool = True,
+        handle_sigint: bool = False,
+    ) -> None:
         self.cfg = cfg
         self.trainer = FakeTrainer()
         self.pools = {p.name: FakePool(p, ranks) for p in cfg.pools}
         self.envs = envs or FakeEnvs()
         self.metrics = Metrics()
-        self.scheduler = Scheduler(cfg.pools, ThroughputModel(cfg.pools, ModelSpec(total_params=1e6, active_params=1e6)),
-                                   mean_rollout_tokens=TOKENS)
+        self.scheduler = Scheduler(
+            cfg.pools,
+            ThroughputModel(cfg.pools, ModelSpec(total_params=1e6, active_params=1e6)),
+            mean_rollout_tokens=TOKENS,
+        )
         self.ledger = CostLedger(cfg.pools)
         self.checkpoints = MemoryCheckpoints(self.trainer) if checkpoints else None
         self.state = state or ControllerState()
         self.trainer.v = self.state.version
         self.controller = Controller(
-            cfg, Links(trainer=self.trainer, pools=self.pools, envs=self.envs), self.state,
-            scheduler=self.scheduler, ledger=self.ledger, metrics=self.metrics,
-            progress=Progress(cfg.steps, quiet=True), checkpoints=self.checkpoints,
-            handle_sigint=handle_sigint)
+            cfg,
+            Links(trainer=self.trainer, pools=self.pools, envs=self.envs),
+            self.state,
+            scheduler=self.scheduler,
+            ledger=self.ledger,
+            metrics=self.metrics,
+            progress=Progress(cfg.steps, quiet=True),
+            checkpoints=self.checkpoints,
+            handle_sigint=handle_sigint,
+        )
 
     def trained(self) -> list[Trajectory]:
         return [t for _, batch in self.trainer.batches for t in batch]

@@ -9,9 +9,8 @@ import signal
 import pytest
 import trio
 
-from orchestrator.runtime import ActorDied
-
 from orchestrator.controller import ControllerState, TrainerLost
+from orchestrator.runtime import ActorDied
 
 from .fakes import TOKENS, FakeEnvs, FakeTrainer, Harness, run_config
 
@@ -23,10 +22,19 @@ def _balanced(h: Harness) -> None:
 
 @pytest.mark.parametrize("budget", [0, 4])
 async def test_trained_trajectories_stay_within_each_pools_budget(autojump_clock, budget):
-    cfg = run_config(steps=8, pools=[
-        {"name": "cheap", "gpu": "cpu", "staleness_budget": budget, "max_concurrent_rollouts": 4},
-        {"name": "dear", "gpu": "cpu", "price_per_gpu_hour": 2.0, "staleness_budget": budget,
-         "max_concurrent_rollouts": 4}])
+    cfg = run_config(
+        steps=8,
+        pools=[
+            {"name": "cheap", "gpu": "cpu", "staleness_budget": budget, "max_concurrent_rollouts": 4},
+            {
+                "name": "dear",
+                "gpu": "cpu",
+                "price_per_gpu_hour": 2.0,
+                "staleness_budget": budget,
+                "max_concurrent_rollouts": 4,
+            },
+        ],
+    )
     h = Harness(cfg)
     await h.controller.run()
     assert h.state.step == 8 and len(h.trainer.batches) == 8
@@ -41,9 +49,11 @@ async def test_trained_trajectories_stay_within_each_pools_budget(autojump_clock
 async def test_stale_trajectories_are_dropped_and_their_slots_retried(autojump_clock):
     # Budget 0 on a pool that keeps generating while the trainer moves on: what lands
     # after a step is stale; it is dropped and its slot re-run, never trained.
-    cfg = run_config(steps=6, rollout={"max_buffered_groups": 4},
-                     pools=[{"name": "only", "gpu": "cpu", "staleness_budget": 0,
-                             "max_concurrent_rollouts": 8}])
+    cfg = run_config(
+        steps=6,
+        rollout={"max_buffered_groups": 4},
+        pools=[{"name": "only", "gpu": "cpu", "staleness_budget": 0, "max_concurrent_rollouts": 8}],
+    )
     h = Harness(cfg, envs=FakeEnvs(episode_s=0.3))
     await h.controller.run()
     assert all(s == 0 for _, s in h.staleness())
@@ -54,9 +64,11 @@ async def test_stale_trajectories_are_dropped_and_their_slots_retried(autojump_c
 
 
 async def test_rollouts_ask_for_their_groups_due_version(autojump_clock):
-    cfg = run_config(steps=6, rollout={"max_buffered_groups": 6},
-                     pools=[{"name": "only", "gpu": "cpu", "staleness_budget": 1,
-                             "max_concurrent_rollouts": 16}])
+    cfg = run_config(
+        steps=6,
+        rollout={"max_buffered_groups": 6},
+        pools=[{"name": "only", "gpu": "cpu", "staleness_budget": 1, "max_concurrent_rollouts": 16}],
+    )
     h = Harness(cfg)
     await h.controller.run()
     # Groups queued a few batches ahead asked for weights newer than the trainer held at
@@ -66,9 +78,11 @@ async def test_rollouts_ask_for_their_groups_due_version(autojump_clock):
 
 
 async def test_held_back_rollouts_do_not_move_the_rollout_length_estimate(autojump_clock):
-    cfg = run_config(steps=6, rollout={"max_buffered_groups": 6},
-                     pools=[{"name": "only", "gpu": "cpu", "staleness_budget": 0,
-                             "max_concurrent_rollouts": 16}])
+    cfg = run_config(
+        steps=6,
+        rollout={"max_buffered_groups": 6},
+        pools=[{"name": "only", "gpu": "cpu", "staleness_budget": 0, "max_concurrent_rollouts": 16}],
+    )
     h = Harness(cfg)
     held = 0
     buffer = h.controller.ctx.buffer
@@ -118,7 +132,7 @@ async def test_an_environment_that_always_fails_stops_the_run_naming_its_error(a
     """Every episode fails: the run stops itself after `max_failed_in_a_row` failures (default
     4 x group_size + what can be in flight) instead of retrying forever, and says why."""
     h = Harness(run_config(steps=6), envs=FakeEnvs(fail_rate=1.0))
-    with trio.fail_after(60):   # trio's mock clock: a bound on simulated time, not wall time
+    with trio.fail_after(60):  # trio's mock clock: a bound on simulated time, not wall time
         await h.controller.run()
     assert h.state.step == 0 and not h.trainer.batches
     limit = 4 * h.cfg.rollout.group_size + sum(p.capacity for p in h.cfg.pools)
@@ -226,6 +240,7 @@ async def test_a_sampler_death_seen_after_its_respawn_does_not_restart_the_train
                 failures.append(rank)
                 raise ActorDied("cheap", rank, "SIGKILL (already respawned)")
             return await call(rank, *args)
+
         return wrapped
 
     pool.apply_weights = dies_once(pool.apply_weights)  # type: ignore[method-assign]
@@ -240,8 +255,9 @@ async def test_an_on_policy_run_survives_a_trainer_restart(autojump_clock, attem
     # With no staleness allowed, the restore leaves stale rollouts to redo and groups due
     # at different versions: the producer must look past work due later, and the trainer
     # loop must wake it for the slots it re-queues (each of these once hung the run).
-    on_policy = [{"name": n, "gpu": "cpu", "staleness_budget": 0, "max_concurrent_rollouts": 4}
-                 for n in ("cheap", "dear")]
+    on_policy = [
+        {"name": n, "gpu": "cpu", "staleness_budget": 0, "max_concurrent_rollouts": 4} for n in ("cheap", "dear")
+    ]
     h = Harness(run_config(steps=6, checkpoint={"every_steps": 2}, pools=on_policy))
     h.trainer.die_at = 4
     with trio.fail_after(3600):  # virtual time: a hang fails fast

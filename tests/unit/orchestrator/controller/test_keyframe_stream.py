@@ -22,8 +22,9 @@ ENV = {"OMP_NUM_THREADS": "1"}
 
 
 async def _tokens(sampler, rid: str) -> tuple[list[int], list[float]]:  # tokens and log q of their supports
-    res = await sampler.generate.call_one(GenerateRequest(request_id=rid, prompt_ids=[1, 2, 3, 4],
-                                                          max_new_tokens=6, seed=11))
+    res = await sampler.generate.call_one(
+        GenerateRequest(request_id=rid, prompt_ids=[1, 2, 3, 4], max_new_tokens=6, seed=11)
+    )
     return res.token_ids, res.support_logq.tolist()
 
 
@@ -31,10 +32,12 @@ async def _tokens(sampler, rid: str) -> tuple[list[int], list[float]]:  # tokens
 async def test_keyframe_streamed_in_parts_through_the_runtime() -> None:
     model = default_model_config(VOCAB_SIZE)
     with trio.fail_after(90):
-        async with open_mesh(TrainerActor, TrainerConfig(model=model), procs=1, name="trainer",
-                             env=ENV) as tmesh, \
-                open_mesh(SamplerActor, "cpu-bf16", "bf16", model, init_seed=None, procs=2,
-                          name="sampler", env=ENV) as smesh:
+        async with (
+            open_mesh(TrainerActor, TrainerConfig(model=model), procs=1, name="trainer", env=ENV) as tmesh,
+            open_mesh(
+                SamplerActor, "cpu-bf16", "bf16", model, init_seed=None, procs=2, name="sampler", env=ENV
+            ) as smesh,
+        ):
             trainer = MeshTrainer(tmesh)
             pool = MeshPool(PoolConfig(name="cpu-bf16", gpu="B200", device="cpu"), smesh)
             whole = await tmesh[0].keyframe.call_one("bf16")

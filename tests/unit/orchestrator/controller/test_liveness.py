@@ -84,8 +84,7 @@ async def test_a_sampler_frozen_past_the_limit_is_replaced(autojump_clock):
 
 
 async def test_a_respawn_that_keeps_failing_backs_off_and_is_said_once(autojump_clock):
-    h = Harness(run_config(steps=300, faults={"respawn_backoff_max_s": 8.0}),
-                envs=FakeEnvs(episode_s=0.5))
+    h = Harness(run_config(steps=300, faults={"respawn_backoff_max_s": 8.0}), envs=FakeEnvs(episode_s=0.5))
     out = _console(h)
     cheap = h.pools["cheap"]
     with trio.fail_after(3600):

@@ -100,17 +100,14 @@ async def test_values_round_trip_and_nothing_is_unpickled() -> None:
     with trio.fail_after(30):
         _PWN_MARK.unlink(missing_ok=True)
         async with open_mesh(Echo) as mesh:
-            value = {"a": [1, 2.5, None, True], "t": (1, "x"), 3: b"raw", "b": bytearray(b"xy"),
-                     "__t": "not a tag"}
+            value = {"a": [1, 2.5, None, True], "t": (1, "x"), 3: b"raw", "b": bytearray(b"xy"), "__t": "not a tag"}
             back = await mesh[0].echo.call_one(value)
-            assert back == {"a": [1, 2.5, None, True], "t": (1, "x"), 3: b"raw", "b": b"xy",
-                            "__t": "not a tag"}
+            assert back == {"a": [1, 2.5, None, True], "t": (1, "x"), 3: b"raw", "b": b"xy", "__t": "not a tag"}
             assert await mesh[0].echo.call_one(PICKLE_BOMB) == PICKLE_BOMB
             item = Item(name="w", weights=[1, 2], tags=("a", "b"))
             assert await mesh[0].item.call_one(item) == item
             # a dict that fits the model is validated into one on arrival and on return
-            assert await mesh[0].item.call_one({"name": "d", "weights": None}) == Item(
-                name="d", weights=None)
+            assert await mesh[0].item.call_one({"name": "d", "weights": None}) == Item(name="d", weights=None)
         assert not _PWN_MARK.exists()
 
 
@@ -171,8 +168,7 @@ async def test_calls_from_one_caller_start_in_order() -> None:
 
 async def test_actor_calls_actor_through_handles() -> None:
     with trio.fail_after(30):
-        async with open_mesh(Counter, 0, procs=2, name="c") as counters, \
-                open_mesh(Relay, name="relay") as relay:
+        async with open_mesh(Counter, 0, procs=2, name="c") as counters, open_mesh(Relay, name="relay") as relay:
             assert await relay[0].via_mesh.call_one(counters, 2) == [2, 2]
             assert await relay[0].via_actor.call_one(counters[1], 5) == 7
             assert await counters.value.call() == [2, 7]

@@ -28,8 +28,9 @@ def _gone(pids: list[int]) -> bool:
 
 
 def _children() -> list[psutil.Process]:
-    return [c for c in psutil.Process().children(recursive=True)
-            if "orchestrator.runtime._child" in " ".join(c.cmdline())]
+    return [
+        c for c in psutil.Process().children(recursive=True) if "orchestrator.runtime._child" in " ".join(c.cmdline())
+    ]
 
 
 async def test_sigkill_fails_pending_and_later_calls_until_respawn() -> None:
@@ -59,8 +60,7 @@ async def test_sigkill_fails_pending_and_later_calls_until_respawn() -> None:
                 deadline = trio.current_time() + 5
             assert trio.current_time() < deadline  # every pending call failed within 5 s
             assert len(errors) == 5
-            assert all(e.rank == 0 and ("SIGKILL" in e.reason or "lost" in e.reason)
-                       for e in errors)
+            assert all(e.rank == 0 and ("SIGKILL" in e.reason or "lost" in e.reason) for e in errors)
             with trio.fail_after(5):
                 await died.wait()  # the owner learns of the death (supervision hook)
             assert [(d.rank, d.reason) for d in deaths] == [(0, "killed by SIGKILL")]
@@ -83,9 +83,11 @@ async def test_pending_calls_fail_within_five_seconds_of_kill() -> None:
         async with open_mesh(Gate) as mesh:
             pid = await mesh[0].pid.call_one()
             async with trio.open_nursery() as nursery:
+
                 async def killer() -> None:
                     await mesh[0].wait_parked.call_one(1)
                     os.kill(pid, signal.SIGKILL)
+
                 nursery.start_soon(killer)
                 with trio.fail_after(5), pytest.raises(ActorDied):
                     await mesh[0].wait.call_one()
@@ -186,8 +188,10 @@ trio.run(main)
 async def test_actors_exit_when_their_controller_is_killed() -> None:
     with trio.fail_after(60):
         controller = await trio.lowlevel.open_process(
-            [sys.executable, "-c", _CONTROLLER], stdout=subprocess.PIPE,
-            env={**os.environ, "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path)})
+            [sys.executable, "-c", _CONTROLLER],
+            stdout=subprocess.PIPE,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path)},
+        )
         assert controller.stdout is not None
         line = b""
         while not line.endswith(b"\n"):
@@ -214,8 +218,7 @@ async def test_a_respawn_that_hangs_is_stopped_and_the_rank_marked_dead(tmp_path
     hang = tmp_path / "hang"
     deaths: list[ActorDied] = []
     with trio.fail_after(60):
-        async with open_mesh(HangsOnRestart, str(hang), restart_timeout=3.0,
-                             on_death=deaths.append) as mesh:
+        async with open_mesh(HangsOnRestart, str(hang), restart_timeout=3.0, on_death=deaths.append) as mesh:
             first = await mesh[0].pid.call_one()
             hang.write_text("")
             mesh.respawn(0)
@@ -223,9 +226,13 @@ async def test_a_respawn_that_hangs_is_stopped_and_the_rank_marked_dead(tmp_path
                 await trio.sleep(0.05)
             assert "respawn did not finish within 3 s" in deaths[-1].reason
             hung = [p.pid for p in psutil.Process().children() if p.pid != first]
-            assert not [p for p in hung if psutil.pid_exists(p)
-                        and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
-                        and "HangsOnRestart" in " ".join(psutil.Process(p).cmdline())]
+            assert not [
+                p
+                for p in hung
+                if psutil.pid_exists(p)
+                and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+                and "HangsOnRestart" in " ".join(psutil.Process(p).cmdline())
+            ]
             hang.unlink()
             mesh.respawn(0)  # and a later respawn works
             assert await mesh[0].pid.call_one() not in (first, None)

@@ -5,6 +5,7 @@ of an attacker are), many carrying 100 kB values: every one is rejected and coun
 actor keeps serving, and its stderr gets a few bounded lines, each with the count of the
 rejections it stands for.
 """
+
 from __future__ import annotations
 
 import json

@@ -35,7 +35,7 @@ async def _refused(cm, kind: type[BaseException], text: str) -> None:
     try:
         async with cm:
             pass
-    except BaseException as exc:  # noqa: BLE001 - inspected below
+    except BaseException as exc:
         assert any(isinstance(e, kind) and text in str(e) for e in _leaves(exc)), exc
     else:
         raise AssertionError(f"expected {kind.__name__}: {text}")
@@ -44,12 +44,14 @@ async def _refused(cm, kind: type[BaseException], text: str) -> None:
 async def _own_key_refused(address: str, server_key: str, own: Curve) -> None:
     """A connection of its own (the loop's shared one to this address already has an
     identity) presenting the host's own key: the handshake is refused, spawn never runs."""
-    conn = Connection(address, name="own-key", rank=0, server_key=server_key.encode(), identity=own,
-                      connect_timeout=None)
+    conn = Connection(
+        address, name="own-key", rank=0, server_key=server_key.encode(), identity=own, connect_timeout=None
+    )
     async with trio.open_nursery() as nursery:
         nursery.start_soon(conn.run)
-        p = conn.request({"kind": "call", "endpoint": "spawn", "args": ["actors.env:EnvActor", "x", 0, {}]}, [],
-                         reply=True)
+        p = conn.request(
+            {"kind": "call", "endpoint": "spawn", "args": ["actors.env:EnvActor", "x", 0, {}]}, [], reply=True
+        )
         assert p is not None
         with trio.fail_after(10):
             await p.wait()
@@ -75,10 +77,15 @@ def test_new_keys_are_private_and_exposed_ones_are_refused(tmp_path: Path) -> No
     with pytest.raises(KeyFileError, match="run: chmod 700"):
         Curve.from_dir(keys)
     # `flotilla host` says so in one line and exits 2, before listening
-    proc = subprocess.run([sys.executable, "-m", "orchestrator.entry.cli", "host", "--bind", "tcp://127.0.0.1:0",
-                           "--keys", str(keys)], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and proc.stderr.startswith("flotilla host: key directory") \
-        and proc.stderr.count("\n") == 1, proc.stderr
+    proc = subprocess.run(
+        [sys.executable, "-m", "orchestrator.entry.cli", "host", "--bind", "tcp://127.0.0.1:0", "--keys", str(keys)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (
+        proc.returncode == 2 and proc.stderr.startswith("flotilla host: key directory") and proc.stderr.count("\n") == 1
+    ), proc.stderr
 
 
 def test_allowlist_matches_module_prefixes_only() -> None:
@@ -86,8 +93,16 @@ def test_allowlist_matches_module_prefixes_only() -> None:
     assert allowed_class("actors.sampler:SamplerActor", allow)
     assert allowed_class("tests.unit.orchestrator.runtime._actors:Counter", allow)
     assert allowed_class("tests.unit:X", allow)
-    for bad in ("actorsx.evil:X", "actors:X", "os:system", "tests.unitx:X", "actors.sampler",
-                "actors.sampler:Sampler Actor", "actors..x:Y", "subprocess:Popen"):
+    for bad in (
+        "actorsx.evil:X",
+        "actors:X",
+        "os:system",
+        "tests.unitx:X",
+        "actors.sampler",
+        "actors.sampler:Sampler Actor",
+        "actors..x:Y",
+        "subprocess:Popen",
+    ):
         assert not allowed_class(bad, allow), bad
 
 
@@ -96,7 +111,8 @@ async def test_host_refuses_its_own_key_and_classes_outside_its_allowlist(tmp_pa
     keys = tmp_path / "host-keys"
     (keys / "allowed").mkdir(parents=True)
     (keys / "allowed" / "controller.key").write_text(
-        f'metadata\ncurve\n    public-key = "{controller.public.decode()}"\n')
+        f'metadata\ncurve\n    public-key = "{controller.public.decode()}"\n'
+    )
     own = None
     for extra in ((), ("--trust-own-key", "--allow", "tests.unit.orchestrator.runtime.")):
         with trio.fail_after(60):
@@ -105,8 +121,11 @@ async def test_host_refuses_its_own_key_and_classes_outside_its_allowlist(tmp_pa
                 own = Curve.from_dir(keys)  # a copy of the host's own keypair
                 if not extra:
                     # the default host: a class outside actors.* is refused, and so is its own key
-                    await _refused(open_mesh(Counter, 0, hosts=[spec], curve=controller), ActorError,
-                                   "refuses to spawn 'tests.unit.orchestrator.runtime._actors:Counter'")
+                    await _refused(
+                        open_mesh(Counter, 0, hosts=[spec], curve=controller),
+                        ActorError,
+                        "refuses to spawn 'tests.unit.orchestrator.runtime._actors:Counter'",
+                    )
                     await _own_key_refused(spec.address, spec.public_key, own)
                 else:
                     # configured to trust its own key and allow the test actors: both work
@@ -129,9 +148,12 @@ async def test_malformed_frames_are_counted_and_logged_once_per_second_per_peer(
         rogue.setsockopt(zmq.IDENTITY, b"rogue-1")
         rogue.connect(mesh.addresses[0])
         try:
-            bad = [[b"{not json"], [b'{"id": 1, "kind": "call", "endpoint": "no_such", "args": []}'],
-                   [b'{"id": "x", "kind": "call"}'],
-                   [b'{"id": 2, "kind": "call", "endpoint": "incr", "args": ["NaN?"]}']]
+            bad = [
+                [b"{not json"],
+                [b'{"id": 1, "kind": "call", "endpoint": "no_such", "args": []}'],
+                [b'{"id": "x", "kind": "call"}'],
+                [b'{"id": 2, "kind": "call", "endpoint": "incr", "args": ["NaN?"]}'],
+            ]
             for i in range(400):
                 rogue.send_multipart(bad[i % len(bad)])
             with trio.fail_after(20):

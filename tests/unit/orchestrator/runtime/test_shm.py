@@ -37,7 +37,9 @@ async def test_large_tensors_round_trip_through_segments_that_are_reused() -> No
         async with open_mesh(Echo) as mesh:
             before_here = segments_created()
             for _ in range(8):
-                back = await mesh[0].echo.call_one({"big": big, "bf": bf, "small": small, "raw": bytes(2 * SHM_MIN_BYTES)})
+                back = await mesh[0].echo.call_one(
+                    {"big": big, "bf": bf, "small": small, "raw": bytes(2 * SHM_MIN_BYTES)}
+                )
                 assert torch.equal(back["big"], big) and torch.equal(back["bf"].view(torch.int16), bf.view(torch.int16))
                 assert torch.equal(back["small"], small) and back["raw"] == bytes(2 * SHM_MIN_BYTES)
                 del back

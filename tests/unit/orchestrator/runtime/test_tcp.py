@@ -29,8 +29,14 @@ async def test_curve_mesh_serves_allowed_and_refuses_unknown_keys() -> None:
             # actors of the mesh call each other with the mesh's own key
             async with open_mesh(Relay, transport="tcp", curve=curve) as relay:
                 assert await relay[0].via_mesh.call_one(mesh, 1) == [3, 3]
-            rogue = Connection(mesh.addresses[0], name="rogue", rank=0, server_key=curve.public,
-                               identity=Curve.generate(), connect_timeout=None)
+            rogue = Connection(
+                mesh.addresses[0],
+                name="rogue",
+                rank=0,
+                server_key=curve.public,
+                identity=Curve.generate(),
+                connect_timeout=None,
+            )
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(rogue.run)
                 p = rogue.request({"kind": "call", "endpoint": "incr", "args": [100]}, [], reply=True)
@@ -54,9 +60,20 @@ async def test_tcp_needs_curve() -> None:
 async def _start_host(keys: Path, *extra: str) -> tuple[trio.Process, HostSpec]:
     """A real `flotilla host` process; by default it may spawn this package's test actors."""
     proc = await trio.lowlevel.open_process(
-        [sys.executable, "-m", "orchestrator.entry.cli", "host", "--bind", "tcp://127.0.0.1:0",
-         "--keys", str(keys), *(extra or ("--allow", "tests.unit.orchestrator.runtime."))], stdout=subprocess.PIPE,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path)})
+        [
+            sys.executable,
+            "-m",
+            "orchestrator.entry.cli",
+            "host",
+            "--bind",
+            "tcp://127.0.0.1:0",
+            "--keys",
+            str(keys),
+            *(extra or ("--allow", "tests.unit.orchestrator.runtime.")),
+        ],
+        stdout=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path)},
+    )
     assert proc.stdout is not None
     out = b""
     while out.count(b"\n") < 2:
@@ -74,7 +91,8 @@ async def test_actor_host_spawns_watches_and_stops_actors(tmp_path: Path) -> Non
     keys = tmp_path / "host-keys"
     (keys / "allowed").mkdir(parents=True)
     (keys / "allowed" / "controller.key").write_text(
-        f'metadata\ncurve\n    public-key = "{controller.public.decode()}"\n')
+        f'metadata\ncurve\n    public-key = "{controller.public.decode()}"\n'
+    )
     with trio.fail_after(60):
         host, spec = await _start_host(keys)
         try:
@@ -86,8 +104,7 @@ async def test_actor_host_spawns_watches_and_stops_actors(tmp_path: Path) -> Non
                 reasons.append(exc.reason)
                 died.set()
 
-            async with open_mesh(Counter, 5, procs=2, hosts=[spec], curve=controller,
-                                 on_death=on_death) as mesh:
+            async with open_mesh(Counter, 5, procs=2, hosts=[spec], curve=controller, on_death=on_death) as mesh:
                 assert await mesh.incr.call(1) == [6, 6]
                 pids = await mesh.pid.call()
                 assert all(psutil.Process(p).ppid() == host.pid for p in pids)

@@ -19,8 +19,7 @@ def _local_work() -> int:
     return 7
 
 
-async def test_remote_span_is_child_of_caller_span(tmp_path: Path,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_remote_span_is_child_of_caller_span(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # configure_tracing exports FLOTILLA_TRACE_FILE; monkeypatch restores it afterwards
     monkeypatch.setenv("FLOTILLA_TRACE_FILE", "")
     monkeypatch.setenv("FLOTILLA_SERVICE_NAME", "")
@@ -34,8 +33,7 @@ async def test_remote_span_is_child_of_caller_span(tmp_path: Path,
             ctx = caller.get_span_context()
     spans = [json.loads(line) for line in path.read_text().splitlines()]
     by_name = {s["name"]: s for s in spans}
-    outer, inner, local = by_name["controller.step"], by_name["relay.inner"], by_name[
-        "_local_work"]
+    outer, inner, local = by_name["controller.step"], by_name["relay.inner"], by_name["_local_work"]
     assert outer["trace_id"] == f"{ctx.trace_id:032x}"
     assert outer["span_id"] == f"{ctx.span_id:016x}"
     assert outer["attributes"] == {"step": 3}

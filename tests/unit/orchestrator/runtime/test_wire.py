@@ -33,7 +33,7 @@ def _random(dtype: torch.dtype, shape: tuple[int, ...], g: torch.Generator) -> t
     if dtype == torch.bool:
         return torch.rand(shape, generator=g) > 0.5
     if dtype in (torch.int32, torch.int64):
-        return torch.randint(-2**31, 2**31 - 1, shape, generator=g, dtype=dtype)
+        return torch.randint(-(2**31), 2**31 - 1, shape, generator=g, dtype=dtype)
     t = torch.randn(shape, generator=g) * 100
     return t.clamp(-448, 448).to(dtype)
 
@@ -69,20 +69,22 @@ def test_encode_rejects_unsupported_values_naming_the_position() -> None:
         encode(torch.eye(3).to_sparse(), [])
 
 
-@pytest.mark.parametrize("tree, frames, match", [
-    ({"__t": "bytes", "f": 1, "n": 10**15}, [b"abc"], "declared"),
-    ({"__t": "bytes", "f": 5, "n": 3}, [b"abc"], "out of range"),
-    ({"__t": "tensor", "d": "float32", "s": [10**6, 10**6], "f": 1, "n": 4}, [b"abcd"], "needs"),
-    ({"__t": "tensor", "d": "object", "s": [1], "f": 1, "n": 8}, [b"12345678"], "dtype"),
-    ({"__t": "tensor", "d": "int64", "s": [-1], "f": 1, "n": 8}, [b"12345678"], "shape"),
-    ([{"__t": "bytes", "f": 1, "n": 3}, {"__t": "bytes", "f": 1, "n": 3}], [b"abc"], "twice"),
-    ([1, 2], [b"unreferenced"], "references 0"),
-    ({"__t": "model", "c": "os:system", "v": {}}, [], None),
-    ({"__t": "handle", "v": {"kind": "nope"}}, [], "handle"),
-    ({"__t": "eval", "v": "1+1"}, [], "unknown tag"),
-])
-def test_decode_rejects_inconsistent_messages(tree: Any, frames: list[bytes],
-                                              match: str | None) -> None:
+@pytest.mark.parametrize(
+    "tree, frames, match",
+    [
+        ({"__t": "bytes", "f": 1, "n": 10**15}, [b"abc"], "declared"),
+        ({"__t": "bytes", "f": 5, "n": 3}, [b"abc"], "out of range"),
+        ({"__t": "tensor", "d": "float32", "s": [10**6, 10**6], "f": 1, "n": 4}, [b"abcd"], "needs"),
+        ({"__t": "tensor", "d": "object", "s": [1], "f": 1, "n": 8}, [b"12345678"], "dtype"),
+        ({"__t": "tensor", "d": "int64", "s": [-1], "f": 1, "n": 8}, [b"12345678"], "shape"),
+        ([{"__t": "bytes", "f": 1, "n": 3}, {"__t": "bytes", "f": 1, "n": 3}], [b"abc"], "twice"),
+        ([1, 2], [b"unreferenced"], "references 0"),
+        ({"__t": "model", "c": "os:system", "v": {}}, [], None),
+        ({"__t": "handle", "v": {"kind": "nope"}}, [], "handle"),
+        ({"__t": "eval", "v": "1+1"}, [], "unknown tag"),
+    ],
+)
+def test_decode_rejects_inconsistent_messages(tree: Any, frames: list[bytes], match: str | None) -> None:
     if match is None:  # a class path naming a non-model is not resolved: fields arrive as a dict
         assert decode(tree, [b"{}", *frames]) == {}
         return
@@ -104,8 +106,7 @@ async def test_tensors_round_trip_bit_exact_through_an_actor() -> None:
             typed = await mesh[0].tensor.call_one(batch[str(torch.bfloat16)])
             assert torch.equal(_bits(typed), _bits(batch[str(torch.bfloat16)]))
             big = torch.arange(64 * 2**20, dtype=torch.int32)
-            big[::4096] = torch.randint(0, 2**31 - 1, (big[::4096].numel(),), generator=g,
-                                        dtype=torch.int32)
+            big[::4096] = torch.randint(0, 2**31 - 1, (big[::4096].numel(),), generator=g, dtype=torch.int32)
             assert big.numel() * 4 == 256 * 2**20
             back_big = await mesh[0].tensor.call_one(big.view(torch.float32))
             assert torch.equal(back_big.view(torch.int32), big)
@@ -136,8 +137,16 @@ async def test_malformed_messages_are_rejected_and_actor_keeps_serving() -> None
         ([b""], None),
         ([b'{"id": 1, "kind": "call", "endpoint": "echo", "args": [{"__t": "bytes", "f": 1, "n": 5}]}'], 1),
         ([b'{"id": 2, "kind": "call", "endpoint": "echo", "args": [1]}', b"extra frame"], 2),
-        ([(b'{"id": 3, "kind": "call", "endpoint": "echo", "args": [{"__t": "tensor", "d": "float32", '
-           b'"s": [1000000000, 1000000], "f": 1, "n": 4000000000000000}]}'), b"tiny"], 3),
+        (
+            [
+                (
+                    b'{"id": 3, "kind": "call", "endpoint": "echo", "args": [{"__t": "tensor", "d": "float32", '
+                    b'"s": [1000000000, 1000000], "f": 1, "n": 4000000000000000}]}'
+                ),
+                b"tiny",
+            ],
+            3,
+        ),
         ([b'{"id": 4, "kind": "call", "endpoint": "no_such_endpoint", "args": []}'], 4),
         ([b'{"id": 5, "kind": "call", "endpoint": "echo", "args": "not a list"}'], 5),
         ([b'{"id": 6, "kind": "launch_missiles"}'], 6),
@@ -161,9 +170,11 @@ async def test_malformed_messages_are_rejected_and_actor_keeps_serving() -> None
 
 
 def test_importing_orchestrator_does_not_import_torch() -> None:
-    runtime_only = ("import orchestrator.runtime, sys; "
-                    "assert 'torch' not in sys.modules, 'torch imported'; "
-                    "assert 'opentelemetry' not in sys.modules, 'otel imported'")
+    runtime_only = (
+        "import orchestrator.runtime, sys; "
+        "assert 'torch' not in sys.modules, 'torch imported'; "
+        "assert 'opentelemetry' not in sys.modules, 'otel imported'"
+    )
     package = "import orchestrator, sys; assert 'torch' not in sys.modules, 'torch imported'"
     for code in (runtime_only, package):
         subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

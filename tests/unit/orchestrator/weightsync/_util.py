@@ -27,9 +27,7 @@ def master_state(seed: int = 0, *, scale: float = 0.02) -> dict[str, torch.Tenso
     }
 
 
-def sparse_step(
-    state: dict[str, torch.Tensor], gen: torch.Generator, *, frac: float = 0.03, lr: float = 1e-3
-) -> None:
+def sparse_step(state: dict[str, torch.Tensor], gen: torch.Generator, *, frac: float = 0.03, lr: float = 1e-3) -> None:
     """In place: move a random `frac` of every tensor's elements by ~lr, the way
     an optimizer step nudges weights (some steps also touch the norms)."""
     for t in state.values():
@@ -40,8 +38,7 @@ def sparse_step(
 
 def same_bytes(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(
-        a[n].dtype == b[n].dtype
-        and torch.equal(a[n].reshape(-1).view(torch.uint8), b[n].reshape(-1).view(torch.uint8))
+        a[n].dtype == b[n].dtype and torch.equal(a[n].reshape(-1).view(torch.uint8), b[n].reshape(-1).view(torch.uint8))
         for n in a
     )
 

@@ -75,18 +75,25 @@ def _forgeries(keyframes, deltas, rng: random.Random):
             t["dtype"] = "float16" if t["dtype"] != "float16" else "bfloat16"
 
     kinds = {
-        "forged version": lambda: _edit_meta(rng.choice([d7, kf8]), lambda m: m.update(version=m["version"] + rng.randint(1, 50))),
+        "forged version": lambda: _edit_meta(
+            rng.choice([d7, kf8]), lambda m: m.update(version=m["version"] + rng.randint(1, 50))
+        ),
         "forged base": lambda: _edit_meta(d8, lambda m: m.update(base_version=HELD)),
-        "forged delta->keyframe": lambda: _edit_meta(d7, lambda m: m.update(base_version=None, encoding="keyframe-zstd")),
+        "forged delta->keyframe": lambda: _edit_meta(
+            d7, lambda m: m.update(base_version=None, encoding="keyframe-zstd")
+        ),
         "forged precision": lambda: _edit_meta(d7, lambda m: m.update(precision="fp32")),
         "forged chunk size": lambda: _edit_meta(d7, lambda m: m.update(chunk_bytes=m["chunk_bytes"] * 2)),
-        "forged tensor list": lambda: _edit_meta(rng.choice([d7, kf8]), lambda m: tensor_edit(
-            m, rng.choice(["rename", "hash", "drop", "shape", "dtype"]))),
+        "forged tensor list": lambda: _edit_meta(
+            rng.choice([d7, kf8]), lambda m: tensor_edit(m, rng.choice(["rename", "hash", "drop", "shape", "dtype"]))
+        ),
         "digest removed": lambda: _edit_meta(d7, lambda m: m.update(digest="")),
         "flipped payload byte": lambda: _flip_payload(rng.choice([d7, kf8]), rng),
         "truncated": lambda: _truncate(rng.choice([d7, kf8]), rng),
-        "garbage metadata": lambda: [bytes(rng.getrandbits(8) for _ in range(rng.randint(0, 64))),
-                                     *[bytes(f) for f in d7.frames]],
+        "garbage metadata": lambda: [
+            bytes(rng.getrandbits(8) for _ in range(rng.randint(0, 64))),
+            *[bytes(f) for f in d7.frames],
+        ],
         "replayed old keyframe": lambda: rng.choice([keyframes[0], keyframes[4]]).to_frames(),
         "replayed old delta": lambda: deltas[rng.randint(1, HELD)].to_frames(),
         "delta with a gap": lambda: d8.to_frames(),
@@ -108,7 +115,7 @@ def _truncate(msg: WeightMessage, rng: random.Random) -> list[bytes]:
     frames = [bytes(f) for f in msg.to_frames()]
     i = rng.randrange(len(frames))
     if rng.random() < 0.5:
-        return frames[:i] + frames[i + 1:]
+        return frames[:i] + frames[i + 1 :]
     frames[i] = frames[i][: rng.randrange(len(frames[i]))]
     return frames
 
@@ -131,15 +138,16 @@ def test_a_thousand_bad_messages_none_accepted_no_snapshot_changed() -> None:
             refused[kind] += 1
         else:
             if rx.staged_version is not None:
-                staged[kind] += 1   # built aside, below the held version; not swapped in
+                staged[kind] += 1  # built aside, below the held version; not swapped in
             else:
                 accepted += 1
         if rx.version != HELD or not same_bytes(rx.snapshot, snap6):  # type: ignore[arg-type]
             changed += 1
         # Whatever came before, the honest path still brings it to the latest, bit-exact.
         if i % 50 == 0:
-            rx.apply_all(WeightMessage.from_frames(m.to_frames())
-                         for m in pub.updates_for(f"r{i}", rx.have_version, "bf16"))
+            rx.apply_all(
+                WeightMessage.from_frames(m.to_frames()) for m in pub.updates_for(f"r{i}", rx.have_version, "bf16")
+            )
             assert rx.version == 8 and same_bytes(rx.snapshot, pub.snapshot("bf16"))  # type: ignore[arg-type]
     assert accepted == 0 and changed == 0
     assert sum(refused.values()) + sum(staged.values()) == 1000
@@ -152,10 +160,10 @@ def test_a_thousand_bad_messages_none_accepted_no_snapshot_changed() -> None:
 
 def test_a_replayed_keyframe_path_never_rolls_back() -> None:
     """The issue's case: v5 receiver waiting for a keyframe, offered keyframe v0."""
-    pub, keyframes, deltas, snap6 = _history()
+    _pub, keyframes, deltas, snap6 = _history()
     rx = WeightReceiver("bf16", clone(snap6), HELD)
     with pytest.raises(VersionError):
-        rx.apply(deltas[8])           # a gap: now it needs a keyframe
+        rx.apply(deltas[8])  # a gap: now it needs a keyframe
     for _ in range(3):
         assert rx.apply(keyframes[0]) == HELD and rx.staged_version == 0
         assert rx.apply(deltas[1]) == HELD and rx.staged_version == 1
@@ -166,7 +174,7 @@ def test_a_replayed_keyframe_path_never_rolls_back() -> None:
     assert rx.version == HELD and rx.staged_version is None and not rx.needs_keyframe
     assert same_bytes(rx.snapshot, snap6)  # type: ignore[arg-type]
     with pytest.raises(VersionError, match="stale keyframe"):
-        rx.apply(keyframes[4])        # not waiting any more: an old keyframe is refused outright
+        rx.apply(keyframes[4])  # not waiting any more: an old keyframe is refused outright
     assert rx.apply(deltas[7]) == 7 and rx.apply(deltas[8]) == 8
 
 

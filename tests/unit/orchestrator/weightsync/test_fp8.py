@@ -77,9 +77,7 @@ def test_fp8_snapshot_follows_the_rule() -> None:
         else:
             assert snap[name].dtype == torch.float8_e4m3fn, name
             assert snap[f"{name}_scale_inv"].dtype == torch.float32
-    assert set(snap) == set(master) | {
-        f"{n}_scale_inv" for n in master if snap[n].dtype == torch.float8_e4m3fn
-    }
+    assert set(snap) == set(master) | {f"{n}_scale_inv" for n in master if snap[n].dtype == torch.float8_e4m3fn}
     everything = fp8_wire_snapshot(master, skip=())
     assert everything["lm_head.weight"].dtype == torch.float8_e4m3fn
 

@@ -117,8 +117,9 @@ def test_frames_that_decode_to_other_bytes_fail_the_tensor_hash() -> None:
 
 def test_refused_first_parts_leave_the_held_snapshot_untouched() -> None:
     pub = _publisher(2, key=b"k" * 32)
-    rx = WeightReceiver("bf16", {n: t.clone() for n, t in _publisher(1).snapshot("bf16").items()}, 0,
-                        auth_key=b"x" * 32)
+    rx = WeightReceiver(
+        "bf16", {n: t.clone() for n, t in _publisher(1).snapshot("bf16").items()}, 0, auth_key=b"x" * 32
+    )
     before = {n: t.clone() for n, t in rx.snapshot.items()}
     first = message_part(pub.keyframe("bf16"), 0, 6000)
     with pytest.raises(AuthenticationError):
@@ -132,8 +133,7 @@ def test_refused_first_parts_leave_the_held_snapshot_untouched() -> None:
     fp8 = WeightReceiver("fp8")
     with pytest.raises(StructureMismatchError):
         fp8.apply_part(*message_part(_publisher(1).keyframe("bf16"), 0, 6000))
-    current = WeightReceiver("bf16", {n: t.clone() for n, t in pub.snapshot("bf16").items()}, 1,
-                             auth_key=b"k" * 32)
+    current = WeightReceiver("bf16", {n: t.clone() for n, t in pub.snapshot("bf16").items()}, 1, auth_key=b"k" * 32)
     with pytest.raises(VersionError, match="stale"):
         current.apply_part(*first)  # keyframe 0 to a receiver at 1 that needs nothing
     assert current.snapshot is not None and current.version == 1

@@ -65,9 +65,7 @@ def failure_setup() -> tuple[WeightPublisher, WeightReceiver, dict[str, torch.Te
     return pub, rx, master, gen
 
 
-def assert_refused_then_recovers(
-    pub: WeightPublisher, rx: WeightReceiver, bad, error: type[DeltaError]
-) -> None:
+def assert_refused_then_recovers(pub: WeightPublisher, rx: WeightReceiver, bad, error: type[DeltaError]) -> None:
     before = clone(rx.snapshot)  # type: ignore[arg-type]
     held = rx.version
     with pytest.raises(error):
@@ -87,9 +85,7 @@ def test_flipped_byte_is_refused_weights_stay_and_a_keyframe_recovers() -> None:
     big = max(range(1, len(frames)), key=lambda i: len(frames[i]))
     frames[big] = flip(bytes(frames[big]), len(frames[big]) // 2)
     corrupted = WeightMessage.from_frames(frames)
-    assert_refused_then_recovers(
-        pub, rx, lambda: rx.apply(corrupted), (HashMismatchError, CorruptPayloadError)
-    )  # type: ignore[arg-type]
+    assert_refused_then_recovers(pub, rx, lambda: rx.apply(corrupted), (HashMismatchError, CorruptPayloadError))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("cut", ["drop a frame", "cut a frame", "cut the file"])

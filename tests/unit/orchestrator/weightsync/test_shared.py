@@ -111,8 +111,9 @@ def test_a_killed_helper_costs_only_time(monkeypatch: pytest.MonkeyPatch) -> Non
 def test_a_helper_refuses_a_bad_request_and_keeps_serving() -> None:
     snap = _shared.share(mixed_snapshot(0))
     (helper,) = helpers_ready()
-    head = json.dumps({"level": 1, "algo": "xxh3-128", "chunk_bytes": 1024, "arenas": [],
-                       "sizes": [], "drop": []}).encode()
+    head = json.dumps(
+        {"level": 1, "algo": "xxh3-128", "chunk_bytes": 1024, "arenas": [], "sizes": [], "drop": []}
+    ).encode()
     row = struct.pack("<6q", 424242, 0, 424242, 0, 8, 2)  # an arena it was never given
     helper.sock.sendall(struct.pack("<III", len(head), 1, 0) + head + row)
     with pytest.raises(_shared.HelperError, match="unknown arena 424242"):
@@ -191,8 +192,9 @@ def test_an_encode_that_raises_midway_leaves_no_helper_out_of_step(monkeypatch: 
         raise RuntimeError("the caller's share failed")
 
     with pytest.raises(RuntimeError, match="caller's share"):
-        _shared.encode_on_helpers(rows * 4, 1, level=1, algo="xxh3-128", chunk_bytes=1024,
-                                  digest_size=16, run_here=boom)
+        _shared.encode_on_helpers(
+            rows * 4, 1, level=1, algo="xxh3-128", chunk_bytes=1024, digest_size=16, run_here=boom
+        )
     assert helper.proc.poll() is not None  # stopped: its unread reply cannot confuse the next encode
     delta = encode_delta(sprev, snew, 1, 0, "bf16", chunk_bytes=1024)
     target = clone(prev)

@@ -19,9 +19,12 @@ from orchestrator.weightsync import (
 
 def _master() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    return {"embed.weight": torch.randn(300, 64, generator=g) * 0.02,
-            "layers.0.mlp.weight": torch.randn(256, 200, generator=g) * 0.02,
-            "norm.weight": torch.ones(64), "empty": torch.zeros(0, 3)}
+    return {
+        "embed.weight": torch.randn(300, 64, generator=g) * 0.02,
+        "layers.0.mlp.weight": torch.randn(256, 200, generator=g) * 0.02,
+        "norm.weight": torch.ones(64),
+        "empty": torch.zeros(0, 3),
+    }
 
 
 @pytest.mark.parametrize(("precision", "compress"), [("bf16", True), ("fp8", True), ("fp32", True), ("bf16", False)])
