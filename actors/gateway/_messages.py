@@ -23,7 +23,7 @@ from typing import Any
 
 from pydantic import Field, field_validator
 
-from actors.gateway._schemas import ChatRequest, GatewayError, _Open, content_pieces
+from actors.gateway._schemas import ChatRequest, GatewayError, OpenModel, content_pieces
 from actors.gateway._session import Session, Turn
 
 __all__ = ["MessagesRequest", "anthropic_error", "message_events", "reply"]
@@ -49,7 +49,7 @@ def anthropic_error(e: GatewayError) -> dict[str, Any]:
     }
 
 
-class MessagesRequest(_Open):
+class MessagesRequest(OpenModel):
     """``POST /v1/messages`` (unknown fields -- ``metadata``, ``top_k``, ``thinking``... --
     are accepted and ignored)."""
 

@@ -29,7 +29,7 @@ from actors.gateway._schemas import (
     ChatRequest,
     GatewayError,
     _args,
-    _Open,
+    OpenModel,
     content_pieces,
 )
 from actors.gateway._session import Session, Turn
@@ -37,7 +37,7 @@ from actors.gateway._session import Session, Turn
 __all__ = ["ResponsesRequest", "respond", "response_events"]
 
 
-class ResponsesRequest(_Open):
+class ResponsesRequest(OpenModel):
     """``POST /v1/responses`` (unknown fields -- ``store``, ``include``, ``reasoning``,
     ``text``, ``metadata``... -- are accepted and ignored)."""
 

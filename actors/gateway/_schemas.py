@@ -30,6 +30,7 @@ __all__ = [
     "ChatRequest",
     "CompletionRequest",
     "GatewayError",
+    "OpenModel",
     "chat_response",
     "completion_response",
     "content_pieces",
@@ -78,7 +79,9 @@ def format_validation_error(err: ValidationError) -> tuple[str, str | None]:
     return f"{loc or 'body'}: {e['msg']}{more}", loc
 
 
-class _Open(BaseModel):
+class OpenModel(BaseModel):
+    """A request model that ignores fields it does not model, as the vendors' APIs do."""
+
     model_config = ConfigDict(extra="ignore")
 
 
@@ -152,7 +155,7 @@ def _args(arguments: str | dict[str, Any]) -> Any:
         return arguments  # the model wrote broken JSON; it stays as text
 
 
-class _Sampling(_Open):
+class _Sampling(OpenModel):
     model: str = ""
     """Model name (any name is accepted; ``GET /v1/models`` lists the served one)."""
     max_tokens: int | None = Field(None, ge=1)
@@ -189,7 +192,7 @@ class _Sampling(_Open):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
 
-class StreamOptions(_Open):
+class StreamOptions(OpenModel):
     include_usage: bool = False
     """Send a last chunk with ``choices: []`` and the usage (and ``usage: null`` on the others)."""
 
