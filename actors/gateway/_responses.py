@@ -28,9 +28,9 @@ from pydantic import Field, field_validator
 from actors.gateway._schemas import (
     ChatRequest,
     GatewayError,
-    _args,
     OpenModel,
     content_pieces,
+    tool_arguments,
 )
 from actors.gateway._session import Session, Turn
 
@@ -127,7 +127,10 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             arguments = it.get("arguments", "")
             call = {
                 "type": "function",
-                "function": {"name": name, "arguments": _args(arguments if isinstance(arguments, (str, dict)) else "")},
+                "function": {
+                    "name": name,
+                    "arguments": tool_arguments(arguments if isinstance(arguments, (str, dict)) else ""),
+                },
             }
             last = out[-1] if out else None
             if last is not None and last["role"] == "assistant":  # one assistant turn

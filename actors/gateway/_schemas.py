@@ -39,6 +39,7 @@ __all__ = [
     "logprob_entry",
     "stream_chunks",
     "template_message",
+    "tool_arguments",
 ]
 
 
@@ -134,7 +135,10 @@ def template_message(m: ChatMessage) -> dict[str, Any]:
         msg["tool_calls"] = [
             {
                 "type": "function",
-                "function": {"name": c["function"]["name"], "arguments": _args(c["function"].get("arguments", "{}"))},
+                "function": {
+                    "name": c["function"]["name"],
+                    "arguments": tool_arguments(c["function"].get("arguments", "{}")),
+                },
             }
             for c in calls
         ]
@@ -146,7 +150,7 @@ def template_message(m: ChatMessage) -> dict[str, Any]:
     return msg
 
 
-def _args(arguments: str | dict[str, Any]) -> Any:
+def tool_arguments(arguments: str | dict[str, Any]) -> Any:
     if isinstance(arguments, dict):
         return arguments
     try:
