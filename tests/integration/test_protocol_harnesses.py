@@ -37,7 +37,7 @@ max_seq_len = 1024
 [task]
 kind = "harness"
 name = "protocols"
-command = "{sys.executable} {ROOT / 'tests/unit/gateway/clients_more.py'} {{task}}"
+command = "{sys.executable} -m tests.unit.gateway.clients_more {{task}}"
 max_new_tokens = 16
 episode_timeout_s = 120
 [rollout]

@@ -9,7 +9,7 @@ known) each client also checks what its API promises (stop reasons, statuses, st
 events and text, usage); a failed check fails the episode.
 
 Use as ``entrypoint = "tests/unit/gateway/clients_more.py:play"`` (``task["client"]`` picks
-the client) or as ``command = "python tests/unit/gateway/clients_more.py {task}"`` (it reads
+the client) or as ``command = "python -m tests.unit.gateway.clients_more {task}"`` from the repository root (it reads
 ``OPENAI_BASE_URL`` / ``ANTHROPIC_BASE_URL`` and the keys, as a harness would).
 """
 
@@ -19,15 +19,7 @@ import asyncio
 import json
 import os
 import sys
-from pathlib import Path
 from typing import Any
-
-if __name__ == "__main__":
-    # Run as a command: the repo root on the path, and not this folder, whose agents.py
-    # would shadow the Agents SDK.
-    _here = Path(__file__).resolve().parent
-    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _here]
-    sys.path.insert(0, str(_here.parents[2]))
 
 from tests.unit.gateway.clients import AGAIN, QUESTION, Check, _run_tool, add
 

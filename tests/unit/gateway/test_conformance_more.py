@@ -25,6 +25,7 @@ from tests.unit.gateway.clients_more import CLIENTS_MORE
 from tests.unit.gateway.test_conformance import ANSWER, LONG, TOOL_REPLY
 
 HERE = Path(__file__).parent
+ROOT = HERE.parents[2]
 pytestmark = pytest.mark.slow  # an env actor, a sampler actor and a client per test: seconds each
 
 
@@ -45,7 +46,12 @@ async def test_each_client_plays_the_episode_and_its_ids_are_exact(tok_dir, fmt,
     # The anthropic client runs as its own process (ANTHROPIC_BASE_URL and the key from its
     # environment, as a harness command gets them); the others as an entrypoint.
     harness = (
-        HarnessConfig(command=f"{sys.executable} {HERE / 'clients_more.py'} {{task}}", timeout_s=60, max_new_tokens=64)
+        HarnessConfig(
+            command=f"{sys.executable} -m tests.unit.gateway.clients_more {{task}}",
+            cwd=str(ROOT),
+            timeout_s=60,
+            max_new_tokens=64,
+        )
         if client == "anthropic_messages"
         else HarnessConfig(entrypoint=f"{HERE / 'clients_more.py'}:play", timeout_s=60, max_new_tokens=64)
     )

@@ -153,7 +153,7 @@ async def test_entrypoint_harness_on_the_torch_sampler_reuses_the_session_prefix
     from actors.tiny import family_config
 
     cfg = EnvConfig(
-        harness=HarnessConfig(entrypoint=f"{HERE / 'agents.py'}:three_turns", timeout_s=60, max_new_tokens=16),
+        harness=HarnessConfig(entrypoint=f"{HERE / 'entrypoints.py'}:three_turns", timeout_s=60, max_new_tokens=16),
         model_path=str(tok_dir),
         max_seq_len=256,
     )
