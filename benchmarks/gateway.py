@@ -48,6 +48,9 @@ running gateway (Starlette on hypercorn's trio worker, in this process) backed b
   ``tests/unit/gateway/clients.py`` in turn (raw httpx as OpenAI's reference writes it,
   ``openai`` sync and async, the Agents SDK, LangChain): the clients whose every episode
   succeeded (episodes are matched to clients by their prompt's seed, from the traces);
+* random_bytes_episodes_failed: built-in episodes and gateway sessions (``--random-episodes``
+  each) whose replies are random ids of a byte-level BPE model, checked id for id as the
+  test suite checks them;
 * failing_harness_stop_s: ``flotilla run`` whose harness always exits with an error, from
   the command's start to its exit (it must stop by itself, non-zero, naming the error).
 
@@ -455,6 +458,24 @@ max_new_tokens = 16\nepisode_timeout_s = 120
     return {"episodes": episodes, "failed": failed, "ok": [k for k in names if episodes[k] and not failed[k]]}
 
 
+def _random_bytes(episodes: int) -> dict:
+    """Built-in episodes and gateway sessions whose replies are random ids of a byte-level
+    BPE model (invalid UTF-8, split characters, cuts, special ids, tool calls), checked as the
+    test suite checks them (``tests/unit/actors/test_chat_generated_ids.py``)."""
+    import trio
+
+    mod = _module(ROOT / "tests/unit/actors/test_chat_generated_ids.py")
+    fmt = mod.make_format()
+
+    async def both() -> list[str]:
+        built_in, _ = await mod.built_in_failures(fmt, episodes)
+        gateway, _ = await mod.gateway_failures(fmt, episodes)
+        return built_in + gateway
+
+    failures = trio.run(both)
+    return {"episodes": 2 * episodes, "failed": len(failures), "first": failures[:1]}
+
+
 def _failing_run() -> dict:
     """A run whose harness always exits with an error: seconds until it stopped by itself."""
     import tempfile
@@ -485,6 +506,9 @@ def main() -> None:
     ap.add_argument("--multi-reps", type=int, default=3, help="multi-turn runs per sampler (alternating)")
     ap.add_argument("--system", type=int, default=1024, help="multi-turn: tokens of the first prompt")
     ap.add_argument("--turn-tokens", type=int, default=8, help="multi-turn: tokens generated per turn")
+    ap.add_argument(
+        "--random-episodes", type=int, default=1000, help="random-id episodes, built in and through the gateway (each)"
+    )
     ap.add_argument("--client-steps", type=int, default=4, help="steps of the run through the five clients")
     ap.add_argument("--quick", action="store_true", help="fewer turns and multi-turn sessions (< 60 s unloaded)")
     ap.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
@@ -495,6 +519,7 @@ def main() -> None:
     if args.quick:
         args.turns, args.multi_sessions, args.probe_turns, args.multi_reps = 2, 4, 30, 1
         args.client_steps = 2
+        args.random_episodes = 200
 
     import torch
     import trio
@@ -504,6 +529,7 @@ def main() -> None:
     ov, probe = r["overhead"], r["probe"]
     clients = _client_runs(args.client_steps)
     stop = _failing_run()
+    odd = _random_bytes(args.random_episodes)
 
     def minus_wait(pair) -> list[float]:
         return [lat - w for lat, w in zip(*pair, strict=True)]
@@ -579,6 +605,7 @@ def main() -> None:
             ", ".join(f"{k} {clients['failed'][k]}/{n}" for k, n in sorted(clients["episodes"].items()))
             + " failed/episodes",
         ),
+        ("random-id episodes failed", f"{odd['failed']}/{odd['episodes']}", "; ".join(odd["first"])[:60]),
         ("failing harness: run stops", f"{stop['seconds']:.1f} s", f"exit {stop['rc']}: {stop['line'][:60]}"),
         ("load average (1 min)", f"{load:.1f}", f"{os.cpu_count()} cores"),
     ]
@@ -643,6 +670,8 @@ def main() -> None:
                 "conformance_episodes": sum(clients["episodes"].values()),
                 "conformance_episodes_failed": sum(clients["failed"].values()),
                 "failing_harness_stop_s": round(stop["seconds"], 1),
+                "random_bytes_episodes": odd["episodes"],
+                "random_bytes_episodes_failed": odd["failed"],
                 "failing_harness_exit": stop["rc"],
                 "load_avg_1m": round(load, 2),
             }

@@ -61,6 +61,11 @@ PLACEHOLDER = "PLACEHOLDER{}END"
 
 @pytest.fixture(scope="module")
 def fmt() -> HFChatFormat:
+    return make_format()
+
+
+def make_format() -> HFChatFormat:
+    """The byte-level BPE tokenizer with a ChatML template (trained here, nothing downloaded)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -236,11 +241,13 @@ def _streamed(response: dict[str, Any], pieces: list[str]) -> dict[str, Any]:
     return {"role": "assistant", "content": content or None, **({"tool_calls": calls} if calls else {})}
 
 
-async def test_built_in_episodes_hold_random_reply_ids_exactly(fmt: HFChatFormat) -> None:
+async def built_in_failures(fmt: HFChatFormat, episodes: int = EPISODES) -> tuple[list[str], Counter[str]]:
+    """Play `episodes` built-in episodes with random reply ids: (what went wrong, the kinds of
+    odd bytes seen). Also run by benchmarks/gateway.py (``random_bytes_episodes_failed``)."""
     failures: list[str] = []
     kinds: Counter[str] = Counter()
     threads = EnvThreads(2)
-    for seed in range(EPISODES):
+    for seed in range(episodes):
         sampler = RandomSampler(fmt, seed)
         traj = await play_episode(
             sampler,
@@ -258,16 +265,22 @@ async def test_built_in_episodes_hold_random_reply_ids_exactly(fmt: HFChatFormat
         if problem is not None:
             failures.append(f"episode {seed}: {problem}")
         _count_kinds(fmt, sampler.calls, kinds)
+    return failures, kinds
+
+
+async def test_built_in_episodes_hold_random_reply_ids_exactly(fmt: HFChatFormat) -> None:
+    failures, kinds = await built_in_failures(fmt)
     assert not failures, f"{len(failures)} of {EPISODES} episodes failed; first: {failures[:3]}"
     assert min(kinds.values()) >= 50 and len(kinds) == 5, kinds
 
 
-async def test_gateway_sessions_hold_random_reply_ids_exactly(fmt: HFChatFormat) -> None:
+async def gateway_failures(fmt: HFChatFormat, episodes: int = EPISODES) -> tuple[list[str], Counter[str]]:
+    """As `built_in_failures`, through gateway sessions (every other turn streamed)."""
     failures: list[str] = []
     kinds: Counter[str] = Counter()
     limits = SessionLimits(SamplingParams(), max_seq_len=4096, max_new_tokens=MAX_NEW)
     task = TaskSpec(task="t", prompt_id="p", group_id="g")
-    for seed in range(EPISODES):
+    for seed in range(episodes):
         sampler = RandomSampler(fmt, seed)
         session = Session(f"s{seed}", task, fmt, sampler, limits, 0)
         messages: list[dict[str, Any]] = _opening(seed)
@@ -297,5 +310,10 @@ async def test_gateway_sessions_hold_random_reply_ids_exactly(fmt: HFChatFormat)
         if problem is not None:
             failures.append(f"session {seed}: {problem}")
         _count_kinds(fmt, sampler.calls, kinds)
+    return failures, kinds
+
+
+async def test_gateway_sessions_hold_random_reply_ids_exactly(fmt: HFChatFormat) -> None:
+    failures, kinds = await gateway_failures(fmt)
     assert not failures, f"{len(failures)} of {EPISODES} sessions failed; first: {failures[:3]}"
     assert min(kinds.values()) >= 50 and len(kinds) == 5, kinds
