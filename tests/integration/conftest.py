@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -49,3 +52,31 @@ def small_raw(tmp_path: Path):
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def flotilla_run(config: Path, *args: str, timeout: float = 380) -> subprocess.CompletedProcess[str]:
+    """`flotilla run CONFIG --quiet ARGS` in a subprocess from the repository root."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrator", "run", str(config), "--quiet", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def assert_trained_without_failures(run_dir: Path, steps: int, min_episodes: int) -> None:
+    """Every step of the run was written, none with a failed episode, and at least
+    `min_episodes` episodes finished (their rollout spans carry an outcome), none failed."""
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert all(r["dropped_failed"] == 0 for r in rows), [r["dropped_failed"] for r in rows]
+    spans = read_jsonl(run_dir / "traces.jsonl")
+    episodes = [s["attributes"] for s in spans if s.get("name") == "rollout" and "failed" in s["attributes"]]
+    assert len(episodes) >= min_episodes and not any(a["failed"] for a in episodes)

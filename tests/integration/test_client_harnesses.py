@@ -6,13 +6,11 @@ UTF-8 and cuts at max_tokens all reach the clients."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.integration.conftest import assert_trained_without_failures, flotilla_run
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -56,20 +54,6 @@ gpu = "cpu"
 device = "cpu"
 max_concurrent_rollouts = 10
 """)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        [sys.executable, "-m", "orchestrator", "run", str(config), "--quiet"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=380,
-        check=False,
-    )
+    done = flotilla_run(config)
     assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
-    rows = [json.loads(x) for x in (tmp_path / "clients" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2]
-    assert all(r["dropped_failed"] == 0 for r in rows), [r["dropped_failed"] for r in rows]
-    spans = [json.loads(x) for x in (tmp_path / "clients" / "traces.jsonl").read_text().splitlines()]
-    episodes = [s["attributes"] for s in spans if s.get("name") == "rollout" and "failed" in s["attributes"]]
-    assert len(episodes) >= 10 and not any(a["failed"] for a in episodes)
+    assert_trained_without_failures(tmp_path / "clients", steps=2, min_episodes=10)

@@ -5,13 +5,12 @@ malformed requests to the gateway, no reward). Real processes throughout."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from tests.integration.conftest import flotilla_run
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -58,17 +57,8 @@ gpu = "cpu"
 device = "cpu"
 max_concurrent_rollouts = 8
 """)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     t0 = time.monotonic()
-    done = subprocess.run(
-        [sys.executable, "-m", "orchestrator", "run", str(config), "--quiet"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-    )
+    done = flotilla_run(config, timeout=180)
     took = time.monotonic() - t0
     assert done.returncode == 1, f"{done.stdout}\n{done.stderr}"
     stop = [line for line in done.stderr.splitlines() if line.startswith("flotilla: stopped: ")]
