@@ -28,6 +28,7 @@ Imports torch; `orchestrator/__init__` does not import this package.
 
 from ._auth import meta_digest, seal, verify, verify_meta
 from ._codec import Snapshot, apply, decode_keyframe, encode_delta, encode_keyframe, snapshot_bytes
+from ._device import DeviceDeltas
 from ._errors import (
     AuthenticationError,
     CorruptPayloadError,
@@ -62,6 +63,7 @@ __all__ = [
     "AuthenticationError",
     "CorruptPayloadError",
     "DeltaError",
+    "DeviceDeltas",
     "HashMismatchError",
     "KeyframeAssembler",
     "MalformedMessageError",
