@@ -9,6 +9,7 @@ import torch
 from orchestrator.weightsync import (
     DeviceDeltas,
     StructureMismatchError,
+    WeightPublisher,
     WeightReceiver,
     apply,
     encode_delta,
@@ -91,3 +92,24 @@ def test_a_changed_structure_is_refused_and_changes_nothing() -> None:
     with pytest.raises(StructureMismatchError):
         enc.delta(bad, 1, "bf16")
     assert enc.version == 0 and same_bytes(enc.host, snap)
+
+
+def test_a_publisher_with_device_deltas_sends_the_same_messages() -> None:
+    master = master_state(5)
+    gen = torch.Generator().manual_seed(6)
+    kw = dict(keyframe_interval=3, precisions=("bf16", "fp8"), chunk_bytes=4096, helper_processes=False)
+    plain, on_device = WeightPublisher(**kw), WeightPublisher(**kw, device_deltas=True)
+    for version in range(6):
+        if version:
+            sparse_step(master, gen, frac=0.02, lr=1e-2)
+        a, b = plain.publish(version, master), on_device.publish(version, master)
+        assert [m.meta for m in a] == [m.meta for m in b]
+        assert [[bytes(f) for f in m.frames] for m in a] == [[bytes(f) for f in m.frames] for m in b]
+        for p in ("bf16", "fp8"):
+            assert same_bytes(plain.snapshot(p), on_device.snapshot(p))
+    grown = dict(master, extra=torch.ones(8))  # a changed structure: a keyframe, then deltas again
+    a, b = plain.publish(6, grown), on_device.publish(6, grown)
+    assert [m.meta for m in a] == [m.meta for m in b] and all(m.is_keyframe for m in b)
+    sparse_step(grown, gen)
+    a, b = plain.publish(7, grown), on_device.publish(7, grown)
+    assert [m.meta for m in a] == [m.meta for m in b] and not any(m.is_keyframe for m in b)
