@@ -51,7 +51,9 @@ NEEDED="import trio, zmq, zstandard, pydantic, opentelemetry.sdk.trace, hypercor
 shopt -s nullglob
 wheels=(.whl/*.whl)
 # Where the packages already import (a full environment), .whl/ is not needed.
+DEPS_PATH=
 if (( ${#wheels[@]} )) && ! $PY -c "$NEEDED" 2>/dev/null; then
+    DEPS_PATH=":$DEPS"
     stamp=$(ls .whl | sort | cksum | cut -d' ' -f1)
     if [[ ! -f $DEPS/.stamp || $(cat "$DEPS/.stamp") != "$stamp" ]]; then
         rm -rf "$DEPS" && mkdir -p "$DEPS"
@@ -65,7 +67,7 @@ if (( ${#wheels[@]} )) && ! $PY -c "$NEEDED" 2>/dev/null; then
         echo "$stamp" >"$DEPS/.stamp"
     fi
 fi
-export PYTHONPATH="$PWD:$DEPS${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD$DEPS_PATH${PYTHONPATH:+:$PYTHONPATH}"
 if ! missing=$($PY -c "
 import importlib, sys
 mods = ['trio', 'zmq', 'zstandard', 'pydantic', 'opentelemetry.sdk.trace', 'hypercorn', 'starlette', 'orchestrator', 'actors']
