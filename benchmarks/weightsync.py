@@ -23,6 +23,9 @@ on two threads (`encode_threads_gbps`, the codec's path for snapshots not in sha
 memory), right after the headline one and so on warmer caches, which flatters it;
 `deltas_on_helper_processes` counts the deltas the helpers encoded (chunks of 1 MiB and
 more stay on threads: none at full size).
+Every step also finds the same delta with `DeviceDeltas` on `--device` (cpu by default;
+cuda on a GPU), which must give identical frames (`device_frames_identical`), and reports
+its GB/s and the bytes it moved to the host (`device_host_*`).
 Targets: bit_exact, wire_over_entropy_lr1e-6 <= 1.43, encode/apply >= 1 GB/s
 on 2 cores.
 

@@ -23,6 +23,8 @@ failed apply leaves the target bit-identical (undo by XOR, see `_codec`).
 Snapshots in shared memory (`wire_snapshot(..., shared=True)`, `share`; the
 publisher's by default) are encoded by helper processes rather than threads, which
 share one GIL (`_shared`, `start_helpers`, `helper_stats`).
+`DeviceDeltas` finds deltas on the snapshot's own device (a GPU), moving to the host
+only the changed words; `WeightPublisher` uses it where the master weights lie on a GPU.
 Imports torch; `orchestrator/__init__` does not import this package.
 """
 
