@@ -24,7 +24,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 DEST=${WHEEL_DIR:-.whl}
-LIMIT_MIB=48
+LIMIT_MIB=${GPU_WHEELS_LIMIT_MIB:-48}  # what a device call carries beside the checkout
 
 WHEELS=(
     # trio and its dependencies
