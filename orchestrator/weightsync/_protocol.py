@@ -166,7 +166,10 @@ class WeightPublisher:
         if on_device is None:
             on_device = any(t.device.type != "cpu" for t in master.values())
         shared = self._shared and not on_device
-        snaps = {p: wire_snapshot(master, p, fp8_skip=self._fp8_skip, shared=shared) for p in self.precisions}
+        snaps = {
+            p: wire_snapshot(master, p, fp8_skip=self._fp8_skip, shared=shared, keep_device=on_device)
+            for p in self.precisions
+        }
         due = self._keyframe_version is None or version - self._keyframe_version >= self.keyframe_interval
         out: list[WeightMessage] = []
         keyframes: list[tuple[_Track, WeightMessage]] = []

@@ -5,7 +5,8 @@ random 1% of its elements by a small amount, as an optimizer step does in bf16. 
 precision, one JSON line: whether every delta's frames are bit-identical to `encode_delta`
 on host copies, GB/s of weights scanned (raw snapshot bytes / wall time of `delta`), host
 bytes moved per step, and their ratio to the changed chunks' bytes and to the snapshot.
-Passes when frames are identical on every step. ``--device cpu --tiny`` is a dry run.
+Passes when frames are identical on every step; also reports whether the wire snapshot
+cast (and FP8-quantised) on the device equals the CPU's, bit for bit. ``--device cpu --tiny`` is a dry run.
 """
 
 from __future__ import annotations
@@ -40,14 +41,18 @@ def nudge(state: dict[str, torch.Tensor], g: torch.Generator, frac: float = 0.01
 def run(rep: Report, precision: str, device: str, tiny: bool, steps: int) -> None:
     master = master_state(tiny, device)
     g = torch.Generator(device=device).manual_seed(1)
-    snap = wire_snapshot(master, precision)  # type: ignore[arg-type]
+    snap = wire_snapshot(master, precision, keep_device=True)  # type: ignore[arg-type]
     raw = snapshot_bytes(snap)
+    # Informative: the snapshot cast (and FP8-quantised) on the device against the CPU's.
+    cpu_snap = wire_snapshot({n: t.cpu() for n, t in master.items()}, precision)  # type: ignore[arg-type]
+    same_as_cpu = all(torch.equal(snap[n].cpu().view(torch.uint8), t.view(torch.uint8)) for n, t in cpu_snap.items())
+    del cpu_snap
     enc = DeviceDeltas(snap, 0)
     prev_host = {n: t.cpu() for n, t in snap.items()}
     identical, rates, host, chunks = True, [], [], []
     for step in range(1, steps + 1):
         nudge(master, g)
-        new = wire_snapshot(master, precision)  # type: ignore[arg-type]
+        new = wire_snapshot(master, precision, keep_device=True)  # type: ignore[arg-type]
         sync(device)
         t0 = time.perf_counter()
         msg = enc.delta(new, step, precision)  # type: ignore[arg-type]
@@ -58,7 +63,7 @@ def run(rep: Report, precision: str, device: str, tiny: bool, steps: int) -> Non
         want = encode_delta(prev_host, new_host, step, step - 1, precision)  # type: ignore[arg-type]
         identical &= msg.meta == want.meta and [bytes(f) for f in msg.frames] == [bytes(f) for f in want.frames]
         prev_host = new_host
-    rep.part(precision, identical, steps=steps, snapshot_bytes=raw, scanned_gbps=statistics.median(rates),
+    rep.part(precision, identical, wire_snapshot_same_as_cpu=same_as_cpu, steps=steps, snapshot_bytes=raw, scanned_gbps=statistics.median(rates),
              host_bytes_per_step=statistics.median(host), host_over_changed_chunks=sum(host) / max(1, sum(chunks)),
              host_over_snapshot=sum(host) / (raw * steps), wire_bytes_last=msg.nbytes)  # fmt: skip
 
