@@ -134,7 +134,8 @@ class WeightPublisher:
         return self._latest
 
     def snapshot(self, precision: Precision) -> Snapshot:
-        """The current wire snapshot of `precision` (read it, do not modify it)."""
+        """The current wire snapshot of `precision` (read it, do not modify it). With device
+        deltas it is the host mirror, which the next `publish` updates in place."""
         snap = self._track(precision).snapshot
         if snap is None:
             raise VersionError("nothing published yet")
