@@ -23,6 +23,9 @@ on two threads (`encode_threads_gbps`, the codec's path for snapshots not in sha
 memory), right after the headline one and so on warmer caches, which flatters it;
 `deltas_on_helper_processes` counts the deltas the helpers encoded (chunks of 1 MiB and
 more stay on threads: none at full size).
+Every step also finds the same delta with `DeviceDeltas` on `--device` (cpu by default;
+cuda on a GPU), which must give identical frames (`device_frames_identical`), and reports
+its GB/s and the bytes it moved to the host (`device_host_*`).
 Targets: bit_exact, wire_over_entropy_lr1e-6 <= 1.43, encode/apply >= 1 GB/s
 on 2 cores.
 
@@ -58,6 +61,7 @@ import zstandard
 ROOT = Path(__file__).resolve().parents[1]
 
 from orchestrator.weightsync import (
+    DeviceDeltas,
     WeightMessage,
     WeightReceiver,
     encode_delta,
@@ -140,8 +144,9 @@ def same_bytes(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 class Wire:
     """One precision's publisher-side snapshot and a receiver fed through frames."""
 
-    def __init__(self, precision: str, master: dict[str, torch.Tensor]) -> None:
+    def __init__(self, precision: str, master: dict[str, torch.Tensor], device: str) -> None:
         self.precision = precision
+        self.device = torch.device(device)
         # As a WeightPublisher keeps them: in shared memory, encoded by helper processes.
         self.snap = wire_snapshot(master, precision, shared=True)  # type: ignore[arg-type]
         self.raw = snapshot_bytes(self.snap)
@@ -152,6 +157,9 @@ class Wire:
         self.receiver = WeightReceiver(precision, threads=THREADS)  # type: ignore[arg-type]
         self.receiver.apply(WeightMessage.from_frames(self.keyframe.to_frames()))
         self.bit_exact = same_bytes(self.receiver.snapshot, self.snap)  # type: ignore[arg-type]
+        # The same deltas found where the weights are (`DeviceDeltas`): frames must match.
+        self.on_device = DeviceDeltas({n: t.to(self.device) for n, t in self.snap.items()}, 0, threads=THREADS)
+        self.device_identical = True
 
     def encode(
         self, prev: dict[str, torch.Tensor], new: dict[str, torch.Tensor], version: int
@@ -177,8 +185,20 @@ class Wire:
         self.receiver.apply(received)
         t_apply, c_apply = time.perf_counter() - t0, time.process_time() - c0
         self.bit_exact &= same_bytes(self.receiver.snapshot, new)  # type: ignore[arg-type]
+        new_dev = {n: t.to(self.device) for n, t in new.items()}  # the trainer's weights are there
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dmsg = self.on_device.delta(new_dev, version, self.precision)  # type: ignore[arg-type]
+        t_dev = time.perf_counter() - t0
+        self.device_identical &= dmsg.meta == msg.meta and [bytes(f) for f in dmsg.frames] == [
+            bytes(f) for f in msg.frames
+        ]
         k, n, bits = changed(self.snap, new)
         row = dict(
+            dev_enc_gbps=self.raw / t_dev / 1e9,
+            dev_host_bytes=self.on_device.last_host_bytes,
+            dev_changed_chunk_bytes=self.on_device.last_changed_chunk_bytes,
             changed_frac=k / n,
             wire=msg.nbytes,
             raw=self.raw,
@@ -202,6 +222,7 @@ class Wire:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small model, 3+3 steps (< 60 s)")
+    ap.add_argument("--device", default="cpu", help="where DeviceDeltas keeps the snapshots (cpu, cuda)")
     args = ap.parse_args()
     torch.set_num_threads(THREADS)
     start_helpers(THREADS - 1)  # as a WeightPublisher does when it is made
@@ -215,7 +236,7 @@ def main() -> None:
     def master() -> dict[str, torch.Tensor]:
         return {n: p.detach() for n, p in model.named_parameters()}
 
-    wires = {p: Wire(p, master()) for p in ("bf16", "fp8")}
+    wires = {p: Wire(p, master(), args.device) for p in ("bf16", "fp8")}
     if not start_helpers(THREADS - 1, wait=30):
         sys.exit("the codec's helper processes did not start")
     helper_encodes = helper_stats()["helper_encodes"]
@@ -298,6 +319,16 @@ def main() -> None:
         "fp8_encode_threads_gbps": med(allf, "enc_threads_gbps"),
         "fp8_apply_gbps": med(allf, "apply_gbps"),
         "fp8_bit_exact": wires["fp8"].bit_exact,
+        "device": args.device,
+        "device_frames_identical": wires["bf16"].device_identical and wires["fp8"].device_identical,
+        "device_encode_gbps": med(allb, "dev_enc_gbps"),
+        "device_host_bytes_per_step": med(allb, "dev_host_bytes"),
+        "device_host_over_changed_chunks": sum(r["dev_host_bytes"] for r in allb)
+        / max(1, sum(r["dev_changed_chunk_bytes"] for r in allb)),
+        "device_host_over_snapshot": sum(r["dev_host_bytes"] for r in allb) / sum(r["raw"] for r in allb),
+        "fp8_device_encode_gbps": med(allf, "dev_enc_gbps"),
+        "fp8_device_host_over_changed_chunks": sum(r["dev_host_bytes"] for r in allf)
+        / max(1, sum(r["dev_changed_chunk_bytes"] for r in allf)),
         "threads": THREADS,
         "deltas_on_helper_processes": f"{helper_stats()['helper_encodes'] - helper_encodes}/{len(allb) + len(allf)}",
     }

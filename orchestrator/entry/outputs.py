@@ -26,9 +26,10 @@ def finish_outputs(run_dir: Path, sinks: Sinks, cost_report: Any, step: int, pro
         sinks.log_cost_report(cost_report.model_dump(mode="json"), step)
     finally:
         sinks.close()
-    from orchestrator.entry.report import write_report
-
     try:
+        # Imported here: plotly is only needed to draw, and a machine without it still runs.
+        from orchestrator.entry.report import write_report
+
         path = write_report(run_dir)
     except Exception as e:
         progress.message(

@@ -23,11 +23,14 @@ failed apply leaves the target bit-identical (undo by XOR, see `_codec`).
 Snapshots in shared memory (`wire_snapshot(..., shared=True)`, `share`; the
 publisher's by default) are encoded by helper processes rather than threads, which
 share one GIL (`_shared`, `start_helpers`, `helper_stats`).
+`DeviceDeltas` finds deltas on the snapshot's own device (a GPU), moving to the host
+only the changed words; `WeightPublisher` uses it where the master weights lie on a GPU.
 Imports torch; `orchestrator/__init__` does not import this package.
 """
 
 from ._auth import meta_digest, seal, verify, verify_meta
 from ._codec import Snapshot, apply, decode_keyframe, encode_delta, encode_keyframe, snapshot_bytes
+from ._device import DeviceDeltas
 from ._errors import (
     AuthenticationError,
     CorruptPayloadError,
@@ -62,6 +65,7 @@ __all__ = [
     "AuthenticationError",
     "CorruptPayloadError",
     "DeltaError",
+    "DeviceDeltas",
     "HashMismatchError",
     "KeyframeAssembler",
     "MalformedMessageError",

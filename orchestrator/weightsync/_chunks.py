@@ -39,6 +39,7 @@ __all__ = [
     "Workspace",
     "decode_xor_into",
     "default_hash_algo",
+    "encode_changes",
     "encode_chunk",
     "looks_sparse",
     "tree_hash",
@@ -305,6 +306,23 @@ def encode_chunk(old: np.ndarray | None, new: np.ndarray, ws: Workspace, *, spar
     # allocation (only the length is trimmed); copy so a stored delta costs its
     # wire size in memory, not its raw size.
     return bytes(memoryview(ws.cctx.compress(body)))
+
+
+def encode_changes(pos: np.ndarray, vals: np.ndarray, m: int, ws: Workspace) -> bytes:
+    """The frame `encode_chunk(old, new)` makes, from the change alone: `pos` the positions
+    of the changed words of an `m`-word chunk, ascending, and `vals` their `old ^ new` words
+    (numpy word dtype). For the gaps layout this touches only the changes; otherwise the
+    XOR words are laid out in scratch and encoded against zeros, which `encode_chunk` turns
+    into the same positions, values and layout (its choices depend on `old ^ new` alone)."""
+    w = vals.dtype.itemsize
+    if (4 + w) * pos.size <= m * w:
+        return bytes(memoryview(ws.cctx.compress(_gaps_body(pos, vals))))
+    x = ws.buf("xwords", m * w, vals.dtype)
+    x[...] = 0
+    x[pos] = vals
+    zeros = ws.buf("zwords", m * w, vals.dtype)
+    zeros[...] = 0
+    return encode_chunk(zeros, x, ws)
 
 
 def decode_xor_into(

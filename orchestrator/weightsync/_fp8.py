@@ -61,15 +61,18 @@ def _blocks(x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     return padded.view(br, FP8_BLOCK, bc, FP8_BLOCK), rows, cols
 
 
-def quantize_fp8(weight: torch.Tensor, *, name: str = "weight") -> tuple[torch.Tensor, torch.Tensor]:
-    """(float8_e4m3fn weight, float32 scale_inv [ceil(r/128), ceil(c/128)]).
+def quantize_fp8(
+    weight: torch.Tensor, *, name: str = "weight", device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn weight, float32 scale_inv [ceil(r/128), ceil(c/128)]), computed and
+    returned on `device`.
 
     Raises ValueError naming the tensor when it is not 2-D or holds NaN/inf
     (a non-finite weight has no meaningful block scale).
     """
     if weight.dim() != 2:
         raise ValueError(f"tensor {name!r}: FP8 block quantisation needs a 2-D tensor, got shape {tuple(weight.shape)}")
-    w = weight.detach().to(device="cpu", dtype=torch.float32)
+    w = weight.detach().to(device=device, dtype=torch.float32)
     if not bool(torch.isfinite(w).all()):
         raise ValueError(f"tensor {name!r}: cannot quantise non-finite values to FP8")
     blocks, rows, cols = _blocks(w)
@@ -98,31 +101,33 @@ def fp8_should_quantize(name: str, tensor: torch.Tensor, skip: Sequence[str] = D
     return tensor.is_floating_point() and tensor.dim() == 2 and not any(s in name for s in skip)
 
 
-def _copy(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    # Always a fresh contiguous CPU copy: a wire snapshot must never alias the
+def _copy(t: torch.Tensor, dtype: torch.dtype | None = None, device: torch.device | str = "cpu") -> torch.Tensor:
+    # Always a fresh contiguous copy: a wire snapshot must never alias the
     # trainer's live tensors, or the next delta would be computed against
     # bytes that have already moved.
     src = t.detach()
-    out = torch.empty(src.shape, dtype=dtype or src.dtype)
+    out = torch.empty(src.shape, dtype=dtype or src.dtype, device=device)
     out.copy_(src)
     return out
 
 
 def fp8_wire_snapshot(
-    master: Mapping[str, torch.Tensor], *, skip: Sequence[str] = DEFAULT_FP8_SKIP
+    master: Mapping[str, torch.Tensor], *, skip: Sequence[str] = DEFAULT_FP8_SKIP, keep_device: bool = False
 ) -> dict[str, torch.Tensor]:
-    """FP8 wire snapshot of a state dict (see module docstring for the rule).
+    """FP8 wire snapshot of a state dict (see module docstring for the rule), on the CPU,
+    or with `keep_device` each tensor on its master's device.
     Raises ValueError if a produced `<name>_scale_inv` collides with an
     existing tensor name, or as `quantize_fp8` does."""
     out: dict[str, torch.Tensor] = {}
     for name, t in master.items():
+        dev = t.device if keep_device else "cpu"
         if fp8_should_quantize(name, t, skip):
             scale_name = name + SCALE_SUFFIX
             if scale_name in master:
                 raise ValueError(f"tensor {name!r}: its scale name {scale_name!r} is already a tensor")
-            out[name], out[scale_name] = quantize_fp8(t, name=name)
+            out[name], out[scale_name] = quantize_fp8(t, name=name, device=dev)
         else:
-            out[name] = _copy(t, torch.bfloat16 if t.is_floating_point() else None)
+            out[name] = _copy(t, torch.bfloat16 if t.is_floating_point() else None, dev)
     return out
 
 
@@ -132,15 +137,19 @@ def wire_snapshot(
     *,
     fp8_skip: Sequence[str] = DEFAULT_FP8_SKIP,
     shared: bool = False,
+    keep_device: bool = False,
 ) -> dict[str, torch.Tensor]:
     """The snapshot samplers of `precision` hold, built from master weights:
     bf16 / fp32 cast every floating tensor (fresh copies), fp8 follows
-    `fp8_wire_snapshot`. With `shared`, the tensors lie in one shared-memory arena
+    `fp8_wire_snapshot`. The copies lie on the CPU, or with `keep_device` on each master
+    tensor's own device (a GPU: where `DeviceDeltas` finds deltas); `shared` is then
+    ignored. With `shared`, the tensors lie in one shared-memory arena
     (`_shared`), so that encoding them runs on helper processes, not threads (where
     no shared memory can be had, they are ordinary tensors). Raises ValueError for an
     unknown precision."""
+    shared = shared and not keep_device
     if precision == "fp8":
-        snap = fp8_wire_snapshot(master, skip=fp8_skip)
+        snap = fp8_wire_snapshot(master, skip=fp8_skip, keep_device=keep_device)
         return share(snap) if shared else snap
     if precision not in ("bf16", "fp32"):
         raise ValueError(f"unknown precision {precision!r}; expected bf16, fp8 or fp32")
@@ -149,7 +158,10 @@ def wire_snapshot(
     if shared:  # cast straight into the arena: one pass, as for a fresh copy
         out = allocate([(n, dt if t.is_floating_point() else t.dtype, tuple(t.shape)) for n, t in master.items()])
     if out is None:
-        return {n: _copy(t, dt if t.is_floating_point() else None) for n, t in master.items()}
+        return {
+            n: _copy(t, dt if t.is_floating_point() else None, t.device if keep_device else "cpu")
+            for n, t in master.items()
+        }
     for n, t in master.items():
         out[n].copy_(t.detach())
     return out

@@ -33,6 +33,7 @@ from ._codec import (
     encode_delta,
     encode_keyframe,
 )
+from ._device import DeviceDeltas
 from ._errors import MalformedMessageError, StructureMismatchError, UnknownReceiverError, VersionError
 from ._fp8 import DEFAULT_FP8_SKIP, wire_snapshot
 from ._message import MessageMeta, Precision, WeightMessage
@@ -58,6 +59,7 @@ class _Track:
         self.snapshot: Snapshot | None = None
         self.deltas: dict[int, WeightMessage] = {}  # keyed by base_version
         self.keyframe: WeightMessage | None = None  # only the newest is kept
+        self.on_device: DeviceDeltas | None = None  # with device_deltas: the snapshot where the weights are
 
     def chain(self, start: int, latest: int) -> list[WeightMessage] | None:
         """Deltas from `start` to `latest`, or None where the chain is broken."""
@@ -89,6 +91,13 @@ class WeightPublisher:
     and those cut into small chunks are encoded by the calling thread and `threads - 1`
     helper processes instead of threads, which share one GIL (see `_shared`; the helpers
     start on the first encode and take over once ready, ~0.1 s later).
+
+    With `device_deltas` (None, the default: when the master weights lie on a GPU; True:
+    wherever they lie, the CPU included; False: never), each precision's wire snapshot is
+    built and kept on the master weights' own device, and deltas are found there
+    (`DeviceDeltas`): only the changed words travel to the host, whose mirror of the
+    snapshot is what `snapshot` returns and what keyframes encode. The messages are
+    bit-identical either way.
     """
 
     def __init__(
@@ -102,6 +111,7 @@ class WeightPublisher:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         auth_key: bytes | None = None,
         helper_processes: bool = True,
+        device_deltas: bool | None = None,
     ) -> None:
         if keyframe_interval < 1:
             raise ValueError(f"keyframe_interval must be >= 1, got {keyframe_interval}")
@@ -110,6 +120,7 @@ class WeightPublisher:
         self.keyframe_interval = keyframe_interval
         self.precisions = tuple(precisions)
         self._fp8_skip = tuple(fp8_skip)
+        self._device_deltas = device_deltas
         self._shared = helper_processes and threads > 1
         self._codec = {"threads": threads, "level": level, "chunk_bytes": chunk_bytes, "auth_key": auth_key}
         self._tracks = {p: _Track() for p in self.precisions}
@@ -123,7 +134,8 @@ class WeightPublisher:
         return self._latest
 
     def snapshot(self, precision: Precision) -> Snapshot:
-        """The current wire snapshot of `precision` (read it, do not modify it)."""
+        """The current wire snapshot of `precision` (read it, do not modify it). With device
+        deltas it is the host mirror, which the next `publish` updates in place."""
         snap = self._track(precision).snapshot
         if snap is None:
             raise VersionError("nothing published yet")
@@ -151,7 +163,14 @@ class WeightPublisher:
         """
         if version < 0 or (self._latest is not None and version <= self._latest):
             raise VersionError(f"published version {version} must exceed the latest, {self._latest}")
-        snaps = {p: wire_snapshot(master, p, fp8_skip=self._fp8_skip, shared=self._shared) for p in self.precisions}
+        on_device = self._device_deltas
+        if on_device is None:
+            on_device = any(t.device.type != "cpu" for t in master.values())
+        shared = self._shared and not on_device
+        snaps = {
+            p: wire_snapshot(master, p, fp8_skip=self._fp8_skip, shared=shared, keep_device=on_device)
+            for p in self.precisions
+        }
         due = self._keyframe_version is None or version - self._keyframe_version >= self.keyframe_interval
         out: list[WeightMessage] = []
         keyframes: list[tuple[_Track, WeightMessage]] = []
@@ -160,9 +179,26 @@ class WeightPublisher:
             prev = track.snapshot
             if prev is not None and _same_structure(prev, new):
                 assert self._latest is not None
-                out.append(encode_delta(prev, new, version, self._latest, p, **self._codec))
+                if track.on_device is not None and _on_one_device(new, track.on_device.device):
+                    key = self._codec["auth_key"]
+                    out.append(track.on_device.delta(new, version, p, auth_key=key))
+                    snaps[p] = track.on_device.host
+                    continue
+                host = {n: t.to("cpu") for n, t in new.items()}  # no copy for CPU tensors
+                out.append(encode_delta(prev, host, version, self._latest, p, **self._codec))
             else:
                 due = True
+        for p, new in snaps.items():
+            track = self._tracks[p]
+            if not on_device:
+                track.on_device = None
+            elif track.on_device is None or track.on_device.host is not new:
+                # first publish, changed structure or device: keep the new snapshot where it lies
+                c = self._codec
+                track.on_device = DeviceDeltas(
+                    new, version, threads=c["threads"], level=c["level"], chunk_bytes=c["chunk_bytes"]
+                )
+                snaps[p] = track.on_device.host
         for p, new in snaps.items():
             if due:
                 kf = encode_keyframe(new, version, p, **self._codec)
@@ -255,6 +291,10 @@ class WeightPublisher:
             )
             for base in [b for b in track.deltas if b < floor]:
                 del track.deltas[base]
+
+
+def _on_one_device(snapshot: Snapshot, device: torch.device) -> bool:
+    return all(t.device == device for t in snapshot.values())
 
 
 class WeightReceiver:

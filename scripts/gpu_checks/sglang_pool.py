@@ -32,7 +32,7 @@ async def main(ckpt: Path) -> bool:
         "model_path": str(ckpt),
         "args": ["--disable-radix-cache", "--skip-tokenizer-init"],
         "port": 31000,
-        "health_timeout_s": 900,
+        "health_timeout_s": 150,  # within the check's budget in scripts/gpu_check.sh
     }
     be = SGLangBackend(pool="gpu", model_config=cfg, launch=launch, port=31000, gpu=0)
     ok = True
@@ -57,6 +57,9 @@ async def main(ckpt: Path) -> bool:
 
 
 if __name__ == "__main__":
+    if "cpu" in sys.argv[1:]:
+        report("launch", "skipped", reason="CPU dry run: SGLang serves on a GPU")
+        sys.exit(0)
     try:
         import sglang  # noqa: F401
     except ImportError:
