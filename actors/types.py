@@ -103,6 +103,10 @@ class Trajectory(BaseModel):
     error_traceback: str | None = None
     """The end of the failure's traceback (at most ~2,000 characters), when ``failed``
     by an exception: where in the environment (or sampler call) it happened."""
+    sampler_lost: bool = False
+    """With ``failed``: the episode failed because its sampler died or stopped answering
+    mid-episode, not because of the environment (the controller does not count it toward
+    ``[task] max_failed_in_a_row``; the prompt is retried either way)."""
     turns: int
     """Assistant turns played."""
     segments: int = 1

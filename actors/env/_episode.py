@@ -31,6 +31,7 @@ from actors.env._interface import Environment, StepOutcome, make_env
 from actors.env._threads import EnvThreads
 from actors.env._watchdog import LoopWatchdog
 from actors.types import SamplingParams, TaskSpec, Trajectory
+from orchestrator.runtime import ActorDied
 
 __all__ = ["EnvCalls", "EpisodeBuilder", "EpisodeLimits", "play_episode"]
 
@@ -314,6 +315,7 @@ async def play_episode(
         except Exception as exc:  # environment/sampler errors end the episode, not the actor
             error = f"{type(exc).__name__}: {exc}"
             tail = "".join(traceback.format_exception(exc))[-TRACEBACK_TAIL:]
+            lost = isinstance(exc, ActorDied)
             traj = builder.build(
                 task=task,
                 pool=pool,
@@ -324,6 +326,7 @@ async def play_episode(
                 error=error,
                 error_traceback=tail,
             )
+            traj.sampler_lost = lost
         if isinstance(env, Environment) and type(env).close is not Environment.close:
             try:
                 await _call_env(calls, env, task.task, env.close, timeout=limits.step_timeout_s, what="close")

@@ -266,6 +266,7 @@ async def play_harness_episode(
             traj = session.trajectory(reward)
         except HarnessFailed as e:
             traj = session.trajectory(0.0, failed=True, error=str(e))
+            traj.sampler_lost = session.sampler_lost
         return traj, session.segment_stats()
     finally:
         gateway.close_session(session)

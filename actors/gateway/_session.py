@@ -51,6 +51,7 @@ from actors.gateway._schemas import (
 )
 from actors.sampler import GenerateRequest, GenerateResult
 from actors.types import SamplingParams, TaskSpec, Trajectory
+from orchestrator.runtime import ActorDied
 
 __all__ = ["Session", "SessionLimits", "Turn"]
 
@@ -188,6 +189,9 @@ class Session:
     pool: str = ""
     turns: int = 0
     closed: bool = False
+    sampler_lost: bool = False
+    """A sampler call of this session failed because the sampler died (the episode's failure
+    is then the sampler's, not the harness's)."""
     sampler_seconds: float = 0.0
     """Time spent waiting on the sampler (the rest of a request's latency is the gateway's)."""
     last_sampler_s: float = 0.0
@@ -361,6 +365,7 @@ class Session:
         except trio.Cancelled:
             raise
         except Exception as e:
+            self.sampler_lost = self.sampler_lost or isinstance(e, ActorDied)
             raise GatewayError(502, f"sampler failed: {type(e).__name__}: {e}", type="server_error") from e
         finally:
             self.last_sampler_s = time.perf_counter() - t0

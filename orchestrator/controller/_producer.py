@@ -171,9 +171,10 @@ async def _rollout(
             ctx.buffer.requeue(slot)
         else:
             ctx.scheduler.complete(pool.name, traj.num_generated)
-            ctx.episode_ended(
-                f"episode {slot.prompt_id}#{slot.index}: {traj.error or 'failed'}" if traj.failed else None
-            )
+            if not traj.sampler_lost:  # a sampler's death is respawning's business, not the env's
+                ctx.episode_ended(
+                    f"episode {slot.prompt_id}#{slot.index}: {traj.error or 'failed'}" if traj.failed else None
+                )
             drop = ctx.buffer.complete(slot, traj)
             if drop is not None:
                 ctx.trace_drops([drop])

@@ -142,6 +142,26 @@ async def test_an_environment_that_always_fails_stops_the_run_naming_its_error(a
     assert h.metrics.rows == [] and h.controller.ctx.failed_in_a_row >= limit
 
 
+async def test_episodes_failed_by_a_dying_sampler_do_not_stop_the_run(autojump_clock):
+    """A burst of episodes failed with their sampler (`sampler_lost`) is not a broken
+    environment: far more of them than `max_failed_in_a_row` leave the run going."""
+
+    class SamplerDeaths(FakeEnvs):
+        lost = 0
+
+        async def run_episode(self, *args, **kwargs):
+            traj = await super().run_episode(*args, **kwargs)
+            if self.lost < 40:
+                self.lost += 1
+                traj.failed, traj.sampler_lost, traj.error = True, True, "ActorDied: actor cheap[0] died"
+            return traj
+
+    envs = SamplerDeaths()
+    h = Harness(run_config(steps=4, task={"max_failed_in_a_row": 8}), envs=envs)
+    await h.controller.run()
+    assert envs.lost == 40 and h.state.step == 4 and h.controller.failure is None
+
+
 async def test_failures_broken_by_successes_never_stop_the_run(autojump_clock):
     h = Harness(run_config(steps=6, task={"max_failed_in_a_row": 8}), envs=FakeEnvs(fail_rate=0.3, seed=1))
     await h.controller.run()
