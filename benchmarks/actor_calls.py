@@ -77,7 +77,7 @@ def _tensor(nbytes: int) -> Any:
 # -- Flotilla ------------------------------------------------------------------------
 async def _flotilla(quick: bool, rtt_only: bool = False) -> dict[str, float]:
     import trio
-    from actor_calls import EchoActor as Echo  # importable by the actor process (it inherits sys.path)
+    from actor_calls import EchoActor as Echo  # importable by the actor process (it inherits our import path)
 
     from orchestrator.runtime import open_mesh
 

@@ -174,7 +174,7 @@ class Publisher(Actor):
 
 
 async def _main(args: argparse.Namespace) -> dict[str, Any]:
-    from keyframe import Publisher as P  # importable by the actor processes (they inherit sys.path)
+    from keyframe import Publisher as P  # importable by the actor processes (they inherit our import path)
     from keyframe import Receiver as R
 
     from orchestrator.runtime import open_mesh

@@ -97,9 +97,9 @@ def _openai_error(e: GatewayError) -> dict[str, Any]:
     return error_body(e.message, type=e.type, param=e.param, code=e.code)
 
 
-async def _send_events(send: Send, events: list[dict[str, Any]], timing: tuple[bytes, bytes]) -> None:
-    """Server-sent events ``event: <type>`` + ``data: <json>``, as the Responses and
-    Messages APIs stream (no ``[DONE]`` line)."""
+async def _send_stream(send: Send, body: bytes, timing: tuple[bytes, bytes]) -> None:
+    """A finished reply's server-sent events: the stream's head, then ``body`` (every event,
+    already framed) in one write."""
     await send(
         {
             "type": "http.response.start",
@@ -111,10 +111,21 @@ async def _send_events(send: Send, events: list[dict[str, Any]], timing: tuple[b
             ],
         }
     )
-    body = b"".join(
+    await send({"type": "http.response.body", "body": body})
+
+
+def _named_events(events: list[dict[str, Any]]) -> bytes:
+    """``event: <type>`` + ``data: <json>`` per event, as the Responses and Messages APIs
+    stream (no ``[DONE]`` line)."""
+    return b"".join(
         b"event: " + e["type"].encode() + b"\ndata: " + _encoder.encode(e).encode() + b"\n\n" for e in events
     )
-    await send({"type": "http.response.body", "body": body})
+
+
+def _timing(session: Session) -> tuple[bytes, bytes]:
+    """The ``x-flotilla-sampler-ms`` header: the request's wait on the sampler. A session
+    serves one request at a time by contract, so its last wait is this request's."""
+    return (b"x-flotilla-sampler-ms", f"{session.last_sampler_s * 1e3:.3f}".encode())
 
 
 class _Endpoint:
@@ -206,49 +217,30 @@ def build_app(lookup: Callable[[str], Session | None], model_name: str) -> Starl
         session = session_of(scope)
         req = _validated(body, ChatRequest)
         response, pieces = await session.chat(req)
-        # The session lock is released, but a session serves one request at a time by
-        # contract, so its last sampler wait is this request's.
-        timing = (b"x-flotilla-sampler-ms", f"{session.last_sampler_s * 1e3:.3f}".encode())
+        timing = _timing(session)
         if not req.stream:
             return await _send_json(send, response, headers=(timing,))
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [
-                    (b"content-type", b"text/event-stream; charset=utf-8"),
-                    (b"cache-control", b"no-cache"),
-                    timing,
-                ],
-            }
-        )
-        for c in stream_chunks(response, pieces, include_usage=req.include_usage):
-            await send(
-                {
-                    "type": "http.response.body",
-                    "body": b"data: " + _encoder.encode(c).encode() + b"\n\n",
-                    "more_body": True,
-                }
-            )
-        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+        chunks = stream_chunks(response, pieces, include_usage=req.include_usage)
+        body = b"".join(b"data: " + _encoder.encode(c).encode() + b"\n\n" for c in chunks)
+        await _send_stream(send, body + b"data: [DONE]\n\n", timing)
 
     async def responses(scope: dict[str, Any], body: bytes, send: Send) -> None:
         session = session_of(scope)
         req = _validated(body, ResponsesRequest)
         response, turn = await respond(session, req)
-        timing = (b"x-flotilla-sampler-ms", f"{session.last_sampler_s * 1e3:.3f}".encode())
+        timing = _timing(session)
         if not req.stream:
             return await _send_json(send, response, headers=(timing,))
-        await _send_events(send, response_events(response, turn.pieces), timing)
+        await _send_stream(send, _named_events(response_events(response, turn.pieces)), timing)
 
     async def messages(scope: dict[str, Any], body: bytes, send: Send) -> None:
         session = session_of(scope)
         req = _validated(body, MessagesRequest)
         message, turn = await reply(session, req)
-        timing = (b"x-flotilla-sampler-ms", f"{session.last_sampler_s * 1e3:.3f}".encode())
+        timing = _timing(session)
         if not req.stream:
             return await _send_json(send, message, headers=(timing,))
-        await _send_events(send, message_events(message, turn.pieces), timing)
+        await _send_stream(send, _named_events(message_events(message, turn.pieces)), timing)
 
     async def completions(scope: dict[str, Any], body: bytes, send: Send) -> None:
         session = session_of(scope)
