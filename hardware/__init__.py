@@ -10,13 +10,16 @@ Pure Python + pydantic: importing `hardware` imports nothing else of Flotilla's 
     ledger = CostLedger(hw.pools, throughput=tp); ledger.record_busy(...); ledger.record_rollout(...)
     ledger.report().write(run_dir)                               # cost_report.json + .md
     ckpt = {"ledger": ledger.state(), "scheduler": sched.state()}  # JSON; resume with load_state
+    ScaleSim(pools, batch=..., step_seconds=..., steps=..., rollout_tokens=...).run()  # fleet at scale
 """
 
 from hardware.catalog import CATALOG, SOURCES, GpuSpec, canonical_gpu, catalog_markdown, gpu_spec
 from hardware.describe import describe, model_spec_from_table
+from hardware.fleetscale import ScalePool, ScalePoolStats, ScaleResult, ScaleSim, ScaleStep
 from hardware.ledger import CostLedger, CostReport, CostTotals, Counterfactual, PoolCost
 from hardware.placement import SGLangLaunch, detected_gpu, gpu_mismatch
 from hardware.pools import DEFAULT_ROLLOUTS_PER_GPU, HardwareConfig, PoolConfig, PoolList, check_devices
+from hardware.providers import OFFERS, PROVIDER_SOURCES, Offer, offers_markdown
 from hardware.scheduler import PoolState, Scheduler
 from hardware.simulate import FleetSim, SimPlacement, SimPoolStats, SimResult
 from hardware.throughput import (
@@ -33,6 +36,8 @@ from hardware.throughput import (
 __all__ = [
     "CATALOG",
     "DEFAULT_ROLLOUTS_PER_GPU",
+    "OFFERS",
+    "PROVIDER_SOURCES",
     "SOURCES",
     "CostLedger",
     "CostReport",
@@ -42,12 +47,18 @@ __all__ = [
     "GpuSpec",
     "HardwareConfig",
     "ModelSpec",
+    "Offer",
     "PoolConfig",
     "PoolCost",
     "PoolList",
     "PoolState",
     "RooflineAssumptions",
     "SGLangLaunch",
+    "ScalePool",
+    "ScalePoolStats",
+    "ScaleResult",
+    "ScaleSim",
+    "ScaleStep",
     "Scheduler",
     "SimPlacement",
     "SimPoolStats",
@@ -64,6 +75,7 @@ __all__ = [
     "gpu_mismatch",
     "gpu_spec",
     "model_spec_from_table",
+    "offers_markdown",
     "replica_gpus",
     "roofline_tokens_per_s",
 ]
