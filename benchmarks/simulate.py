@@ -14,7 +14,7 @@ ceiling = cores ÷ per-rollout cost; the fleet size at which nominal demand reac
 (2) Runs the demo (examples/guess_number.toml) for N steps with the real processes,
 calibrates the simulator on the first half and predicts the second half's tokens/s, cost
 and mean staleness (`sim_vs_measured`; what is calibrated and what predicted:
-benchmarks/_sim_demo.py).
+benchmarks/_sim_demo.py; alternate blocks of 2 steps calibrate and are predicted).
 
 Per-GPU decode speeds are roofline estimates (hardware.throughput at the catalog's datasheet
 figures, for a 35B-total / 3B-active MoE at 8k context, 64 rollouts per GPU), not
@@ -36,6 +36,7 @@ import math
 import os
 import random
 import time
+from pathlib import Path
 
 from _sim_demo import compare
 
@@ -163,6 +164,7 @@ def main() -> None:
     ap.add_argument("--preemptions-per-gpu-hour", type=float, default=0.05, help="spot preemption rate (estimate)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-demo", action="store_true", help="skip the real demo run and its comparison")
+    ap.add_argument("--keep-demo", type=Path, default=None, help="keep the demo run's outputs under this run_root")
     args = ap.parse_args()
     args.steps = args.steps or (12 if args.quick else 30)
     demo_steps = args.demo_steps or (40 if args.quick else 160)
@@ -220,7 +222,7 @@ def main() -> None:
 
     demo = None
     if not args.no_demo:
-        demo = compare(demo_steps)
+        demo = compare(demo_steps, keep=args.keep_demo)
         print(f"\ndemo ({demo_steps} steps): {json.dumps(demo)}")
     out = {
         "bench": "simulate",

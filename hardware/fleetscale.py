@@ -9,9 +9,10 @@ stated so its results can be read:
   `tokens_per_s_per_gpu / slots_per_gpu` tokens/s, whatever its occupancy (the full-batch
   speed; a GPU the controller cannot fill is credited no faster decoding).
 - A rollout decodes `rollout_tokens(rng)` tokens on one GPU in turns of `tokens_per_turn`
-  tokens (None: one turn). Before each turn's decode the controller (with the environment
-  behind it) spends `controller_s_per_token` × the turn's tokens CPU-seconds on it, and after
-  the last `controller_s_per_rollout`. The `controller_cores` cores serve the rollouts
+  tokens (None: one turn). The controller (with the environment behind it) spends
+  `controller_s_per_rollout` CPU-seconds on each rollout, half before its first turn
+  (admission, environment reset) and half after its last (the finished trajectory), and
+  `controller_s_per_token` × a turn's tokens before each turn's decode. The `controller_cores` cores serve the rollouts
   waiting for them side by side (processor sharing: n waiting get min(1, cores ÷ n) of a
   core each). A rollout holds its GPU slot until the controller has served it (the
   controller is what starts the next rollout), so a saturated controller idles GPUs; its
@@ -156,6 +157,8 @@ class ScaleSim:
 
         def begin_turn(roll: _Roll) -> None:
             work = self.c_token * roll.tokens / roll.turns
+            if roll.turns_left == roll.turns:
+                work += self.c / 2.0
             if work > 0:
                 to_controller(work, _TURN, roll)
             else:
@@ -288,7 +291,7 @@ class ScaleSim:
                 stats[i].completed += 1
                 stats[i].tokens += roll.tokens
                 if self.c > 0:
-                    to_controller(self.c, _FINISHED, roll)
+                    to_controller(self.c / 2.0, _FINISHED, roll)
                 else:
                     ready(roll)
             elif kind == _TRAINED:
