@@ -16,14 +16,15 @@ Calibrated, from the calibration blocks of this same run:
   rollouts' durations against their tokens, and the blocks' wall time fixes the scale; the
   simulator serves this work on one core shared by the rollouts waiting for it, one token
   per turn (the demo's `max_new_tokens`);
-- the traced rollouts' token counts (rescaled to the blocks' mean tokens per rollout) and the
+- the traced rollouts' token counts (the rollouts trained in the calibration blocks) and the
   trainer's mean step time (`train_s`).
 Taken from the run's config (not measured): pools, slots, prices, staleness budgets, batch and
 how far ahead sampling may run (max_buffered_groups ÷ prompts_per_step). The weight update
 is the trainer's parameter bytes over a 27 Gbit/s link (raw pyzmq over ipc ≈ 3.4 GB/s,
 /work/shared/REFERENCES.md), which makes it negligible here.
 Predicted, over the prediction blocks, and compared with the measured run (`ratio`,
-simulated ÷ measured): tokens/s; cost per million tokens, the cost report's figure (busy
+simulated ÷ measured): tokens/s of the trained rollouts (rollouts trained × their traced
+mean tokens, over the blocks' wall time); cost per million tokens, the cost report's figure (busy
 billing: tokens ÷ calibrated speed × price against the run's measured busy seconds × price);
 and the mean staleness of the trained rollouts. The blocks' absolute cost is also compared
 (`cost_usd_ratio`) but is not a target: it carries the noise of how many tokens the run's
@@ -185,16 +186,17 @@ def calibrate(
     ro = cfg["rollout"]
     traced_cal = [(tok, dur) for step, tok, dur in traced if any(a < step <= b for a, b in cal_blocks) and tok > 0]
     in_cal = [tok for tok, _ in traced_cal]
-    mean_tokens = cal["tokens"] / cal["rollouts"]
+    # Tokens per trained rollout from the traces (exact per rollout, and a fair sample when
+    # traces are sampled); the metrics' token counters are read at step ends while rollouts
+    # are mid-flight, so their per-block differences are noisy. Without traces, the counters.
+    mean_tokens = sum(in_cal) / len(in_cal) if in_cal else cal["tokens"] / cal["rollouts"]
     q = _per_rollout_over_per_token(traced_cal)
     # wall = c_rollout × rollouts + c_token × tokens, with c_rollout = q × c_token.
-    s_per_token = cal["wall_s"] / (q * cal["rollouts"] + cal["tokens"])
+    s_per_token = cal["wall_s"] / (q * cal["rollouts"] + mean_tokens * cal["rollouts"])
 
     def rollout_tokens(rng: random.Random) -> float:
-        # The traced rollouts' lengths, rescaled to the window's mean (traces may be sampled).
-        return rng.choice(in_cal) * scale if in_cal else mean_tokens
+        return rng.choice(in_cal) if in_cal else mean_tokens
 
-    scale = mean_tokens / (sum(in_cal) / len(in_cal)) if in_cal else 1.0
     sim = ScaleSim(
         pools,
         batch=ro["prompts_per_step"] * ro["group_size"],
@@ -220,16 +222,17 @@ def calibrate(
 
 
 def _sim_window(r: ScaleResult, spans: list[tuple[int, int]]) -> dict[str, float]:
-    tokens = dt = cost = 0.0
+    tokens = trained = dt = cost = 0.0
     stale: list[float] = []
     for a, b in spans:
         la, lb = r.log[a - 1], r.log[b - 1]
         tokens += lb.tokens - la.tokens
+        trained += lb.tokens_trained - la.tokens_trained
         dt += lb.t - la.t
         cost += lb.cost_usd - la.cost_usd
         stale += [s.staleness_mean for s in r.log[a:b]]
     return {
-        "tokens_per_s": tokens / dt if dt > 0 else 0.0,
+        "tokens_per_s": trained / dt if dt > 0 else 0.0,
         "usd_per_mtok": cost / tokens * 1e6 if tokens > 0 else 0.0,
         "staleness_mean": sum(stale) / len(stale),
         "cost_usd": cost,
@@ -253,8 +256,10 @@ def compare(steps: int, warmup: int = 2, block: int = 2, keep: Path | None = Non
     sim, calibrated = calibrate(metrics, traced, cal_blocks)
     result = sim.run()
     real = _window(metrics, pred_blocks)
+    in_pred = [tok for step, tok, _ in traced if any(a < step <= b for a, b in pred_blocks) and tok > 0]
+    pred_tokens = real["rollouts"] * (sum(in_pred) / len(in_pred) if in_pred else real["tokens"] / real["rollouts"])
     measured = {
-        "tokens_per_s": real["tokens"] / real["wall_s"],
+        "tokens_per_s": pred_tokens / real["wall_s"],
         "usd_per_mtok": real["cost_usd"] / real["tokens"] * 1e6,
         "staleness_mean": real["staleness_mean"],
         "cost_usd": real["cost_usd"],
