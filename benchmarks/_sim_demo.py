@@ -29,7 +29,10 @@ billing: tokens ÷ calibrated speed × price against the run's measured busy sec
 and the mean staleness of the trained rollouts. The blocks' absolute cost is also compared
 (`cost_usd_ratio`) but is not a target: it carries the noise of how many tokens the run's
 metrics happen to count between two step ends on a loaded machine (per step, 50 to 900 in one
-40-step run), which tokens/s and cost per token divide out.
+40-step run), which tokens/s and cost per token divide out. The cost per token itself rests on
+the samplers' busy seconds, which other jobs' load stretches unevenly (per step, 200 to 1,900
+tokens per busy second in one run): `usd_per_mtok_rel_se` gives its relative standard error
+over the calibration and the prediction blocks, the noise a 15% check sits on.
 """
 
 from __future__ import annotations
@@ -130,6 +133,24 @@ def _window(metrics: list[dict[str, Any]], spans: list[tuple[int, int]]) -> dict
         "train_s": sum(r["train_s"] for r in rows) / len(rows),
         "pools": pools,
     }
+
+
+def cost_per_token_rel_se(metrics: list[dict[str, Any]], spans: list[tuple[int, int]]) -> float:
+    """Relative standard error of the blocks' cost per token (Σ cost ÷ Σ tokens, a ratio
+    estimate over the blocks): how far the cost per token of blocks like these may be from
+    another set's by chance alone. NaN with fewer than two blocks."""
+    pairs = []
+    for a, b in spans:
+        ra, rb = metrics[a - 1], metrics[b - 1]
+        tokens = sum(rb["pools"][n]["tokens"] - ra["pools"][n]["tokens"] for n in rb["pools"])
+        pairs.append((rb["cost_usd"] - ra["cost_usd"], tokens))
+    k = len(pairs)
+    total = sum(n for _, n in pairs)
+    if k < 2 or total <= 0:
+        return float("nan")
+    r = sum(c for c, _ in pairs) / total
+    var = sum((c - r * n) ** 2 for c, n in pairs) / (k * (k - 1))
+    return var**0.5 / (total / k) / r if r > 0 else float("nan")
 
 
 def _per_rollout_over_per_token(traced: list[tuple[int, float]]) -> float:
@@ -277,6 +298,10 @@ def compare(steps: int, warmup: int = 2, block: int = 2, keep: Path | None = Non
         "ratio": {k: round(v, 4) for k, v in ratios.items()},
         "within_15pct": all(abs(v - 1.0) <= 0.15 for v in ratios.values()),
         "cost_usd_ratio": round(cost_ratio, 4),
+        "usd_per_mtok_rel_se": {
+            "calibration": round(cost_per_token_rel_se(metrics, cal_blocks), 4),
+            "prediction": round(cost_per_token_rel_se(metrics, pred_blocks), 4),
+        },
         "cost_report_usd": round(report["totals"]["cost_usd"], 6),
         "cost_report_mean_staleness": report["totals"]["mean_staleness"],
         "sim_run_cost_usd": round(result.cost_usd, 6),

@@ -12,9 +12,9 @@ and what is in flight at the end are left out). Reports the
 staleness distribution of trained rollouts and where the controller saturates (rollouts/s
 ceiling = cores ÷ per-rollout cost; the fleet size at which nominal demand reaches it).
 (2) Runs the demo (examples/guess_number.toml) for N steps with the real processes,
-calibrates the simulator on the first half and predicts the second half's tokens/s, cost
-and mean staleness (`sim_vs_measured`; what is calibrated and what predicted:
-benchmarks/_sim_demo.py; alternate blocks of 2 steps calibrate and are predicted).
+calibrates the simulator on alternate blocks of 2 steps and predicts the other blocks'
+tokens/s, cost per Mtok and mean staleness (`sim_vs_measured`, simulated ÷ measured; what is
+calibrated and what predicted: benchmarks/_sim_demo.py).
 
 Per-GPU decode speeds are roofline estimates (hardware.throughput at the catalog's datasheet
 figures, for a 35B-total / 3B-active MoE at 8k context, 64 rollouts per GPU), not
