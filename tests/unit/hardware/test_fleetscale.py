@@ -81,7 +81,10 @@ def test_controller_cost_caps_the_rate_at_its_ceiling():
     assert r.controller_ceiling_rollouts_per_s == pytest.approx(10.0)
     assert r.rollouts_per_s <= 10.0 + 1e-9
     assert r.controller_busy_fraction > 0.7
-    assert r.controller_busy_fraction * r.sim_seconds == pytest.approx(0.1 * r.rollouts_served)
+    # Busy core-seconds: 0.1 s per rollout served, plus the first half (0.05 s) of at most
+    # the 80 rollouts the controller may have outstanding.
+    busy = r.controller_busy_fraction * r.sim_seconds
+    assert 0.1 * r.rollouts_served - 1e-9 <= busy <= 0.1 * r.rollouts_served + 0.05 * 80
     # Two cores double the ceiling and the rate.
     r2 = run(fleet, batch=40, steps=5, controller_s_per_rollout=0.1, controller_cores=2, max_ahead_steps=1.0)
     assert r2.controller_ceiling_rollouts_per_s == pytest.approx(20.0)
@@ -151,3 +154,23 @@ def test_bad_simulation_parameters_are_refused():
     assert math.isinf(run([gpu()], steps=1).controller_ceiling_rollouts_per_s)
     with pytest.raises(ValueError, match="controller_cores"):
         run([gpu()], controller_cores=0)
+
+
+@pytest.mark.parametrize(("step_seconds", "staleness"), [(0.25, {0: 2}), (1.0, {0: 1, 1: 1})])
+def test_a_rollout_takes_the_version_of_its_first_token(step_seconds, staleness):
+    # One slot decoding 10 tokens/s; rollouts of 10 tokens in 2 turns of 5; 0.1 s of controller
+    # work per token before each turn. A rollout: 0.5 s controller, 0.5 s decode, twice = 2 s.
+    # The second rollout starts at 2 s and decodes its first token at 2.5 s: a trainer step of
+    # 0.25 s has published version 1 by then, one of 1 s has not.
+    r = run(
+        [gpu(tps=10.0, slots=1)],
+        batch=1,
+        steps=2,
+        tokens=10.0,
+        step_seconds=step_seconds,
+        max_ahead_steps=0.0,
+        controller_s_per_token=0.1,
+        tokens_per_turn=5.0,
+    )
+    assert [s.t for s in r.log] == pytest.approx([2.0 + step_seconds, 4.0 + step_seconds])
+    assert r.staleness == staleness
