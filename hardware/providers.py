@@ -61,7 +61,7 @@ OFFERS: dict[str, Offer] = {
         CATALOG["B200"].price_per_hour,
         None,
         100.0,
-        "price S7 (2025 listing); no spot offered; link 100 Gbit/s estimate (same provider as the trainer)",
+        "price S7 (2025 listing); no spot price in the source; link 100 Gbit/s estimate (same provider as the trainer)",
     ),
     "modal-h200": Offer(
         "modal",
@@ -69,7 +69,7 @@ OFFERS: dict[str, Offer] = {
         CATALOG["H200"].price_per_hour,
         None,
         100.0,
-        "price S7 (2025 listing); no spot offered; link 100 Gbit/s estimate (same provider as the trainer)",
+        "price S7 (2025 listing); no spot price in the source; link 100 Gbit/s estimate (same provider as the trainer)",
     ),
     "modal-l40s": Offer(
         "modal",
@@ -77,7 +77,7 @@ OFFERS: dict[str, Offer] = {
         CATALOG["L40S"].price_per_hour,
         None,
         100.0,
-        "price S6 (2026-05); no spot offered; link 100 Gbit/s estimate (same provider as the trainer)",
+        "price S6 (2026-05); no spot price in the source; link 100 Gbit/s estimate (same provider as the trainer)",
     ),
     "aws-h100": Offer(
         "aws",
