@@ -11,7 +11,8 @@ weight version, liveness watcher and weight-sync worker) and pays for each one's
   `support`, so rows vary like a top-p cut does), stamped with the sampler rank's version.
 - `FleetSampler` holds a weight version per logical rank; updates are one small frame.
 - `FleetTrainer.train_step` takes the whole batch over the wire and sleeps
-  `len(batch) / rollouts_per_s` (a trainer consuming at a configured rate).
+  `len(batch) / rollouts_per_s` (a trainer consuming at a configured rate); its checkpoint
+  is a file of fixed size.
 
 The links count the bytes of trajectory data that pass through the controller process
 (`DataMeter`): each trajectory's tensors arrive once from an environment actor and leave
@@ -20,8 +21,10 @@ once to the trainer.
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -48,8 +51,11 @@ _TENSORS = ("tokens", "loss_mask", "support_ids", "support_offsets", "support_lo
 
 
 def trajectory_bytes(t: Trajectory) -> int:
-    """Bytes of a trajectory's tensors (what its frames carry on the wire)."""
-    return sum(getattr(t, name).numel() * getattr(t, name).element_size() for name in _TENSORS)
+    """Bytes of a trajectory's tensors (what its frames carry on the wire), counted once."""
+    n = t.__dict__.get("_fleet_bytes")
+    if n is None:
+        n = t.__dict__["_fleet_bytes"] = sum(getattr(t, k).numel() * getattr(t, k).element_size() for k in _TENSORS)
+    return n
 
 
 @dataclass
@@ -59,11 +65,12 @@ class DataMeter:
 
     bytes_in: int = 0
     bytes_out: int = 0
-    rollouts: int = 0
+    rollouts: int = 0  # trajectories that arrived
     traj_bytes: int = 0  # sum of trajectory_bytes over the rollouts counted in
+    trained: int = 0  # trajectories sent to the trainer
 
-    def snapshot(self) -> tuple[int, int, int, int]:
-        return self.bytes_in, self.bytes_out, self.rollouts, self.traj_bytes
+    def snapshot(self) -> tuple[int, int, int, int, int]:
+        return self.bytes_in, self.bytes_out, self.rollouts, self.traj_bytes, self.trained
 
 
 def _metrics(tokens: int) -> PoolMetrics:
@@ -73,8 +80,9 @@ def _metrics(tokens: int) -> PoolMetrics:
 class FleetTrainer(Actor):
     """A trainer that takes batches at `rollouts_per_s` and publishes one-frame deltas."""
 
-    def __init__(self, rollouts_per_s: float) -> None:
+    def __init__(self, rollouts_per_s: float, checkpoint_bytes: int = 1 << 20) -> None:
         self.rate = rollouts_per_s
+        self.checkpoint_bytes = checkpoint_bytes
         self.v = 0
 
     @endpoint
@@ -117,6 +125,14 @@ class FleetTrainer(Actor):
     @endpoint
     async def ack(self, receiver: str, version: int) -> None:
         return None
+
+    @endpoint
+    async def save_checkpoint(self, directory: str) -> str:
+        """Writes `checkpoint_bytes` of weights and the version (a checkpoint of fixed size)."""
+        path = Path(directory)
+        (path / "weights.bin").write_bytes(bytes(self.checkpoint_bytes))
+        (path / "version.json").write_text(json.dumps({"version": self.v}))
+        return directory
 
 
 class FleetSampler(Actor):
@@ -207,6 +223,7 @@ class FleetTrainerLink:
 
     async def train_step(self, batch: list[Trajectory]) -> StepResult:
         self.meter.bytes_out += sum(trajectory_bytes(t) for t in batch)
+        self.meter.trained += len(batch)
         return await self._actor.train_step.call_one(batch)
 
     async def update_path(self, receiver: str, have: int, precision: str, part_bytes: int) -> dict[str, Any]:
@@ -221,7 +238,7 @@ class FleetTrainerLink:
         await self._actor.ack.call_one(receiver, version)
 
     async def save_checkpoint(self, directory: str) -> str:
-        raise RuntimeError("the fleet benchmark runs without checkpoints")
+        return await self._actor.save_checkpoint.call_one(directory)
 
     async def restart(self) -> int:
         raise RuntimeError("the fleet benchmark's trainer is not restarted")

@@ -12,8 +12,13 @@ over `--pools` pools, one environment rank per sampler rank) it measures, after 
 - `cpu_us_per_rollout`: the controller process's CPU (getrusage, every thread) per rollout;
 - `bytes_per_rollout`, `bytes_ratio`: trajectory data through the controller per rollout
   (in from environments + out to the trainer), over one trajectory's bytes;
+- `cpu_bound_rollouts_per_s`: rollouts per second of controller CPU, the rate one core
+  would sustain (on a machine shared with other jobs the controller may not get its core,
+  and `rollouts_per_s` then says more about the machine than about the controller);
 - `rss_mb`, `in_flight_mean`: the controller's resident memory and rollouts in flight;
-- `decision_us_p50/p99`: the producer's placement decisions (slot -> pool, rank, env rank).
+- `decision_us_p50/p99`: the producer's placement decisions (slot -> pool, rank, env rank),
+  in the controller thread's CPU time (on a loaded machine, wall time would count the
+  other processes the OS ran meanwhile).
 
 The headline keys are those of the largest fleet; `growth` divides each of its figures by
 the smallest fleet's. The controller runs in this process, pinned to one core
@@ -44,7 +49,6 @@ import time
 from typing import Any
 
 import trio
-
 from _runs import load_average
 
 from hardware import CostLedger, ModelSpec, Scheduler, ThroughputModel
@@ -108,7 +112,7 @@ class Metrics:
 
 
 class GcWatch:
-    """Seconds this process spent in the cyclic garbage collector while installed."""
+    """CPU seconds the collecting thread spent in the cyclic garbage collector while installed."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
@@ -116,9 +120,9 @@ class GcWatch:
 
     def __call__(self, phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
-            self._t = time.perf_counter()
+            self._t = time.thread_time()
         else:
-            self.seconds += time.perf_counter() - self._t
+            self.seconds += time.thread_time() - self._t
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -143,7 +147,8 @@ async def measure(args: argparse.Namespace, ranks: int) -> dict[str, Any]:
             envs=FleetEnvs(emesh, ranks, meter),
         )
         scheduler = Scheduler(
-            cfg.pools, ThroughputModel(cfg.pools, ModelSpec(total_params=8e9, active_params=8e9)),
+            cfg.pools,
+            ThroughputModel(cfg.pools, ModelSpec(total_params=8e9, active_params=8e9)),
             mean_rollout_tokens=args.tokens,
         )
         metrics = Metrics()
@@ -168,7 +173,7 @@ async def measure(args: argparse.Namespace, ranks: int) -> dict[str, Any]:
             gcw = GcWatch()
             gc.callbacks.append(gcw)
             m0, c0, t0, s0 = meter.snapshot(), cpu_s(), time.perf_counter(), metrics.steps
-            prof = cProfile.Profile() if args.profile else None
+            prof = cProfile.Profile(time.thread_time) if args.profile else None
             if prof:
                 prof.enable()
             in_flight: list[int] = []
@@ -189,13 +194,16 @@ async def measure(args: argparse.Namespace, ranks: int) -> dict[str, Any]:
         n = m1[2] - m0[2]
         wall = t1 - t0
         traj_b = (m1[3] - m0[3]) / max(n, 1)
-        through = (m1[0] - m0[0] + m1[1] - m0[1]) / max(n, 1)
+        trained = m1[4] - m0[4]
+        # In per arrived trajectory + out per trained one (steps are coarser than episodes).
+        through = (m1[0] - m0[0]) / max(n, 1) + ((m1[1] - m0[1]) / trained if trained else traj_b)
         result = {
             "ranks": ranks,
             "rollouts_per_s": round(n / wall, 1),
             "tokens_per_s": round(n * args.tokens / wall),
             "steps_per_s": round((s1 - s0) / wall, 2),
             "cpu_us_per_rollout": round((c1 - c0) / max(n, 1) * 1e6, 1),
+            "cpu_bound_rollouts_per_s": round(n / (c1 - c0), 1) if c1 > c0 else None,
             "cpu_util": round((c1 - c0) / wall, 3),
             "gc_share": round(gcw.seconds / max(c1 - c0, 1e-9), 3),
             "bytes_per_rollout": round(through),
@@ -254,7 +262,7 @@ def main() -> None:
     big, small = runs[-1], runs[0]
     growth = {
         k: round(big[k] / small[k], 2) if small[k] else None
-        for k in ("rollouts_per_s", "cpu_us_per_rollout", "rss_mb", "decision_us_p99")
+        for k in ("rollouts_per_s", "cpu_us_per_rollout", "bytes_per_rollout", "rss_mb", "decision_us_p99")
     }
     out = {
         "bench": "fleet",
@@ -266,6 +274,7 @@ def main() -> None:
         "rollouts_per_s": big["rollouts_per_s"],
         "tokens_per_s": big["tokens_per_s"],
         "cpu_us_per_rollout": big["cpu_us_per_rollout"],
+        "cpu_bound_rollouts_per_s": big["cpu_bound_rollouts_per_s"],
         "controller_bytes_per_rollout": big["bytes_per_rollout"],
         "controller_bytes_ratio": big["bytes_ratio"],
         "rss_mb": big["rss_mb"],
