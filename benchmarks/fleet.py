@@ -17,8 +17,7 @@ over `--pools` pools, one environment rank per sampler rank) it measures, after 
   and `rollouts_per_s` then says more about the machine than about the controller);
 - `rss_mb`, `in_flight_mean`: the controller's resident memory and rollouts in flight;
 - `decision_us_p50/p99`: the producer's placement decisions (slot -> pool, rank, env rank),
-  in the controller thread's CPU time (on a loaded machine, wall time would count the
-  other processes the OS ran meanwhile).
+  wall time (on a machine shared with other jobs the tail counts their time slices too).
 
 The headline keys are those of the largest fleet; `growth` divides each of its figures by
 the smallest fleet's. The controller runs in this process, pinned to one core
@@ -173,7 +172,7 @@ async def measure(args: argparse.Namespace, ranks: int) -> dict[str, Any]:
             gcw = GcWatch()
             gc.callbacks.append(gcw)
             m0, c0, t0, s0 = meter.snapshot(), cpu_s(), time.perf_counter(), metrics.steps
-            prof = cProfile.Profile(time.thread_time) if args.profile else None
+            prof = cProfile.Profile() if args.profile else None
             if prof:
                 prof.enable()
             in_flight: list[int] = []

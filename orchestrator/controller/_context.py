@@ -178,9 +178,8 @@ class RunContext:
         self.dataset: Any = None  # actors.env.TaskDataset of `[task] dataset`, or None
         self.eval_dataset: Any = None  # held-out rows of `[task] eval_dataset`, or None
         self.rollout_scopes: set[trio.CancelScope] = set()
-        # CPU nanoseconds (this thread's: time the OS gave other processes is not counted)
-        # of the producer's latest placement decisions (slot -> pool, rank, env rank): a
-        # bounded window for benchmarks and diagnostics.
+        # Nanoseconds (wall) of the producer's latest placement decisions (slot -> pool,
+        # rank, env rank): a bounded window for benchmarks and diagnostics.
         self.decision_ns: deque[int] = deque(maxlen=DECISIONS_KEPT)
         self.stopping = False
         self.interrupted = False

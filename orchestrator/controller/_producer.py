@@ -104,7 +104,7 @@ async def produce(ctx: RunContext, nursery: trio.Nursery) -> None:
             if slot is None:
                 await _wait(ctx, waiting)
                 continue
-            t0 = time.thread_time_ns()
+            t0 = time.perf_counter_ns()
             task = ctx.buffer.task_of(slot)
             if task is None:  # its group was skipped meanwhile
                 ctx.buffer.requeue(slot)
@@ -127,7 +127,7 @@ async def produce(ctx: RunContext, nursery: trio.Nursery) -> None:
                 continue
             view.in_flight[rank] += 1
             ctx.env_in_flight[env] += 1
-            ctx.decision_ns.append(time.thread_time_ns() - t0)
+            ctx.decision_ns.append(time.perf_counter_ns() - t0)
             nursery.start_soon(_rollout, ctx, slot, task, view, rank, min_version, env)
     finally:
         _put_back(ctx, waiting)
