@@ -129,91 +129,102 @@ def _pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))] if s else 0.0
 
 
-async def measure(args: argparse.Namespace, ranks: int) -> dict[str, Any]:
-    from _fleet import DataMeter, FleetEnv, FleetEnvs, FleetPool, FleetSampler, FleetTrainer, FleetTrainerLink
+async def measure_all(args: argparse.Namespace, sizes: list[int]) -> list[dict[str, Any]]:
+    """One set of actor processes for every fleet size (they host any number of ranks)."""
+    from _fleet import FleetEnv, FleetSampler, FleetTrainer
+
+    runs = []
+    async with (
+        open_mesh(FleetTrainer, args.train_rate, procs=1, name="trainer") as tmesh,
+        open_mesh(FleetSampler, procs=args.procs, name="samplers") as smesh,
+        open_mesh(FleetEnv, 128, args.tokens, args.support, args.episode_s, 0, procs=args.procs, name="envs") as emesh,
+    ):
+        for n in sizes:
+            r = await measure(args, n, tmesh, smesh, emesh)
+            print(json.dumps(r), flush=True)
+            runs.append(r)
+    return runs
+
+
+async def measure(args: argparse.Namespace, ranks: int, tmesh: Any, smesh: Any, emesh: Any) -> dict[str, Any]:
+    from _fleet import DataMeter, FleetEnvs, FleetPool, FleetTrainerLink
 
     cfg = fleet_config(ranks, args.pools, args.batch, args.group, 10**9, args.per_rank)
     meter = DataMeter()
-    procs = args.procs
-    async with (
-        open_mesh(FleetTrainer, args.train_rate, procs=1, name="trainer") as tmesh,
-        open_mesh(FleetSampler, procs=procs, name="samplers") as smesh,
-        open_mesh(FleetEnv, 128, args.tokens, args.support, args.episode_s, 0, procs=procs, name="envs") as emesh,
-    ):
-        links = Links(
-            trainer=FleetTrainerLink(tmesh, meter),
-            pools={pc.name: FleetPool(pc, smesh, pc.count) for pc in cfg.pools},
-            envs=FleetEnvs(emesh, ranks, meter),
-        )
-        scheduler = Scheduler(
-            cfg.pools,
-            ThroughputModel(cfg.pools, ModelSpec(total_params=8e9, active_params=8e9)),
-            mean_rollout_tokens=args.tokens,
-        )
-        metrics = Metrics()
-        controller = Controller(
-            cfg,
-            links,
-            ControllerState(),
-            scheduler=scheduler,
-            ledger=CostLedger(cfg.pools),
-            metrics=metrics,
-            progress=Progress(cfg.steps, quiet=True),
-            handle_sigint=False,
-        )
-        if args.core is not None:
-            os.sched_setaffinity(0, {args.core})
-        result: dict[str, Any] = {}
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(controller.run)
-            await trio.sleep(args.warmup_s)
-            ctx = controller.ctx
-            ctx.decision_ns.clear()
-            gcw = GcWatch()
-            gc.callbacks.append(gcw)
-            m0, c0, t0, s0 = meter.snapshot(), cpu_s(), time.perf_counter(), metrics.steps
-            prof = cProfile.Profile() if args.profile else None
-            if prof:
-                prof.enable()
-            in_flight: list[int] = []
-            rss: list[float] = []
-            end = t0 + args.window_s
-            while time.perf_counter() < end:
-                await trio.sleep(0.25)
-                in_flight.append(ctx.buffer.in_flight)
-                rss.append(rss_mb())
-            if prof:
-                prof.disable()
-                prof.dump_stats(f"{args.profile}.{ranks}")
-            m1, c1, t1, s1 = meter.snapshot(), cpu_s(), time.perf_counter(), metrics.steps
-            gc.callbacks.remove(gcw)
-            decisions = [d / 1000 for d in ctx.decision_ns]
-            nursery.cancel_scope.cancel()
-        os.sched_setaffinity(0, range(os.cpu_count() or 1))
-        n = m1[2] - m0[2]
-        wall = t1 - t0
-        traj_b = (m1[3] - m0[3]) / max(n, 1)
-        trained = m1[4] - m0[4]
-        # In per arrived trajectory + out per trained one (steps are coarser than episodes).
-        through = (m1[0] - m0[0]) / max(n, 1) + ((m1[1] - m0[1]) / trained if trained else traj_b)
-        result = {
-            "ranks": ranks,
-            "rollouts_per_s": round(n / wall, 1),
-            "tokens_per_s": round(n * args.tokens / wall),
-            "steps_per_s": round((s1 - s0) / wall, 2),
-            "cpu_us_per_rollout": round((c1 - c0) / max(n, 1) * 1e6, 1),
-            "cpu_bound_rollouts_per_s": round(n / (c1 - c0), 1) if c1 > c0 else None,
-            "cpu_util": round((c1 - c0) / wall, 3),
-            "gc_share": round(gcw.seconds / max(c1 - c0, 1e-9), 3),
-            "bytes_per_rollout": round(through),
-            "trajectory_bytes": round(traj_b),
-            "bytes_ratio": round(through / traj_b, 3) if traj_b else None,
-            "rss_mb": round(max(rss), 1),
-            "in_flight_mean": round(statistics.fmean(in_flight), 1),
-            "decision_us_p50": round(_pct(decisions, 0.5), 1),
-            "decision_us_p99": round(_pct(decisions, 0.99), 1),
-            "decisions": len(decisions),
-        }
+    links = Links(
+        trainer=FleetTrainerLink(tmesh, meter),
+        pools={pc.name: FleetPool(pc, smesh, pc.count) for pc in cfg.pools},
+        envs=FleetEnvs(emesh, ranks, meter),
+    )
+    scheduler = Scheduler(
+        cfg.pools,
+        ThroughputModel(cfg.pools, ModelSpec(total_params=8e9, active_params=8e9)),
+        mean_rollout_tokens=args.tokens,
+    )
+    metrics = Metrics()
+    controller = Controller(
+        cfg,
+        links,
+        ControllerState(version=await links.trainer.version()),
+        scheduler=scheduler,
+        ledger=CostLedger(cfg.pools),
+        metrics=metrics,
+        progress=Progress(cfg.steps, quiet=True),
+        handle_sigint=False,
+    )
+    if args.core is not None:
+        os.sched_setaffinity(0, {args.core})
+    result: dict[str, Any] = {}
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(controller.run)
+        await trio.sleep(args.warmup_s)
+        ctx = controller.ctx
+        ctx.decision_ns.clear()
+        gcw = GcWatch()
+        gc.callbacks.append(gcw)
+        m0, c0, t0, s0 = meter.snapshot(), cpu_s(), time.perf_counter(), metrics.steps
+        prof = cProfile.Profile() if args.profile else None
+        if prof:
+            prof.enable()
+        in_flight: list[int] = []
+        rss: list[float] = []
+        end = t0 + args.window_s
+        while time.perf_counter() < end:
+            await trio.sleep(0.25)
+            in_flight.append(ctx.buffer.in_flight)
+            rss.append(rss_mb())
+        if prof:
+            prof.disable()
+            prof.dump_stats(f"{args.profile}.{ranks}")
+        m1, c1, t1, s1 = meter.snapshot(), cpu_s(), time.perf_counter(), metrics.steps
+        gc.callbacks.remove(gcw)
+        decisions = [d / 1000 for d in ctx.decision_ns]
+        nursery.cancel_scope.cancel()
+    os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    n = m1[2] - m0[2]
+    wall = t1 - t0
+    traj_b = (m1[3] - m0[3]) / max(n, 1)
+    trained = m1[4] - m0[4]
+    # In per arrived trajectory + out per trained one (steps are coarser than episodes).
+    through = (m1[0] - m0[0]) / max(n, 1) + ((m1[1] - m0[1]) / trained if trained else traj_b)
+    result = {
+        "ranks": ranks,
+        "rollouts_per_s": round(n / wall, 1),
+        "tokens_per_s": round(n * args.tokens / wall),
+        "steps_per_s": round((s1 - s0) / wall, 2),
+        "cpu_us_per_rollout": round((c1 - c0) / max(n, 1) * 1e6, 1),
+        "cpu_bound_rollouts_per_s": round(n / (c1 - c0), 1) if c1 > c0 else None,
+        "cpu_util": round((c1 - c0) / wall, 3),
+        "gc_share": round(gcw.seconds / max(c1 - c0, 1e-9), 3),
+        "bytes_per_rollout": round(through),
+        "trajectory_bytes": round(traj_b),
+        "bytes_ratio": round(through / traj_b, 3) if traj_b else None,
+        "rss_mb": round(max(rss), 1),
+        "in_flight_mean": round(statistics.fmean(in_flight), 1),
+        "decision_us_p50": round(_pct(decisions, 0.5), 1),
+        "decision_us_p99": round(_pct(decisions, 0.99), 1),
+        "decisions": len(decisions),
+    }
     return result
 
 
@@ -253,11 +264,7 @@ def main() -> None:
     if not sizes or sizes[0] < 1:
         sys.exit(f"--ranks: every fleet size must be >= 1, got {args.ranks!r}")
     load0 = load_average()
-    runs = []
-    for n in sizes:
-        r = trio.run(measure, args, n)
-        print(json.dumps(r), flush=True)
-        runs.append(r)
+    runs = trio.run(measure_all, args, sizes)
     big, small = runs[-1], runs[0]
     growth = {
         k: round(big[k] / small[k], 2) if small[k] else None
