@@ -152,15 +152,25 @@ class Trajectory(BaseModel):
         """Number of sampler-generated tokens (rows of the support record)."""
         return self.versions.numel()
 
+    def _version_range(self) -> tuple[int, int]:
+        """(oldest, newest) policy version of the generated tokens, (0, 0) if none; kept
+        for the ``versions`` tensor it was computed from (the controller asks often)."""
+        cached = self.__dict__.get("_version_range_of")
+        v = self.versions
+        if cached is None or cached[0] is not v:
+            rng = (int(v.min()), int(v.max())) if v.numel() else (0, 0)
+            cached = self.__dict__["_version_range_of"] = (v, rng)
+        return cached[1]
+
     @property
     def oldest_version(self) -> int:
         """The oldest policy version among the generated tokens (0 if none)."""
-        return int(self.versions.min()) if self.versions.numel() else 0
+        return self._version_range()[0]
 
     @property
     def newest_version(self) -> int:
         """The newest policy version among the generated tokens (0 if none)."""
-        return int(self.versions.max()) if self.versions.numel() else 0
+        return self._version_range()[1]
 
     def staleness(self, trainer_version: int) -> int:
         """``trainer_version`` − the oldest version among the generated tokens."""

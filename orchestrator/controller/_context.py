@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +19,20 @@ from orchestrator.state.buffer import Drop, RolloutBuffer
 from orchestrator.state.config import RunConfig
 from orchestrator.state.progress import Progress
 
-__all__ = ["Backoff", "PoolView", "RunContext"]
+__all__ = ["DECISIONS_KEPT", "Backoff", "PoolView", "RunContext", "Versions"]
+
+DECISIONS_KEPT = 4096
+
+
+class Versions(list[int]):
+    """Each rank's held weights version (-1: none, -2: must forget first); counts writes, so
+    views derived from it (`PoolView.usable`) know when to recompute."""
+
+    writes = 0
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        super().__setitem__(index, value)
+        self.writes += 1
 
 
 @dataclass
@@ -26,21 +40,23 @@ class PoolView:
     """The controller's view of one pool: what each rank holds and runs, and its liveness."""
 
     link: PoolLink
-    versions: list[int]  # weights each rank holds; -1: none (start, respawn, refused update)
+    versions: Versions  # weights each rank holds; -1: none (start, respawn, refused update)
     in_flight: list[int]  # rollouts running on each rank
     marks: list[tuple[int, float]]  # each rank's (tokens, busy seconds) at the last step
     health: list[Health]  # each rank's liveness (`_liveness`)
     stats: list[dict[str, Any] | None]  # each rank's latest counters; None: none yet, or dead
     stats_call: list[trio.Event | None]  # set when the rank's outstanding stats call ends
     epochs: list[int]  # bumped when a rank's process is replaced
+    flips: int = 0  # liveness changes of any rank (invalidates the usable-ranks cache)
+    _cache: tuple[Any, list[int], int, int] | None = None  # key, usable ranks, min, max version
 
     @classmethod
     def of(cls, link: PoolLink) -> PoolView:
         n = link.size
         name = link.config.name
-        return cls(
+        view = cls(
             link,
-            [-1] * n,
+            Versions([-1] * n),
             [0] * n,
             [(0, 0.0)] * n,
             [Health(f"sampler {name}/{r}") for r in range(n)],
@@ -48,25 +64,54 @@ class PoolView:
             [None] * n,
             [0] * n,
         )
+        for h in view.health:
+            h.on_flip = view._flipped
+        return view
+
+    def _flipped(self) -> None:
+        self.flips += 1
 
     @property
     def name(self) -> str:
         return self.link.config.name
 
+    def _usable(self) -> tuple[list[int], int, int]:
+        """(usable ranks ascending, oldest and newest version among them), recomputed only
+        when a rank's version, liveness, death or start changed since the last call."""
+        dead, starting = self.link.dead_ranks(), self.link.starting_ranks()
+        key = (self.versions.writes, self.flips, tuple(dead), tuple(starting))
+        cache = self._cache
+        if cache is not None and cache[0] == key:
+            return cache[1], cache[2], cache[3]
+        down = set(dead) | set(starting)
+        versions = self.versions
+        ranks = [r for r, h in enumerate(self.health) if h.since is None and r not in down and versions[r] >= 0]
+        held = [versions[r] for r in ranks]
+        self._cache = (key, ranks, min(held, default=-1), max(held, default=-1))
+        return ranks, self._cache[2], self._cache[3]
+
     def usable(self) -> list[int]:
         """Ranks that can take a rollout now: constructed, answering, holding weights."""
-        down = set(self.link.dead_ranks()) | set(self.link.starting_ranks())
-        return [r for r, h in enumerate(self.health) if h.responsive and r not in down and self.versions[r] >= 0]
+        return list(self._usable()[0])
 
     def held_version(self) -> int:
         """The oldest weights among the usable ranks (-1 when none is usable)."""
-        return min((self.versions[r] for r in self.usable()), default=-1)
+        return self._usable()[1]
+
+    def newest_version(self) -> int:
+        """The newest weights among the usable ranks (-1 when none is usable)."""
+        return self._usable()[2]
 
     def pick_rank(self, min_version: int) -> int | None:
         """The usable rank holding weights no older than `min_version` with the fewest
         rollouts in flight (ties: the lowest rank); None if there is none."""
-        ok = [r for r in self.usable() if self.versions[r] >= min_version]
-        return min(ok, key=lambda r: (self.in_flight[r], r)) if ok else None
+        ranks, oldest, newest = self._usable()
+        if newest < min_version or not ranks:
+            return None
+        if oldest < min_version:
+            versions = self.versions
+            ranks = [r for r in ranks if versions[r] >= min_version]
+        return min(ranks, key=self.in_flight.__getitem__)  # the first minimum: the lowest rank
 
     def receiver(self, rank: int) -> str:
         return f"{self.name}/{rank}"
@@ -115,7 +160,9 @@ class RunContext:
         self.checkpoints = checkpoints
         self.buffer = RolloutBuffer(cfg.rollout.group_size, counters=state.buffer)
         self.pools = {name: PoolView.of(link) for name, link in links.pools.items()}
-        self.env_health = [Health(f"environment actor {r}") for r in range(links.envs.size)]
+        self.env_health = [Health(f"environment actor {r}", on_flip=self._env_flipped) for r in range(links.envs.size)]
+        self._env_flips = 0
+        self._env_cache: tuple[Any, list[int]] | None = None
         self.trainer_health = Health("trainer")
         self.env_in_flight = [0] * links.envs.size  # episodes running on each env rank
         self.nursery: trio.Nursery | None = None  # the controller's, for background calls
@@ -131,6 +178,9 @@ class RunContext:
         self.dataset: Any = None  # actors.env.TaskDataset of `[task] dataset`, or None
         self.eval_dataset: Any = None  # held-out rows of `[task] eval_dataset`, or None
         self.rollout_scopes: set[trio.CancelScope] = set()
+        # Nanoseconds (wall) of the producer's latest placement decisions (slot -> pool,
+        # rank, env rank): a bounded window for benchmarks and diagnostics.
+        self.decision_ns: deque[int] = deque(maxlen=DECISIONS_KEPT)
         self.stopping = False
         self.interrupted = False
         self.abandoned = False
@@ -197,17 +247,25 @@ class RunContext:
         """The environment rank for the next episode: constructed, answering, fewest
         episodes in flight (ties: the lowest rank); None when none is."""
         envs = self.links.envs
-        down = set(envs.dead_ranks()) | set(envs.starting_ranks())
-        ok = [r for r, h in enumerate(self.env_health) if h.responsive and r not in down]
-        return min(ok, key=lambda r: (self.env_in_flight[r], r)) if ok else None
+        dead, starting = envs.dead_ranks(), envs.starting_ranks()
+        key = (self._env_flips, tuple(dead), tuple(starting))
+        if self._env_cache is None or self._env_cache[0] != key:
+            down = set(dead) | set(starting)
+            ok = [r for r, h in enumerate(self.env_health) if h.since is None and r not in down]
+            self._env_cache = (key, ok)
+        ok = self._env_cache[1]
+        return min(ok, key=self.env_in_flight.__getitem__) if ok else None  # first minimum: lowest rank
+
+    def _env_flipped(self) -> None:
+        self._env_flips += 1
 
     def update_scheduler(self) -> None:
         """Tell the scheduler which pools can take rollouts and the weights they hold."""
         for name, view in self.pools.items():
-            usable = view.usable()
-            self.scheduler.set_available(name, bool(usable))
-            if usable:
-                self.scheduler.set_pool_version(name, view.held_version())
+            held = view.held_version()
+            self.scheduler.set_available(name, held >= 0)
+            if held >= 0:
+                self.scheduler.set_pool_version(name, held)
 
     def now(self) -> float:
         return trio.current_time()

@@ -62,6 +62,7 @@ class Health:
     respawns: int = 0  # respawn attempts since it was last up for a while
     next_respawn: float = 0.0  # no respawn attempt before this trio time
     up_since: float | None = None  # first answer since its last (re)start
+    on_flip: Callable[[], None] | None = None  # called when it turns (un)responsive
 
     def __post_init__(self) -> None:
         self.back.set()
@@ -77,12 +78,16 @@ class Health:
     def mark_unresponsive(self) -> None:
         self.since = self.last_answer
         self.back = trio.Event()
+        if self.on_flip is not None:
+            self.on_flip()
         for scope in list(self.scopes):
             scope.cancel()
 
     def mark_responsive(self) -> None:
         self.since = None
         self.back.set()
+        if self.on_flip is not None:
+            self.on_flip()
 
 
 @contextmanager

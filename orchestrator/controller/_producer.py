@@ -16,6 +16,8 @@ weights are gone) and re-queues them; so does a sampler or env actor that stops 
 
 from __future__ import annotations
 
+import time
+
 import trio
 
 from actors.types import TaskSpec
@@ -102,11 +104,12 @@ async def produce(ctx: RunContext, nursery: trio.Nursery) -> None:
             if slot is None:
                 await _wait(ctx, waiting)
                 continue
+            t0 = time.perf_counter_ns()
             task = ctx.buffer.task_of(slot)
             if task is None:  # its group was skipped meanwhile
                 ctx.buffer.requeue(slot)
                 continue
-            if not any(v.pick_rank(_need_version(ctx, slot, name)) is not None for name, v in ctx.pools.items()):
+            if not any(v.newest_version() >= _need_version(ctx, slot, name) for name, v in ctx.pools.items()):
                 # Due at a version no pool holds yet: the slots behind it (a group due now) may
                 # be what that version waits for, so look past it.
                 waiting.append(slot)
@@ -124,6 +127,7 @@ async def produce(ctx: RunContext, nursery: trio.Nursery) -> None:
                 continue
             view.in_flight[rank] += 1
             ctx.env_in_flight[env] += 1
+            ctx.decision_ns.append(time.perf_counter_ns() - t0)
             nursery.start_soon(_rollout, ctx, slot, task, view, rank, min_version, env)
     finally:
         _put_back(ctx, waiting)

@@ -67,6 +67,7 @@ class Group:
     task: Any
     size: int
     done: dict[int, Any] = field(default_factory=dict)
+    checked_at: int | None = None  # trainer version its staleness was last checked at, complete
 
     @property
     def complete(self) -> bool:
@@ -100,6 +101,7 @@ class RolloutBuffer:
         self._fresh: deque[Slot] = deque()
         self._retry: deque[Slot] = deque()
         self._in_flight: set[tuple[str, int]] = set()
+        self._done = 0  # finished trajectories held, over every group
 
     # -- producing -------------------------------------------------------------
     def add_group(self, group_id: str, prompt_id: str, task: Any, *, counted: bool = False) -> None:
@@ -149,10 +151,13 @@ class RolloutBuffer:
                 self._retry.append(Slot(slot.group_id, slot.prompt_id, slot.index, slot.attempt + 1))
             return drop
         group.done[slot.index] = (slot, traj)
+        group.checked_at = None
+        self._done += 1
         return None
 
     def _skip(self, group: Group) -> None:
         del self._groups[group.group_id]
+        self._done -= len(group.done)
         self._retry = deque(s for s in self._retry if s.group_id != group.group_id)
         self._fresh = deque(s for s in self._fresh if s.group_id != group.group_id)
         self.counters.groups_skipped += 1
@@ -166,6 +171,7 @@ class RolloutBuffer:
             for index, (slot, traj) in list(group.done.items()):
                 if traj.newest_version > version:
                     del group.done[index]
+                    self._done -= 1
                     self.counters.dropped_rollback += 1
                     drops.append(Drop(slot, traj.pool, "rollback", None, None))
                     self._retry.append(Slot(slot.group_id, slot.prompt_id, slot.index, slot.attempt))
@@ -175,6 +181,7 @@ class RolloutBuffer:
         """Return groups taken by `take_batch` whose step never happened, ahead of the rest."""
         back = {g.group_id: g for g in groups}
         for g in back.values():
+            self._done += len(g.done)
             self.counters.groups_trained -= 1
             self.counters.rollouts_trained -= g.size
         self._groups = {**back, **self._groups}
@@ -198,19 +205,26 @@ class RolloutBuffer:
         for group in list(self._groups.values()):
             if not group.complete:
                 continue
-            for index, (slot, traj) in list(group.done.items()):
-                staleness = trainer_version - traj.oldest_version
-                if staleness > budget_of(traj.pool):
-                    del group.done[index]
-                    self.counters.dropped_stale += 1
-                    drops.append(Drop(slot, traj.pool, "stale", staleness, None))
-                    self._retry.append(Slot(slot.group_id, slot.prompt_id, slot.index, slot.attempt))
+            # Staleness only grows with the trainer's version: a complete group checked at
+            # this version (and not changed since) has nothing to drop.
+            if group.checked_at != trainer_version:
+                for index, (slot, traj) in list(group.done.items()):
+                    staleness = trainer_version - traj.oldest_version
+                    if staleness > budget_of(traj.pool):
+                        del group.done[index]
+                        self._done -= 1
+                        self.counters.dropped_stale += 1
+                        drops.append(Drop(slot, traj.pool, "stale", staleness, None))
+                        self._retry.append(Slot(slot.group_id, slot.prompt_id, slot.index, slot.attempt))
+                if group.complete:
+                    group.checked_at = trainer_version
             if group.complete and len(ready) < n_groups:
                 ready.append(group)
         if len(ready) < n_groups:
             return [], drops
         for group in ready:
             del self._groups[group.group_id]
+            self._done -= len(group.done)
             self.counters.groups_trained += 1
             self.counters.rollouts_trained += group.size
         return ready, drops
@@ -230,7 +244,7 @@ class RolloutBuffer:
 
     def done_rollouts(self) -> int:
         """Finished trajectories waiting to be trained (in complete and incomplete groups)."""
-        return sum(len(g.done) for g in self._groups.values())
+        return self._done
 
     def complete_groups(self) -> int:
         return sum(g.complete for g in self._groups.values())

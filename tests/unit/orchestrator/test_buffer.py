@@ -74,3 +74,43 @@ def test_counters_are_shared_with_their_owner_and_resume_without_recounting():
     buf.add_group("g4", "p4", task="t", counted=True)  # buffered at the stop: already in
     buf.add_group("g5", "p5", task="t")
     assert counters.groups_in == 6 and buf.counters is counters
+
+
+def _done_by_walk(buf: RolloutBuffer) -> int:
+    return sum(len(g.done) for g in buf._groups.values())
+
+
+def test_a_complete_group_checked_at_one_version_is_dropped_from_at_a_later_one():
+    buf = RolloutBuffer(group_size=2)
+    buf.add_group("g0", "p0", task="t")
+    buf.add_group("g1", "p1", task="t")
+    for _ in range(2):
+        buf.complete(buf.next_slot(), _T("a", version=1))
+    # Two groups wanted, one complete: nothing taken, nothing stale at version 2.
+    assert buf.take_batch(2, trainer_version=2, budget_of=lambda pool: 1) == ([], [])
+    # The same complete group, now over budget: dropped although it was checked before.
+    groups, drops = buf.take_batch(2, trainer_version=3, budget_of=lambda pool: 1)
+    assert groups == [] and [d.staleness for d in drops] == [2, 2]
+    assert buf.done_rollouts() == _done_by_walk(buf) == 0
+
+
+def test_finished_trajectories_are_counted_through_every_path():
+    buf = RolloutBuffer(group_size=2, max_attempts=1)
+    for g in range(3):
+        buf.add_group(f"g{g}", f"p{g}", task="t")
+    slots = [buf.next_slot() for _ in range(6)]
+    buf.complete(slots[0], _T("a", 0))
+    buf.complete(slots[1], _T("a", 0))
+    buf.complete(slots[2], _T("a", 0, newest=5))
+    buf.complete(slots[3], _T("a", 0))
+    buf.complete(slots[4], _T("a", 0))
+    assert buf.done_rollouts() == _done_by_walk(buf) == 5
+    buf.complete(slots[5], _T("a", 0, failed=True))  # skips g2 with its one done trajectory
+    assert buf.done_rollouts() == _done_by_walk(buf) == 4
+    buf.drop_newer_than(4)
+    assert buf.done_rollouts() == _done_by_walk(buf) == 3
+    groups, _ = buf.take_batch(1, trainer_version=0, budget_of=lambda pool: 1)
+    assert [g.group_id for g in groups] == ["g0"]
+    assert buf.done_rollouts() == _done_by_walk(buf) == 1
+    buf.put_back(groups)
+    assert buf.done_rollouts() == _done_by_walk(buf) == 3

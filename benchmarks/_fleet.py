@@ -1,0 +1,341 @@
+"""Fakes of the fleet benchmark (benchmarks/fleet.py): actors that compute nothing but send
+real messages, and the controller's links over them.
+
+Many logical ranks share a few processes: `FleetPool` maps sampler rank r of a pool to
+process r % P of its sampler mesh, and `FleetEnvs` maps environment rank e to process
+e % Q of the environment mesh; the controller sees every rank as its own actor (its own
+weight version, liveness watcher and weight-sync worker) and pays for each one's calls.
+
+- `FleetEnv.run_episode` waits `episode_s` and returns a synthetic `Trajectory` of
+  `prompt` + `tokens` ids with a support row per generated token (sizes drawn once around
+  `support`, so rows vary like a top-p cut does), stamped with the sampler rank's version.
+- `FleetSampler` holds a weight version per logical rank; updates are one small frame.
+- `FleetTrainer.train_step` takes the whole batch over the wire and sleeps
+  `len(batch) / rollouts_per_s` (a trainer consuming at a configured rate); its checkpoint
+  is a file of fixed size.
+
+The links count the bytes of trajectory data that pass through the controller process
+(`DataMeter`): each trajectory's tensors arrive once from an environment actor and leave
+once to the trainer.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import trio
+
+from actors.trainer import StepResult
+from actors.types import SamplingParams, TaskSpec, Trajectory
+from hardware import PoolConfig
+from orchestrator.runtime import Actor, ActorDied, Mesh, endpoint
+from policies.metrics import PoolMetrics
+
+__all__ = [
+    "DataMeter",
+    "FleetEnv",
+    "FleetEnvs",
+    "FleetPool",
+    "FleetSampler",
+    "FleetTrainer",
+    "FleetTrainerLink",
+    "trajectory_bytes",
+]
+
+_TENSORS = ("tokens", "loss_mask", "support_ids", "support_offsets", "support_logq", "versions")
+
+
+def trajectory_bytes(t: Trajectory) -> int:
+    """Bytes of a trajectory's tensors (what its frames carry on the wire), counted once."""
+    n = t.__dict__.get("_fleet_bytes")
+    if n is None:
+        n = t.__dict__["_fleet_bytes"] = sum(getattr(t, k).numel() * getattr(t, k).element_size() for k in _TENSORS)
+    return n
+
+
+@dataclass
+class DataMeter:
+    """Trajectory data through the controller: bytes in (from environments), out (to the
+    trainer), and the trajectories that carried them."""
+
+    bytes_in: int = 0
+    bytes_out: int = 0
+    rollouts: int = 0  # trajectories that arrived
+    traj_bytes: int = 0  # sum of trajectory_bytes over the rollouts counted in
+    trained: int = 0  # trajectories sent to the trainer
+
+    def snapshot(self) -> tuple[int, int, int, int, int]:
+        return self.bytes_in, self.bytes_out, self.rollouts, self.traj_bytes, self.trained
+
+
+def _metrics(tokens: int) -> PoolMetrics:
+    return PoolMetrics(tokens=tokens, mismatch_kl=0.0, masked_fraction=0.0, mean_weight=1.0, entropy=0.5)
+
+
+class FleetTrainer(Actor):
+    """A trainer that takes batches at `rollouts_per_s` and publishes one-frame deltas."""
+
+    def __init__(self, rollouts_per_s: float, checkpoint_bytes: int = 1 << 20) -> None:
+        self.rate = rollouts_per_s
+        self.checkpoint_bytes = checkpoint_bytes
+        self.v = 0
+
+    @endpoint
+    async def version(self) -> int:
+        return self.v
+
+    @endpoint
+    async def train_step(self, batch: list[Trajectory]) -> StepResult:
+        await trio.sleep(len(batch) / self.rate)
+        self.v += 1
+        tokens = sum(t.num_generated for t in batch)
+        pools = {t.pool for t in batch}
+        return StepResult(
+            version=self.v,
+            applied=True,
+            loss=0.0,
+            grad_norm=1.0,
+            tokens=tokens,
+            trajectories=len(batch),
+            failed_skipped=0,
+            micro_batches=1,
+            reward_mean=sum(t.reward for t in batch) / len(batch),
+            seconds=len(batch) / self.rate,
+            overall=_metrics(tokens),
+            per_pool={p: _metrics(tokens // len(pools)) for p in pools},
+        )
+
+    @endpoint
+    async def update_path(self, receiver: str, have: int, precision: str, part_bytes: int) -> dict[str, Any]:
+        if have < 0:
+            return {"keyframe": {"version": self.v, "parts": 1, "wire_bytes": 1}, "deltas": []}
+        return {"keyframe": None, "deltas": [[str(self.v).encode()]]}
+
+    @endpoint
+    async def keyframe_part(
+        self, precision: str, version: int, seq: int, part_bytes: int
+    ) -> tuple[dict[str, Any], list[bytes]]:
+        return {"seq": seq, "parts": 1, "version": version}, [b"k"]
+
+    @endpoint
+    async def ack(self, receiver: str, version: int) -> None:
+        return None
+
+    @endpoint
+    async def save_checkpoint(self, directory: str) -> str:
+        """Writes `checkpoint_bytes` of weights and the version (a checkpoint of fixed size)."""
+        path = Path(directory)
+        (path / "weights.bin").write_bytes(bytes(self.checkpoint_bytes))
+        (path / "version.json").write_text(json.dumps({"version": self.v}))
+        return directory
+
+
+class FleetSampler(Actor):
+    """Sampler ranks that hold a version each and generate nothing."""
+
+    def __init__(self) -> None:
+        self.held: dict[int, int] = {}
+
+    @endpoint
+    async def apply(self, rank: int, updates: list[list[bytes]]) -> int:
+        self.held[rank] = int(bytes(updates[-1][0]))
+        return self.held[rank]
+
+    @endpoint
+    async def apply_part(self, rank: int, header: dict[str, Any], frames: list[bytes]) -> int:
+        if header["seq"] == header["parts"] - 1:
+            self.held[rank] = int(header["version"])
+        return self.held.get(rank, -1)
+
+    @endpoint
+    async def reset(self, rank: int) -> None:
+        self.held.pop(rank, None)
+
+    @endpoint
+    async def stats(self, rank: int) -> dict[str, Any]:
+        return {"tokens_generated": 0, "busy_seconds": 0.0, "requests_finished": 0, "prefill_batches": 0}
+
+
+class FleetEnv(Actor):
+    """Plays synthetic episodes: `prompt` + `tokens` ids, a support row per generated token
+    of about `support` ids, after `episode_s` seconds."""
+
+    def __init__(self, prompt: int, tokens: int, support: int, episode_s: float, seed: int) -> None:
+        if tokens < 1 or support < 1 or prompt < 1:
+            raise ValueError(f"prompt, tokens and support must be >= 1, got {prompt}, {tokens}, {support}")
+        rng = random.Random(seed)
+        sizes = [rng.randint(max(1, support // 2), max(1, support + support // 2)) for _ in range(tokens)]
+        offsets = [0]
+        for s in sizes:
+            offsets.append(offsets[-1] + s)
+        nnz = offsets[-1]
+        g = torch.Generator().manual_seed(seed)
+        self.tokens = torch.randint(0, 50_000, (prompt + tokens,), dtype=torch.int64, generator=g)
+        self.mask = torch.cat([torch.zeros(prompt, dtype=torch.bool), torch.ones(tokens, dtype=torch.bool)])
+        self.ids = torch.randint(0, 50_000, (nnz,), dtype=torch.int32, generator=g)
+        self.ids[torch.tensor(offsets[:-1])] = self.tokens[prompt:].to(torch.int32)  # y_t is in S_t
+        self.offsets = torch.tensor(offsets, dtype=torch.int32)
+        self.logq = -torch.rand(nnz, generator=g) * 5
+        self.n = tokens
+        self.episode_s = episode_s
+        self.rng = rng
+
+    @endpoint
+    async def run_episode(self, pool: str, version: int, task: TaskSpec, sampling: SamplingParams) -> Trajectory:
+        await trio.sleep(self.episode_s)
+        return Trajectory.model_construct(
+            task=task.task,
+            prompt_id=task.prompt_id,
+            group_id=task.group_id,
+            pool=pool,
+            tokens=self.tokens,
+            loss_mask=self.mask,
+            support_ids=self.ids,
+            support_offsets=self.offsets,
+            support_logq=self.logq,
+            versions=torch.full((self.n,), version, dtype=torch.int32),
+            reward=float(self.rng.random() < 0.5),
+            failed=False,
+            error=None,
+            error_traceback=None,
+            sampler_lost=False,
+            turns=1,
+            segments=1,
+            seconds=self.episode_s,
+        )
+
+
+class FleetTrainerLink:
+    """The trainer link over a one-rank `FleetTrainer` mesh; counts the bytes it sends."""
+
+    def __init__(self, mesh: Mesh[Any], meter: DataMeter) -> None:
+        self.mesh = mesh
+        self.meter = meter
+        self._actor = mesh[0]
+
+    async def version(self) -> int:
+        return await self._actor.version.call_one()
+
+    async def train_step(self, batch: list[Trajectory]) -> StepResult:
+        self.meter.bytes_out += sum(trajectory_bytes(t) for t in batch)
+        self.meter.trained += len(batch)
+        return await self._actor.train_step.call_one(batch)
+
+    async def update_path(self, receiver: str, have: int, precision: str, part_bytes: int) -> dict[str, Any]:
+        return await self._actor.update_path.call_one(receiver, have, precision, part_bytes)
+
+    async def keyframe_part(
+        self, precision: str, version: int, seq: int, part_bytes: int
+    ) -> tuple[dict[str, Any], list[bytes]]:
+        return await self._actor.keyframe_part.call_one(precision, version, seq, part_bytes)
+
+    async def ack(self, receiver: str, version: int) -> None:
+        await self._actor.ack.call_one(receiver, version)
+
+    async def save_checkpoint(self, directory: str) -> str:
+        return await self._actor.save_checkpoint.call_one(directory)
+
+    async def restart(self) -> int:
+        raise RuntimeError("the fleet benchmark's trainer is not restarted")
+
+    def is_dead(self) -> bool:
+        return bool(self.mesh.dead_ranks)
+
+    async def ping(self) -> None:
+        await self._actor.runtime_stats.call_one()
+
+
+class FleetPool:
+    """`size` logical sampler ranks over the processes of one `FleetSampler` mesh."""
+
+    def __init__(self, config: PoolConfig, mesh: Mesh[Any], size: int) -> None:
+        self.config = config
+        self.mesh = mesh
+        self._size = size
+        self.held = [-1] * size  # what each rank answered last (the env fake stamps it)
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    def _proc(self, rank: int) -> Any:
+        return self.mesh[rank % self.mesh.size]
+
+    def sampler(self, rank: int) -> Any:
+        return self._proc(rank)
+
+    async def apply_weights(self, rank: int, updates: list[list[bytes]]) -> int:
+        self.held[rank] = await self._proc(rank).apply.call_one(rank, updates)
+        return self.held[rank]
+
+    async def apply_weights_part(self, rank: int, header: dict[str, Any], frames: list[Any]) -> int:
+        self.held[rank] = await self._proc(rank).apply_part.call_one(rank, header, frames)
+        return self.held[rank]
+
+    async def reset_weights(self, rank: int) -> None:
+        self.held[rank] = -1
+        await self._proc(rank).reset.call_one(rank)
+
+    async def rank_stats(self, rank: int) -> dict[str, Any] | None:
+        try:
+            return await self._proc(rank).stats.call_one(rank)
+        except ActorDied:
+            return None
+
+    async def ping(self, rank: int) -> None:
+        await self._proc(rank).runtime_stats.call_one()
+
+    def dead_ranks(self) -> list[int]:
+        dead = self.mesh.dead_ranks
+        return [r for r in range(self._size) if r % self.mesh.size in dead] if dead else []
+
+    def starting_ranks(self) -> list[int]:
+        starting = self.mesh.starting_ranks
+        return [r for r in range(self._size) if r % self.mesh.size in starting] if starting else []
+
+    def respawn(self, rank: int) -> None:
+        self.mesh.respawn(rank % self.mesh.size)
+
+
+class FleetEnvs:
+    """`size` logical environment ranks over the processes of one `FleetEnv` mesh; counts
+    the trajectory bytes that arrive."""
+
+    def __init__(self, mesh: Mesh[Any], size: int, meter: DataMeter) -> None:
+        self.mesh = mesh
+        self._size = size
+        self.meter = meter
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    async def run_episode(
+        self, pool: FleetPool, rank: int, task: TaskSpec, sampling: SamplingParams, min_version: int, env_rank: int
+    ) -> Trajectory:
+        proc = self.mesh[env_rank % self.mesh.size]
+        traj = await proc.run_episode.call_one(pool.config.name, pool.held[rank], task, sampling)
+        n = trajectory_bytes(traj)
+        self.meter.bytes_in += n
+        self.meter.traj_bytes += n
+        self.meter.rollouts += 1
+        return traj
+
+    async def ping(self, rank: int) -> None:
+        await self.mesh[rank % self.mesh.size].runtime_stats.call_one()
+
+    def dead_ranks(self) -> list[int]:
+        dead = self.mesh.dead_ranks
+        return [r for r in range(self._size) if r % self.mesh.size in dead] if dead else []
+
+    def starting_ranks(self) -> list[int]:
+        starting = self.mesh.starting_ranks
+        return [r for r in range(self._size) if r % self.mesh.size in starting] if starting else []
+
+    def respawn(self, rank: int) -> None:
+        self.mesh.respawn(rank % self.mesh.size)

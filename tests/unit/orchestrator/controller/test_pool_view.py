@@ -1,0 +1,44 @@
+"""The controller's per-pool view: which ranks can take a rollout, kept current as ranks
+get weights, die, restart and stop answering."""
+
+from __future__ import annotations
+
+from hardware import PoolConfig
+from orchestrator.controller._context import PoolView
+
+from .fakes import FakePool
+
+
+def _view(size: int = 4) -> tuple[FakePool, PoolView]:
+    pool = FakePool(PoolConfig(name="p", gpu="cpu", count=size), size)
+    return pool, PoolView.of(pool)
+
+
+def test_usable_ranks_follow_versions_deaths_and_liveness():
+    pool, view = _view()
+    assert view.usable() == [] and view.pick_rank(0) is None and view.held_version() == -1
+    for r, v in enumerate([3, 1, 2, 3]):
+        view.versions[r] = v
+    assert view.usable() == [0, 1, 2, 3]
+    assert (view.held_version(), view.newest_version()) == (1, 3)
+    assert view.pick_rank(2) == 0  # fewest in flight, lowest rank first
+    view.in_flight[0] = 2
+    assert view.pick_rank(2) == 2 and view.pick_rank(3) == 3 and view.pick_rank(4) is None
+    pool.kill(2)
+    assert view.usable() == [0, 1, 3] and view.pick_rank(2) == 3
+    pool.dead.discard(2)  # its fresh process is up
+    view.versions[2] = -1  # a respawned rank holds nothing until its keyframe
+    assert view.usable() == [0, 1, 3]
+    view.health[3].mark_unresponsive()
+    assert view.usable() == [0, 1] and view.pick_rank(2) == 0
+    view.health[3].mark_responsive()
+    view.versions[2] = 4
+    assert view.usable() == [0, 1, 2, 3] and view.newest_version() == 4 and view.pick_rank(4) == 2
+
+
+def test_a_copy_of_the_usable_ranks_does_not_change_the_view():
+    _, view = _view(2)
+    view.versions[0] = view.versions[1] = 0
+    ranks = view.usable()
+    ranks.clear()
+    assert view.usable() == [0, 1]
