@@ -35,6 +35,7 @@ __all__ = [
     "PlacementSection",
     "RolloutSection",
     "RunConfig",
+    "SftSection",
     "TaskSection",
     "apply_overrides",
     "check_runnable",
@@ -259,6 +260,33 @@ class FaultsSection(_Section):
         return self
 
 
+class SftSection(_Section):
+    """`flotilla sft CONFIG`: supervised fine-tuning before RL (a warm start), with the run's
+    model, chat format and trainer; its checkpoint's `model/` is a `[model] path` for a run."""
+
+    data: str
+    """A JSONL file, one record a line: `{"messages": [{"role", "content"}, ...]}` or
+    `{"prompt": "...", "completion": "..."}`. The loss is on assistant turns only."""
+    epochs: int = Field(default=1, ge=1)
+    """Passes over the data (each in a fresh order from the run's seed)."""
+    steps: int | None = Field(default=None, ge=1)
+    """Optimizer steps to take instead of `epochs` (the data is cycled as needed)."""
+    lr: float | None = Field(default=None, gt=0.0)
+    """Learning rate of the SFT steps (constant); None: `[trainer] lr`."""
+    batch_size: int = Field(default=32, ge=1)
+    """Sequences per optimizer step; the loss is the token mean over the batch."""
+    name: str | None = None
+    """Output folder under `run_root`; None: `<name>-sft`. The checkpoint lands in
+    `<run_root>/<this>/checkpoint/` (its `model/` is what `[model] path` takes)."""
+
+    @field_validator("name")
+    @classmethod
+    def _plain(cls, v: str | None) -> str | None:
+        if v is not None and (not v or v in (".", "..") or any(c in v for c in "/\\\0") or v.startswith("-")):
+            raise ValueError(f"sft name {v!r} must be one plain folder name (no '/', '\\', '..', leading '-' or NUL)")
+        return v
+
+
 class RunConfig(_Section):
     name: str = "run"
     """The run's name: outputs go to `<run_root>/<name>/`."""
@@ -294,6 +322,8 @@ class RunConfig(_Section):
     """Sampler pools ([[pools]] tables, hardware.PoolConfig), names unique."""
     telemetry: TelemetrySection = Field(default_factory=TelemetrySection)
     """Metric sinks besides metrics.jsonl: W&B and TensorBoard (orchestrator.state.sinks)."""
+    sft: SftSection | None = None
+    """Supervised fine-tuning for `flotilla sft` (a warm start; `flotilla run` ignores it)."""
 
     @field_validator("name")
     @classmethod
