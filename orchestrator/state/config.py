@@ -205,6 +205,22 @@ class RolloutSection(_Section):
     max_buffered_groups: int = Field(default=32, ge=1)
     """Completed or in-flight groups the producer may hold beyond the next batch; bounds memory
     and, with the pools' staleness budgets, how far sampling runs ahead of training."""
+    filter_zero_variance: bool = False
+    """Drop a group whose rewards are all equal once it completes (every GRPO advantage is 0:
+    no signal) and sample a new one in its place, so each batch holds P groups with signal
+    (DAPO's dynamic sampling). Dropped groups are counted (`zero_variance_groups` in
+    metrics.jsonl); their tokens are sampled but not trained."""
+    max_zero_variance_drops: int | None = Field(default=None, ge=0)
+    """At most this many groups are dropped between two batches; past it zero-variance groups
+    are trained as they are (`zero_variance_kept`), so a task every reply solves, or every
+    reply fails, cannot stall the run. None: 4 x `prompts_per_step`."""
+
+    @property
+    def zero_variance_drop_bound(self) -> int:
+        """`max_zero_variance_drops`, or its default 4 x `prompts_per_step`."""
+        if self.max_zero_variance_drops is not None:
+            return self.max_zero_variance_drops
+        return 4 * self.prompts_per_step
 
 
 class PlacementSection(_Section):
