@@ -126,3 +126,40 @@ def test_micro_batching_does_not_change_the_loss(tmp_path: Path) -> None:
     assert a.loss == pytest.approx(b.loss, rel=1e-5) and a.grad_norm == pytest.approx(b.grad_norm, rel=1e-4)
     for (n, p), (_, q) in zip(small.params.items(), big.params.items(), strict=True):
         assert torch.allclose(p, q, atol=1e-6), n
+
+
+def test_a_chat_template_model_learns_only_its_assistant_turns(tmp_path: Path) -> None:
+    from actors.chat import HFChatFormat, load_chat_format
+    from actors.tiny import make_checkpoint, train_tokenizer
+
+    texts = ["what is one plus two", "three", "and two plus two", "four", "you are terse"]
+    model_dir = make_checkpoint(tmp_path / "m", "qwen2", tokenizer=train_tokenizer(texts, vocab_size=300), seed=0)
+    fmt = load_chat_format(model_dir)
+    assert isinstance(fmt, HFChatFormat)
+    path = _write(
+        tmp_path / "d.jsonl",
+        [
+            {
+                "messages": [
+                    {"role": "system", "content": "you are terse"},
+                    {"role": "user", "content": "what is one plus two"},
+                    {"role": "assistant", "content": "three"},
+                    {"role": "user", "content": "and two plus two"},
+                    {"role": "assistant", "content": "four"},
+                ]
+            }
+        ],
+    )
+    (seq,) = tokenize_records(path, fmt, 512)
+    ids, mask = seq.tokens.tolist(), seq.loss_mask.tolist()
+    learnt = [i for i, m in zip(ids, mask, strict=True) if m]
+    stop = fmt.stop_ids[0]
+    # each reply's tokens and its stop token; nothing of the system or user turns
+    assert learnt == fmt.encode("three") + [stop] + fmt.encode("four") + [stop]
+    text = fmt.decode(ids, skip_special=False)
+    assert "you are terse" in text and text.index("three") < text.index("and two plus two") < text.index("four")
+    trainer = Trainer(TrainerConfig(model=str(model_dir)))
+    before = trainer.sft_evaluate([seq]).loss
+    for _ in range(10):
+        trainer.sft_step([seq], 1e-2)
+    assert trainer.sft_evaluate([seq]).loss < 0.5 * before
