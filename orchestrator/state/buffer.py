@@ -4,7 +4,8 @@ Pure Python, no I/O. The controller asks it which rollout to start next, hands i
 finished trajectories, and takes training batches from it. Every rollout slot
 that enters is accounted for until the end of the run: it is trained, still
 buffered (queued, in flight or done but not yet trained), or its group was
-abandoned after repeated environment failures or dropped for zero reward variance. Nothing is lost silently.
+abandoned after repeated environment failures or dropped for zero reward variance.
+Nothing is lost silently.
 
 Staleness (docs/architecture.md, Staleness and versions): a trajectory trained at
 trainer version k has staleness k − (oldest policy version among its tokens). When a
