@@ -63,7 +63,7 @@ def _parser() -> argparse.ArgumentParser:
     cf.add_argument(
         "section",
         nargs="?",
-        help="one section (model, task, rollout, recipe, trainer, placement, checkpoint, eval, pools)",
+        help="one section (model, task, rollout, recipe, trainer, placement, checkpoint, eval, pools, sft)",
     )
 
     hw = sub.add_parser("hardware", help="the GPU catalog, and a config's pools with estimated cost")

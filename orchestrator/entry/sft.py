@@ -57,7 +57,6 @@ class SftOutcome:
 
 def sft_output_dir(cfg: RunConfig) -> Path:
     """Where `flotilla sft` writes for `cfg` (`[sft] name`, default `<name>-sft`)."""
-    assert cfg.sft is not None
     return Path(cfg.run_root) / (cfg.sft.name or f"{cfg.name}-sft")
 
 
@@ -66,9 +65,9 @@ def _prepare(cfg: RunConfig, source: str) -> tuple[list[Any], Any]:
     from actors.chat import load_chat_format
     from actors.trainer import SftDataError, tokenize_records
 
-    if cfg.sft is None:
+    if cfg.sft.data is None:
         raise ConfigError(
-            f"{source}: no [sft] table; give at least sft.data (a JSONL of chats or prompt/completion pairs)"
+            f"{source}: no [sft] table with data; give at least sft.data (a JSONL of chats or prompt/completion pairs)"
         )
     if not Path(cfg.sft.data).is_file():
         raise ConfigError(f"{source}: sft.data {cfg.sft.data!r}: no such file")
@@ -117,7 +116,6 @@ async def sft_async(cfg: RunConfig, *, source: str = "<config>", quiet: bool = F
     t0 = time.monotonic()
     data, fmt = _prepare(cfg, source)
     sft = cfg.sft
-    assert sft is not None
     out = sft_output_dir(cfg)
     if (out / "checkpoint").exists() or (out / "metrics.jsonl").exists():
         raise ConfigError(f"{out}: an SFT output exists there; remove it or set sft.name")

@@ -280,9 +280,10 @@ class SftSection(_Section):
     """`flotilla sft CONFIG`: supervised fine-tuning before RL (a warm start), with the run's
     model, chat format and trainer; its checkpoint's `model/` is a `[model] path` for a run."""
 
-    data: str
+    data: str | None = None
     """A JSONL file, one record a line: `{"messages": [{"role", "content"}, ...]}` or
-    `{"prompt": "...", "completion": "..."}`. The loss is on assistant turns only."""
+    `{"prompt": "...", "completion": "..."}`. The loss is on assistant turns only. Required
+    by `flotilla sft`."""
     epochs: int = Field(default=1, ge=1)
     """Passes over the data (each in a fresh order from the run's seed)."""
     steps: int | None = Field(default=None, ge=1)
@@ -338,7 +339,7 @@ class RunConfig(_Section):
     """Sampler pools ([[pools]] tables, hardware.PoolConfig), names unique."""
     telemetry: TelemetrySection = Field(default_factory=TelemetrySection)
     """Metric sinks besides metrics.jsonl: W&B and TensorBoard (orchestrator.state.sinks)."""
-    sft: SftSection | None = None
+    sft: SftSection = Field(default_factory=SftSection)
     """Supervised fine-tuning for `flotilla sft` (a warm start; `flotilla run` ignores it)."""
 
     @field_validator("name")
