@@ -68,6 +68,9 @@ TASK_WORDS: tuple[str, ...] = (
     "-",
     "=",
     "?",
+    "mod",
+    # reverse
+    "reverse",
     # generic
     ".",
     ",",

@@ -23,6 +23,12 @@ Run:  .venv/bin/python benchmarks/demo_seeds.py examples/guess_number.toml
 Options: --seeds 0,1,2 (a subset), --steps N, --set KEY=VALUE (repeatable, like
 `flotilla run --set`), --jobs N (seeds in N processes at once: the reward figures are
 the same kind, but each seed's wall time then includes the others' load).
+
+Side by side: --compare KEY=VALUE (repeatable) runs every seed twice, as configured and
+with these overrides (e.g. `--compare rollout.filter_zero_variance=true`), and the JSON
+line then holds both sets of figures under `base` and `compared`, each with its sampler
+tokens per trained token (every pool's generated tokens ÷ the tokens the trainer
+trained on) and zero-variance groups dropped.
 """
 
 from __future__ import annotations
@@ -63,6 +69,20 @@ def reward_figures(metrics: list[dict[str, Any]], target: float = TARGET, window
             default=statistics.fmean(rewards),
         ),
         "final_entropy": metrics[-1].get("entropy"),
+    }
+
+
+def token_figures(metrics: list[dict[str, Any]]) -> dict[str, Any]:
+    """Sampler tokens (every pool's, to the last step), trained tokens (summed over steps)
+    and their ratio; zero-variance groups dropped by the last step."""
+    last = metrics[-1]
+    sampled = sum(int(p.get("tokens") or 0) for p in last.get("pools", {}).values())
+    trained = sum(int(m.get("trained_tokens") or 0) for m in metrics)
+    return {
+        "sampler_tokens": sampled,
+        "trained_tokens": trained,
+        "sampler_per_trained_token": sampled / trained if trained else None,
+        "zero_variance_groups": last.get("zero_variance_groups"),
     }
 
 
@@ -112,7 +132,7 @@ def run_seed(raw: dict[str, Any]) -> dict[str, Any]:
     t0, cpu0 = time.monotonic(), _cpu_s()
     out = run_raw(raw, keep_spans=False)
     total, cpu = time.monotonic() - t0, _cpu_s() - cpu0
-    fig = reward_figures(out.metrics)
+    fig = reward_figures(out.metrics) | token_figures(out.metrics)
     # Start-up: launch to the controller's clock zero; the run's own clock (wall_s)
     # ends at its last step, shutdown follows. total - last wall_s bounds both.
     last_wall = out.metrics[-1]["wall_s"] if out.metrics else 0.0
@@ -131,6 +151,13 @@ def main() -> None:
     p.add_argument("--steps", type=int, help="override the config's steps")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     p.add_argument(
+        "--compare",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="also run every seed with this override and report both side by side (repeatable)",
+    )
+    p.add_argument(
         "--jobs", type=int, default=1, help="seeds run at once (default 1; more inflates each seed's wall time)"
     )
     args = p.parse_args()
@@ -145,9 +172,13 @@ def main() -> None:
 
     if args.jobs < 1:
         p.error(f"--jobs must be >= 1, got {args.jobs}")
+    compare = _parse_set(args.compare)
+    labels = ["base", "compared"] if compare else ["base"]
     load_before = load_average()
-    rows: dict[int, dict[str, Any]] = {}
-    raws = [build_raw(base, seed, steps, sets) for seed in seeds]
+    # With --compare, each seed runs as configured and then compared, one after the other,
+    # so both see about the same load.
+    jobs = [(label, seed) for seed in seeds for label in labels]
+    raws = [build_raw(base, seed, steps, sets + (compare if label == "compared" else [])) for label, seed in jobs]
     if args.jobs == 1:
         results = map(run_seed, raws)
     else:
@@ -156,8 +187,9 @@ def main() -> None:
 
         pool = ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn"))
         results = pool.map(run_seed, raws)
-    for seed, fig in zip(seeds, results, strict=True):
-        rows[seed] = fig
+    rows: dict[str, dict[int, dict[str, Any]]] = {label: {} for label in labels}
+    for (label, seed), fig in zip(jobs, results, strict=True):
+        rows[label][seed] = fig
         total, cpu = fig["total_s"], fig["cpu_s"]
         reach = (
             f"step {fig['step_to_target']} at {fig['wall_to_target_s']:.0f} s "
@@ -166,40 +198,51 @@ def main() -> None:
             else "never"
         )
         ent = fig["final_entropy"]
+        ratio = fig["sampler_per_trained_token"]
         print(
-            f"seed {seed}: 10-step mean >= {TARGET}: {reach}; final 10-step mean {fig['final']:.3f} "
-            f"(peak {fig['peak']:.3f}); final entropy {ent if ent is None else round(ent, 3)}; "
-            f"{fig['steps']} steps in {total:.0f} s ({cpu:.0f} CPU-s); load {fig['load_avg']}",
+            f"{label + ' ' if compare else ''}seed {seed}: 10-step mean >= {TARGET}: {reach}; final 10-step mean "
+            f"{fig['final']:.3f} (peak {fig['peak']:.3f}); final entropy {ent if ent is None else round(ent, 3)}; "
+            f"{fig['steps']} steps in {total:.0f} s ({cpu:.0f} CPU-s); sampler/trained tokens "
+            f"{ratio if ratio is None else round(ratio, 3)}; load {fig['load_avg']}",
             flush=True,
         )
     load_after = load_average()
+    out: dict[str, Any] = {
+        "benchmark": "demo_seeds",
+        "config": str(args.config),
+        "quick": args.quick,
+        "overrides": args.set,
+        "steps": steps or base.get("steps"),
+        "seeds": seeds,
+    }
+    if compare:
+        out["compare"] = args.compare
+        out["base"] = _summary(rows["base"], seeds)
+        out["compared"] = _summary(rows["compared"], seeds)
+    else:
+        out |= _summary(rows["base"], seeds)
+    out |= {"jobs": args.jobs, "load_avg_before": load_before, "load_avg_after": load_after}
+    print(json.dumps(out))
+
+
+def _summary(rows: dict[int, dict[str, Any]], seeds: list[int]) -> dict[str, Any]:
     reached = [s for s, r in rows.items() if r["step_to_target"] is not None]
     times = [rows[s]["wall_to_target_s"] for s in seeds]
     with_startup = [
         None if t is None else t + rows[s]["startup_and_shutdown_s"] for s, t in zip(seeds, times, strict=False)
     ]
-    print(
-        json.dumps(
-            {
-                "benchmark": "demo_seeds",
-                "config": str(args.config),
-                "quick": args.quick,
-                "overrides": args.set,
-                "steps": steps or base.get("steps"),
-                "seeds": seeds,
-                "seeds_reaching": len(reached),
-                "worst_time_to_0_8_s": None if None in times else max(times),
-                "worst_time_to_0_8_with_startup_s": None if None in with_startup else round(max(with_startup), 1),
-                "worst_final": round(min(r["final"] for r in rows.values()), 4),
-                "per_seed": {
-                    s: {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()} for s, r in rows.items()
-                },
-                "jobs": args.jobs,
-                "load_avg_before": load_before,
-                "load_avg_after": load_after,
-            }
-        )
-    )
+    ratios = [r["sampler_per_trained_token"] for r in rows.values() if r["sampler_per_trained_token"] is not None]
+    return {
+        "seeds_reaching": len(reached),
+        "worst_time_to_0_8_s": None if None in times else max(times),
+        "mean_time_to_0_8_s": round(statistics.fmean(t for t in times if t is not None), 1) if reached else None,
+        "worst_time_to_0_8_with_startup_s": None if None in with_startup else round(max(with_startup), 1),
+        "worst_final": round(min(r["final"] for r in rows.values()), 4),
+        "mean_sampler_per_trained_token": round(statistics.fmean(ratios), 4) if ratios else None,
+        "per_seed": {
+            s: {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()} for s, r in rows.items()
+        },
+    }
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from actors.env._interface import (
     task_factory,
 )
 from actors.env._modules import TaskModuleError, import_task_modules, resolve_callable
-from actors.env._tasks import Arithmetic, GuessNumber, first_int, guess_number_optimal
+from actors.env._tasks import Arithmetic, GuessNumber, Reverse, SumMod, first_int, guess_number_optimal
 
 __all__ = [
     "Arithmetic",
@@ -33,7 +33,9 @@ __all__ = [
     "EpisodeBuilder",
     "GuessNumber",
     "Observation",
+    "Reverse",
     "StepOutcome",
+    "SumMod",
     "TaskCheckError",
     "TaskDataset",
     "TaskModuleError",

@@ -1,4 +1,5 @@
-"""Built-in tasks: ``guess_number`` (multi-turn) and ``arithmetic`` (single turn).
+"""Built-in tasks: ``guess_number`` (multi-turn), ``arithmetic``, ``sum_mod`` and
+``reverse`` (single turn).
 
 Both are small enough for a tiny random-init model to learn on CPU, with
 rewards that are easy to check by hand. Their words are in the default
@@ -15,7 +16,7 @@ from actors.env._interface import Environment, StepOutcome, register_task
 from actors.tokenizer import MAX_INT, ChatTokens
 from actors.types import TaskSpec
 
-__all__ = ["Arithmetic", "GuessNumber", "first_int", "guess_number_optimal"]
+__all__ = ["Arithmetic", "GuessNumber", "Reverse", "SumMod", "first_int", "guess_number_optimal", "int_words"]
 
 
 def first_int(text: str) -> int | None:
@@ -24,6 +25,12 @@ def first_int(text: str) -> int | None:
         if w.isdecimal():
             return int(w)
     return None
+
+
+def int_words(text: str) -> list[int | None]:
+    """Every whitespace-separated word of ``text``: its integer value, or None for a word
+    that is not a non-negative integer."""
+    return [int(w) if w.isdecimal() else None for w in text.split()]
 
 
 @register_task("guess_number")
@@ -105,6 +112,82 @@ class Arithmetic(Environment):
     def step(self, action_text: str, action_ids: list[int]) -> StepOutcome:
         ok = first_int(action_text) == self.a + self.b
         return StepOutcome(observation="correct" if ok else "wrong", reward=1.0 if ok else 0.0, done=True)
+
+
+@register_task("sum_mod")
+class SumMod(Environment):
+    """``what is a + b mod m ?`` with digits a, b in 0..m−1 (default m = 10).
+
+    Single turn; reward 1.0 when the reply's first integer word is (a + b) mod m, else 0.
+    ``task.seed`` picks the pair uniformly among the m² pairs, so every answer is equally
+    common (each residue has m pairs). One token per answer by default.
+    """
+
+    max_turns = 1
+
+    def __init__(self, modulus: int = 10, max_new_tokens: int = 1) -> None:
+        if not 2 <= modulus <= MAX_INT + 1:
+            raise ValueError(f"sum_mod: modulus={modulus} must be in 2..{MAX_INT + 1} (every number is one token)")
+        if max_new_tokens < 1:
+            raise ValueError(f"sum_mod: max_new_tokens={max_new_tokens} must be >= 1")
+        self.modulus, self.max_new_tokens = modulus, max_new_tokens
+        self.a = self.b = 0
+
+    def reset(self, task: TaskSpec) -> str:
+        k = random.Random(task.seed).randrange(self.modulus * self.modulus)
+        self.a, self.b = divmod(k, self.modulus)
+        return f"what is {self.a} + {self.b} mod {self.modulus} ?"
+
+    def answer(self) -> int:
+        return (self.a + self.b) % self.modulus
+
+    def step(self, action_text: str, action_ids: list[int]) -> StepOutcome:
+        ok = first_int(action_text) == self.answer()
+        return StepOutcome(observation="correct" if ok else "wrong", reward=1.0 if ok else 0.0, done=True)
+
+
+@register_task("reverse")
+class Reverse(Environment):
+    """``reverse x1 x2 ... xk``: reply with the k numbers in reverse order.
+
+    The numbers are drawn from 0..values−1 (default k = ``length`` = 3, values = 5) by
+    ``task.seed``. Single turn, ``length`` tokens per reply by default. Reward: the
+    fraction of the k positions whose word is right (the reply's first k words against
+    the reversed sequence; a missing or non-integer word is wrong), so a reply with one
+    position right already earns 1/k: partial credit gives GRPO a signal before whole
+    reversals are found.
+    """
+
+    max_turns = 1
+
+    def __init__(self, length: int = 3, values: int = 5, max_new_tokens: int | None = None) -> None:
+        if not 1 <= length <= 16:
+            raise ValueError(f"reverse: length={length} must be in 1..16")
+        if not 2 <= values <= MAX_INT + 1:
+            raise ValueError(f"reverse: values={values} must be in 2..{MAX_INT + 1} (every number is one token)")
+        if max_new_tokens is not None and max_new_tokens < length:
+            raise ValueError(f"reverse: max_new_tokens={max_new_tokens} must be >= length={length}")
+        self.length, self.values = length, values
+        self.max_new_tokens = max_new_tokens if max_new_tokens is not None else length
+        self.sequence: list[int] = []
+
+    def reset(self, task: TaskSpec) -> str:
+        rng = random.Random(task.seed)
+        self.sequence = [rng.randrange(self.values) for _ in range(self.length)]
+        return "reverse " + " ".join(str(x) for x in self.sequence)
+
+    def answer(self) -> list[int]:
+        return self.sequence[::-1]
+
+    def score(self, action_text: str) -> float:
+        """Fraction of positions right (see the class docstring)."""
+        words = int_words(action_text)[: self.length]
+        right = sum(1 for w, x in zip(words, self.answer(), strict=False) if w == x)
+        return right / self.length
+
+    def step(self, action_text: str, action_ids: list[int]) -> StepOutcome:
+        reward = self.score(action_text)
+        return StepOutcome(observation="correct" if reward == 1.0 else "wrong", reward=reward, done=True)
 
 
 def guess_number_optimal(ids: Sequence[int], chat: ChatTokens) -> int:

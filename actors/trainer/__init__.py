@@ -4,7 +4,8 @@
 more than one) and yields a ``TrainerGroup``, the one trainer link the controller drives;
 ``TrainerActor`` is one rank, and what the controller drives (``train_step``, ``updates_for``,
 ``ack``, ``version``, ``keyframe``, ``save_checkpoint``); ``Trainer`` is the same
-training logic as a plain in-process object.
+training logic as a plain in-process object. ``sft_step`` and ``tokenize_records`` are the
+supervised warm start (``actors.trainer._sft``).
 """
 
 from actors.trainer._actor import TrainerActor
@@ -17,9 +18,13 @@ from actors.trainer._group import (
     trainer_mesh,
 )
 from actors.trainer._memory import memory_line
+from actors.trainer._sft import SftDataError, SftResult, SftSequence, tokenize_records
 
 __all__ = [
     "LoraConfig",
+    "SftDataError",
+    "SftResult",
+    "SftSequence",
     "StepResult",
     "Trainer",
     "TrainerActor",
@@ -28,5 +33,6 @@ __all__ = [
     "TrainerRankDied",
     "memory_line",
     "open_trainer",
+    "tokenize_records",
     "trainer_mesh",
 ]

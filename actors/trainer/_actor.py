@@ -32,6 +32,7 @@ from actors.trainer._config import StepResult, TrainerConfig
 from actors.trainer._core import Trainer
 from actors.trainer._dist import World, init_group
 from actors.trainer._memory import size_report
+from actors.trainer._sft import SftResult, SftSequence
 from actors.types import Trajectory
 from orchestrator.runtime import Actor, current_rank, endpoint, span
 from orchestrator.weightsync import (
@@ -171,6 +172,20 @@ class TrainerActor(Actor):
         trainer's); nothing changes."""
         async with self._lock:
             return await trio.to_thread.run_sync(self.trainer.evaluate, batch, recipe)
+
+    @endpoint
+    async def sft_step(self, batch: list[SftSequence], lr: float) -> SftResult:
+        """One supervised step on ``batch`` (cross-entropy on its assistant tokens) at rate
+        ``lr``. Nothing is published: SFT has no samplers; its output is a checkpoint.
+        Errors and cancellation as ``train_step``."""
+        async with self._lock:
+            return await trio.to_thread.run_sync(self.trainer.sft_step, batch, lr)
+
+    @endpoint
+    async def sft_evaluate(self, batch: list[SftSequence]) -> SftResult:
+        """The mean NLL of ``batch``'s assistant tokens at the current weights."""
+        async with self._lock:
+            return await trio.to_thread.run_sync(self.trainer.sft_evaluate, batch)
 
     @endpoint
     def version(self) -> int:

@@ -49,6 +49,7 @@ from actors.trainer._dist import (
     token_shares,
 )
 from actors.trainer._packing import MicroBatch, pack
+from actors.trainer._sft import SftResult, SftSequence, sft_pass
 from actors.trainer._shard import hf_name, is_sharded, lora_merge_plan, prepare
 from actors.types import Trajectory
 from policies import (
@@ -299,6 +300,15 @@ class Trainer:
         except ValueError as e:
             names = ", ".join(t.prompt_id for t in members)
             raise ValueError(f"train_step: bad trajectory among [{names}]: {e}") from e
+
+    def sft_step(self, batch: Sequence[SftSequence], lr: float) -> SftResult:
+        """One supervised step on ``batch`` at rate ``lr`` (``actors.trainer._sft``)."""
+        return sft_pass(self, batch, lr=lr)
+
+    @torch.no_grad()
+    def sft_evaluate(self, batch: Sequence[SftSequence]) -> SftResult:
+        """The mean NLL of ``batch``'s loss tokens at the current weights; nothing changes."""
+        return sft_pass(self, batch, lr=None)
 
     # ------------------------------------------------------------------ state
     def master_weights(self) -> dict[str, torch.Tensor]:

@@ -27,6 +27,7 @@ import trio
 from actors.trainer._actor import TrainerActor
 from actors.trainer._config import StepResult, TrainerConfig
 from actors.trainer._dist import rendezvous_address
+from actors.trainer._sft import SftResult, SftSequence
 from actors.types import Trajectory
 from orchestrator.runtime import ActorDied, ActorError, Mesh, open_mesh
 from policies import RecipeConfig
@@ -112,6 +113,12 @@ class TrainerGroup:
 
     async def evaluate(self, batch: list[Trajectory], recipe: RecipeConfig | None = None) -> StepResult:
         return await self._all("evaluate", batch, recipe)
+
+    async def sft_step(self, batch: list[SftSequence], lr: float) -> SftResult:
+        return await self._all("sft_step", batch, lr)
+
+    async def sft_evaluate(self, batch: list[SftSequence]) -> SftResult:
+        return await self._all("sft_evaluate", batch)
 
     async def save_checkpoint(self, directory: str) -> str:
         return await self._all("save_checkpoint", directory)

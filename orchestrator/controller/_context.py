@@ -158,7 +158,12 @@ class RunContext:
         self.metrics = metrics
         self.progress = progress
         self.checkpoints = checkpoints
-        self.buffer = RolloutBuffer(cfg.rollout.group_size, counters=state.buffer)
+        self.buffer = RolloutBuffer(
+            cfg.rollout.group_size,
+            counters=state.buffer,
+            filter_zero_variance=cfg.rollout.filter_zero_variance,
+            max_zero_variance_drops=cfg.rollout.zero_variance_drop_bound,
+        )
         self.pools = {name: PoolView.of(link) for name, link in links.pools.items()}
         self.env_health = [Health(f"environment actor {r}", on_flip=self._env_flipped) for r in range(links.envs.size)]
         self._env_flips = 0

@@ -62,6 +62,11 @@ def _top_up(ctx: RunContext) -> None:
             for _ in range(rollout.prompts_per_step):
                 _new_group(ctx)
             ctx.train_pending = True
+        elif ctx.train_pending and ctx.train_started is None:
+            # A group left before its batch was taken (zero variance, or skipped after
+            # failures): refill the batch at the same version.
+            while ctx.buffer.groups_buffered < rollout.prompts_per_step:
+                _new_group(ctx)
     else:
         while ctx.buffer.groups_buffered < rollout.prompts_per_step + rollout.max_buffered_groups:
             _new_group(ctx)
@@ -180,6 +185,8 @@ async def _rollout(
                     f"episode {slot.prompt_id}#{slot.index}: {traj.error or 'failed'}" if traj.failed else None
                 )
             drop = ctx.buffer.complete(slot, traj)
+            if drop is not None and drop.reason == "zero_variance":
+                ctx.due.pop(slot.group_id, None)  # gone untrained; the producer tops up
             if drop is not None:
                 ctx.trace_drops([drop])
                 if drop.error:

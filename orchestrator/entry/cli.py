@@ -1,6 +1,7 @@
 """`flotilla`: the command line.
 
     flotilla run CONFIG [--set key=value ...] [--steps N] [--mode async|sync] [--resume RUN_DIR]
+    flotilla sft CONFIG [--set key=value ...]   supervised warm start from the config's [sft] table
     flotilla report RUN_DIR
     flotilla export RUN_DIR OUT_DIR [--step N] [--dtype bfloat16|float32|float16]
     flotilla compare RUN_DIR RUN_DIR ... [-o compare.html]
@@ -39,6 +40,13 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
     r.add_argument("--quiet", action="store_true", help="no progress lines")
 
+    sft = sub.add_parser("sft", help="supervised fine-tuning from the config's [sft] table (a warm start for run)")
+    sft.add_argument("config", help="run config (TOML) with an [sft] table")
+    sft.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a config field"
+    )
+    sft.add_argument("--quiet", action="store_true", help="no progress lines")
+
     rep = sub.add_parser("report", help="print a run's cost report; rebuild its report.html")
     rep.add_argument("run_dir")
 
@@ -55,7 +63,7 @@ def _parser() -> argparse.ArgumentParser:
     cf.add_argument(
         "section",
         nargs="?",
-        help="one section (model, task, rollout, recipe, trainer, placement, checkpoint, eval, pools)",
+        help="one section (model, task, rollout, recipe, trainer, placement, checkpoint, eval, pools, sft)",
     )
 
     hw = sub.add_parser("hardware", help="the GPU catalog, and a config's pools with estimated cost")
@@ -94,6 +102,16 @@ def main(argv: list[str] | None = None) -> int:
         except TrainerLost as e:
             print(f"flotilla: {e}", file=sys.stderr)
             return 1
+    if args.command == "sft":
+        from orchestrator.entry.sft import sft_from_cli
+        from orchestrator.state.checkpoints import CheckpointError
+        from orchestrator.state.config import ConfigError
+
+        try:
+            return sft_from_cli(args.config, args.overrides, quiet=args.quiet)
+        except (ConfigError, CheckpointError) as e:
+            print(f"flotilla: {e}", file=sys.stderr)
+            return 2
     if args.command == "report":
         from orchestrator.entry.reports import print_report
 

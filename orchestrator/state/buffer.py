@@ -4,13 +4,21 @@ Pure Python, no I/O. The controller asks it which rollout to start next, hands i
 finished trajectories, and takes training batches from it. Every rollout slot
 that enters is accounted for until the end of the run: it is trained, still
 buffered (queued, in flight or done but not yet trained), or its group was
-abandoned after repeated environment failures. Nothing is lost silently.
+abandoned after repeated environment failures or dropped for zero reward variance.
+Nothing is lost silently.
 
 Staleness (docs/architecture.md, Staleness and versions): a trajectory trained at
 trainer version k has staleness k − (oldest policy version among its tokens). When a
 batch is assembled, a trajectory over its pool's budget is dropped and its slot
 re-queued ahead of new work; its group waits until the slot is filled again by a
 fresh rollout.
+
+Zero-variance groups (`filter_zero_variance`, DAPO's dynamic sampling): a group whose
+rewards are all equal once it completes has every GRPO advantage 0 and carries no signal;
+it is dropped (counted) and the producer samples a new group in its place. At most
+`max_zero_variance_drops` groups are dropped between two batches taken; past that bound
+they are kept and trained as they are, so a task that every reply solves (or every reply
+fails) slows the run down by a bounded factor and never stalls it.
 
 The counters live in one `BufferCounters` model, which the controller's
 checkpointed state owns and hands to the buffer, so a resumed run continues them.
@@ -29,7 +37,8 @@ __all__ = ["BufferCounters", "Drop", "Group", "RolloutBuffer", "Slot"]
 
 
 class BufferCounters(BaseModel):
-    """What entered the buffer and where it went; `groups_in` = trained + buffered + skipped."""
+    """What entered the buffer and where it went; `groups_in` = trained + buffered + skipped
+    + zero_variance."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=False)
 
@@ -48,6 +57,14 @@ class BufferCounters(BaseModel):
     """Failed episodes (retried up to `max_attempts` per slot)."""
     dropped_rollback: int = Field(default=0, ge=0)
     """Trajectories from weights newer than a restored trainer checkpoint (retried)."""
+    groups_zero_variance: int = Field(default=0, ge=0)
+    """Complete groups whose rewards were all equal, dropped untrained (`filter_zero_variance`;
+    a new group replaces each)."""
+    rollouts_zero_variance: int = Field(default=0, ge=0)
+    """Trajectories of those groups."""
+    zero_variance_kept: int = Field(default=0, ge=0)
+    """Zero-variance groups kept and trained because the drop bound between two batches was
+    reached."""
 
 
 @dataclass(frozen=True)
@@ -91,12 +108,24 @@ class RolloutBuffer:
     Trajectories are anything with `pool`, `failed`, `error`, `oldest_version` and
     `newest_version` (actors.types.Trajectory). `max_attempts` bounds retries of one slot
     after environment failures; a group whose slot fails that often is skipped (counted).
+    `filter_zero_variance` and `max_zero_variance_drops`: see the module docstring.
     """
 
-    def __init__(self, group_size: int, max_attempts: int = 3, counters: BufferCounters | None = None) -> None:
+    def __init__(
+        self,
+        group_size: int,
+        max_attempts: int = 3,
+        counters: BufferCounters | None = None,
+        *,
+        filter_zero_variance: bool = False,
+        max_zero_variance_drops: int = 0,
+    ) -> None:
         self.group_size = group_size
         self.max_attempts = max_attempts
         self.counters = counters if counters is not None else BufferCounters()
+        self.filter_zero_variance = filter_zero_variance
+        self.max_zero_variance_drops = max_zero_variance_drops
+        self._zero_variance_since_batch = 0
         self._groups: dict[str, Group] = {}
         self._fresh: deque[Slot] = deque()
         self._retry: deque[Slot] = deque()
@@ -136,7 +165,9 @@ class RolloutBuffer:
         return group.task if group is not None else None
 
     def complete(self, slot: Slot, traj: Any) -> Drop | None:
-        """Record a finished rollout. A failed one is retried (or abandons its group)."""
+        """Record a finished rollout. A failed one is retried (or abandons its group); the
+        last one of a zero-variance group drops the group (reason "zero_variance") when
+        filtering is on and the bound allows."""
         self._in_flight.discard((slot.group_id, slot.index))
         group = self._groups.get(slot.group_id)
         if group is None:  # skipped meanwhile
@@ -153,6 +184,15 @@ class RolloutBuffer:
         group.done[slot.index] = (slot, traj)
         group.checked_at = None
         self._done += 1
+        if self.filter_zero_variance and group.complete and len({float(t.reward) for _, t in group.done.values()}) == 1:
+            if self._zero_variance_since_batch < self.max_zero_variance_drops:
+                self._zero_variance_since_batch += 1
+                del self._groups[group.group_id]
+                self._done -= len(group.done)
+                self.counters.groups_zero_variance += 1
+                self.counters.rollouts_zero_variance += group.size
+                return Drop(slot, traj.pool, "zero_variance", None, None)
+            self.counters.zero_variance_kept += 1
         return None
 
     def _skip(self, group: Group) -> None:
@@ -222,6 +262,7 @@ class RolloutBuffer:
                 ready.append(group)
         if len(ready) < n_groups:
             return [], drops
+        self._zero_variance_since_batch = 0
         for group in ready:
             del self._groups[group.group_id]
             self._done -= len(group.done)

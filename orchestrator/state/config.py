@@ -35,6 +35,7 @@ __all__ = [
     "PlacementSection",
     "RolloutSection",
     "RunConfig",
+    "SftSection",
     "TaskSection",
     "apply_overrides",
     "check_runnable",
@@ -129,7 +130,7 @@ class ModelSection(_Section):
 
 class TaskSection(_Section):
     name: str = "guess_number"
-    """A registered task: `guess_number`, `arithmetic`, or one a user registered; for a
+    """A registered task: `guess_number`, `arithmetic`, `sum_mod`, `reverse`, or one a user registered; for a
     library `kind`, the library's own name (a reasoning-gym dataset, a verifiers environment
     id or `module:function`, an OpenEnv client class `module:Class`)."""
     params: dict[str, Any] = Field(default_factory=dict)
@@ -204,6 +205,22 @@ class RolloutSection(_Section):
     max_buffered_groups: int = Field(default=32, ge=1)
     """Completed or in-flight groups the producer may hold beyond the next batch; bounds memory
     and, with the pools' staleness budgets, how far sampling runs ahead of training."""
+    filter_zero_variance: bool = False
+    """Drop a group whose rewards are all equal once it completes (every GRPO advantage is 0:
+    no signal) and sample a new one in its place, so each batch holds P groups with signal
+    (DAPO's dynamic sampling). Dropped groups are counted (`zero_variance_groups` in
+    metrics.jsonl); their tokens are sampled but not trained."""
+    max_zero_variance_drops: int | None = Field(default=None, ge=0)
+    """At most this many groups are dropped between two batches; past it zero-variance groups
+    are trained as they are (`zero_variance_kept`), so a task every reply solves, or every
+    reply fails, cannot stall the run. None: 4 x `prompts_per_step`."""
+
+    @property
+    def zero_variance_drop_bound(self) -> int:
+        """`max_zero_variance_drops`, or its default 4 x `prompts_per_step`."""
+        if self.max_zero_variance_drops is not None:
+            return self.max_zero_variance_drops
+        return 4 * self.prompts_per_step
 
 
 class PlacementSection(_Section):
@@ -259,6 +276,34 @@ class FaultsSection(_Section):
         return self
 
 
+class SftSection(_Section):
+    """`flotilla sft CONFIG`: supervised fine-tuning before RL (a warm start), with the run's
+    model, chat format and trainer; its checkpoint's `model/` is a `[model] path` for a run."""
+
+    data: str | None = None
+    """A JSONL file, one record a line: `{"messages": [{"role", "content"}, ...]}` or
+    `{"prompt": "...", "completion": "..."}`. The loss is on assistant turns only. Required
+    by `flotilla sft`."""
+    epochs: int = Field(default=1, ge=1)
+    """Passes over the data (each in a fresh order from the run's seed)."""
+    steps: int | None = Field(default=None, ge=1)
+    """Optimizer steps to take instead of `epochs` (the data is cycled as needed)."""
+    lr: float | None = Field(default=None, gt=0.0)
+    """Learning rate of the SFT steps (constant); None: `[trainer] lr`."""
+    batch_size: int = Field(default=32, ge=1)
+    """Sequences per optimizer step; the loss is the token mean over the batch."""
+    name: str | None = None
+    """Output folder under `run_root`; None: `<name>-sft`. The checkpoint lands in
+    `<run_root>/<this>/checkpoint/` (its `model/` is what `[model] path` takes)."""
+
+    @field_validator("name")
+    @classmethod
+    def _plain(cls, v: str | None) -> str | None:
+        if v is not None and (not v or v in (".", "..") or any(c in v for c in "/\\\0") or v.startswith("-")):
+            raise ValueError(f"sft name {v!r} must be one plain folder name (no '/', '\\', '..', leading '-' or NUL)")
+        return v
+
+
 class RunConfig(_Section):
     name: str = "run"
     """The run's name: outputs go to `<run_root>/<name>/`."""
@@ -294,6 +339,8 @@ class RunConfig(_Section):
     """Sampler pools ([[pools]] tables, hardware.PoolConfig), names unique."""
     telemetry: TelemetrySection = Field(default_factory=TelemetrySection)
     """Metric sinks besides metrics.jsonl: W&B and TensorBoard (orchestrator.state.sinks)."""
+    sft: SftSection = Field(default_factory=SftSection)
+    """Supervised fine-tuning for `flotilla sft` (a warm start; `flotilla run` ignores it)."""
 
     @field_validator("name")
     @classmethod

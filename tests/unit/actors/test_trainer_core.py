@@ -51,7 +51,9 @@ def test_micro_batching_does_not_change_the_step(batch: list[Trajectory]) -> Non
     assert rb.grad_norm == pytest.approx(rs.grad_norm, rel=1e-5)
     for name, w in big.master_weights().items():
         # Adam divides by sqrt(v): rounding-level gradient differences stay far below lr
-        torch.testing.assert_close(w, small.master_weights()[name], rtol=0, atol=1e-5)
+        # (1e-3), though an element whose gradient is itself at rounding level can move by
+        # a few percent of it
+        torch.testing.assert_close(w, small.master_weights()[name], rtol=0, atol=5e-5)
 
 
 def test_step_metrics_on_policy(batch: list[Trajectory]) -> None:

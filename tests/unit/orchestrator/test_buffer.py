@@ -114,3 +114,43 @@ def test_finished_trajectories_are_counted_through_every_path():
     assert buf.done_rollouts() == _done_by_walk(buf) == 1
     buf.put_back(groups)
     assert buf.done_rollouts() == _done_by_walk(buf) == 3
+
+
+class _R(_T):
+    def __init__(self, reward: float) -> None:
+        super().__init__("a", 0)
+        self.reward = reward
+
+
+def _fill(buf: RolloutBuffer, group_id: str, rewards: list[float]):
+    buf.add_group(group_id, group_id, task=group_id)
+    return [buf.complete(buf.next_slot(), _R(r)) for r in rewards]
+
+
+def test_zero_variance_groups_are_dropped_up_to_the_bound_between_batches():
+    buf = RolloutBuffer(group_size=3, filter_zero_variance=True, max_zero_variance_drops=2)
+    # the last reply of an all-equal group drops it (any equal value, not only 0)
+    assert _fill(buf, "g0", [0.0, 0.0, 0.0])[-1].reason == "zero_variance"
+    assert _fill(buf, "g1", [1.0, 1.0, 0.0]) == [None, None, None]
+    assert _fill(buf, "g2", [1.0, 1.0, 1.0])[-1].reason == "zero_variance"
+    assert buf.groups_buffered == 1 and buf.counters.groups_zero_variance == 2
+    assert buf.done_rollouts() == _done_by_walk(buf) == 3
+    assert buf.counters.rollouts_zero_variance == 6
+    # the bound is reached: the next zero-variance group is kept and trained
+    assert _fill(buf, "g3", [0.5, 0.5, 0.5]) == [None, None, None]
+    assert buf.counters.zero_variance_kept == 1
+    groups, _ = buf.take_batch(2, trainer_version=0, budget_of=lambda pool: 1)
+    assert [g.group_id for g in groups] == ["g1", "g3"]
+    # a batch taken resets the bound
+    assert _fill(buf, "g4", [0.0, 0.0, 0.0])[-1].reason == "zero_variance"
+    c = buf.counts()
+    assert (
+        c["groups_in"] == c["groups_trained"] + c["groups_buffered"] + c["groups_skipped"] + c["groups_zero_variance"]
+    )
+
+
+def test_without_the_switch_zero_variance_groups_are_trained():
+    buf = RolloutBuffer(group_size=2)
+    assert _fill(buf, "g0", [0.0, 0.0]) == [None, None]
+    groups, _ = buf.take_batch(1, trainer_version=0, budget_of=lambda pool: 1)
+    assert [g.group_id for g in groups] == ["g0"] and buf.counters.groups_zero_variance == 0
