@@ -26,6 +26,7 @@ TRACE_FILE = "traces.jsonl"
 ALWAYS_KEPT = frozenset(
     {
         "startup",
+        "eval",
         "train_step",
         "checkpoint",
         "weights.publish",

@@ -95,7 +95,7 @@ def _traces_line(data: RunData) -> str:
         if rate is not None
         else f"{data.sampled_rollouts} rollouts traced (sample rate unknown: no config.json)"
     )
-    line += "; train steps, weight syncs, checkpoints, restarts and dropped rollouts: all"
+    line += "; train steps, weight syncs, checkpoints, evaluations, restarts and dropped rollouts: all"
     if data.failed_unsampled:
         line += f"; {data.failed_unsampled} failed rollouts outside the sample (their own span only)"
     if data.traces_not_written:
