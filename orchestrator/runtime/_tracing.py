@@ -185,6 +185,9 @@ def configure_tracing(
         trace.set_tracer_provider(provider)
     else:  # installed by someone else: its spans follow our rules from now on
         provider.sampler = make_sampler(_policy)
+        # The SDK caches a tracer per scope with the sampler it was made with.
+        for tracer in getattr(provider, "_tracers", {}).values():
+            tracer.sampler = provider.sampler
     _cached_tracer = None  # a tracer carries the sampler it was made with
     provider.add_span_processor(make_processor(_exporter))
     if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
