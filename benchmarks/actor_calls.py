@@ -8,7 +8,13 @@ Monarch (``torchmonarch``) and Ray (``pip install -e '.[bench]'``).
 Why: every controller <-> actor interaction rides this path. Targets (issue 2):
 ``rtt_p50_us`` <= 150 and at least 5x below Monarch's; ``echo16_gbps`` >= 2.
 
-How: ``python benchmarks/actors.py [--quick] [--no-peers]``. Each peer runs in
+The floor: a bare pyzmq echo (the runtime's DEALER/ROUTER sockets over ipc, one small
+frame each way, both sides waiting with the runtime's spin-then-park policy, no header
+encoding, dispatch or trio) runs in the same run, its rounds alternating with the
+runtime's; ``rtt_over_bare_zmq`` = ``rtt_p50_us`` / ``bare_zmq_rtt_p50_us`` (issue 30:
+<= 1.3) is what the runtime adds to a round trip over what ZeroMQ itself costs.
+
+How: ``python benchmarks/actor_calls.py [--quick] [--no-peers]``. Each peer runs in
 its own subprocess (``--peer monarch|ray``) and is reported absent when it is
 not installed or fails. The last line of output is one JSON object.
 
@@ -35,6 +41,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -87,18 +94,38 @@ async def _flotilla(quick: bool, rtt_only: bool = False) -> dict[str, float]:
         ep = mesh[0].echo
         for _ in range(200):
             await ep.call_one(1)
-        rtts = []
-        cpu = time.process_time()
-        for i in range(n["rtt"]):
-            t = time.perf_counter()
-            await ep.call_one(i)
-            rtts.append(time.perf_counter() - t)
+        rtts: list[float] = []
+        bare_rtts: list[float] = []
+        cpu = 0.0
+        # Rounds of runtime calls and bare echoes alternate, so both see the same machine.
+        with tempfile.TemporaryDirectory(prefix="flotilla-bare-") as tmp:
+            bare = None if rtt_only else _BareEcho(tmp)
+            try:
+                if bare is not None:
+                    for _ in range(200):
+                        bare.call()
+                rounds = 5
+                for _ in range(rounds):
+                    c0 = time.process_time()
+                    for i in range(n["rtt"] // rounds):
+                        t = time.perf_counter()
+                        await ep.call_one(i)
+                        rtts.append(time.perf_counter() - t)
+                    cpu += time.process_time() - c0
+                    if bare is not None:
+                        bare_rtts.extend(bare.call() for _ in range(n["rtt"] // rounds))
+            finally:
+                if bare is not None:
+                    bare.close()
         # The caller's CPU per round trip: the price of spinning instead of parking.
-        out["rtt_caller_cpu_us"] = (time.process_time() - cpu) / n["rtt"] * 1e6
+        out["rtt_caller_cpu_us"] = cpu / len(rtts) * 1e6
         out["rtt_p50_us"] = _pct(rtts, 0.5) * 1e6
         out["rtt_p99_us"] = _pct(rtts, 0.99) * 1e6
         if rtt_only:
             return out
+        out["bare_zmq_rtt_p50_us"] = _pct(bare_rtts, 0.5) * 1e6
+        out["bare_zmq_rtt_p99_us"] = _pct(bare_rtts, 0.99) * 1e6
+        out["rtt_over_bare_zmq"] = out["rtt_p50_us"] / out["bare_zmq_rtt_p50_us"]
 
         async def one(i: int) -> None:
             assert await ep.call_one(i) == i
@@ -130,6 +157,91 @@ async def _flotilla(quick: bool, rtt_only: bool = False) -> dict[str, float]:
             out[key] = statistics.median(speeds)
             del x
     return out
+
+
+# -- Bare pyzmq: the floor under a call ---------------------------------------------
+# The runtime's sockets (DEALER caller, ROUTER actor, ipc://, orchestrator/runtime/_conn.py
+# and _server.py) with nothing above them: one small frame each way, no header encoding,
+# no endpoint dispatch, no trio. Both sides wait as the runtime's do (orchestrator/runtime/
+# _zsock.py): the caller polls for up to SPIN_S while its recent replies came back within
+# 2 * SPIN_S, the echo polls for up to SPIN_S after a request while requests have been
+# arriving within 2 * SPIN_S of each other; otherwise they block in the kernel.
+_BARE_FRAME = b'{"id":12345,"ep":"echo","args":[12345],"kw":{}}'
+
+
+def _pollin(sock: Any) -> bool:
+    import zmq
+
+    return bool(sock.get(zmq.EVENTS) & zmq.POLLIN)
+
+
+def _bare_server(address: str) -> None:
+    import zmq
+
+    from orchestrator.runtime._zsock import SPIN_S, tune
+
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    tune(sock, tcp=False)
+    sock.bind(address)
+    print("ready", flush=True)
+    last, gap = 0.0, 1.0
+    while True:
+        if gap < 2 * SPIN_S and SPIN_S > 0:
+            deadline = last + SPIN_S
+            while time.perf_counter() < deadline and not _pollin(sock):
+                os.sched_yield()
+        frames = sock.recv_multipart()  # blocks in the kernel when nothing came while spinning
+        now = time.perf_counter()
+        gap += 0.2 * (now - last - gap)
+        last = now
+        if frames[1] == b"stop":
+            return
+        sock.send_multipart(frames, flags=zmq.NOBLOCK)
+
+
+class _BareEcho:
+    """The caller's side of the bare echo; the echo runs in its own process."""
+
+    def __init__(self, tmp: str) -> None:
+        import zmq
+
+        from orchestrator.runtime._zsock import tune
+
+        self.address = f"ipc://{tmp}/bare-echo"
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--bare-server", self.address],
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        assert self.proc.stdout is not None and self.proc.stdout.readline().strip() == "ready"
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        tune(self.sock, tcp=False)
+        self.sock.connect(self.address)
+        self.rtt_ewma = 0.0
+
+    def call(self) -> float:
+        import zmq
+
+        from orchestrator.runtime._zsock import SPIN_S
+
+        t0 = time.perf_counter()
+        self.sock.send(_BARE_FRAME, zmq.NOBLOCK)
+        if self.rtt_ewma < 2 * SPIN_S:
+            deadline = t0 + SPIN_S
+            while time.perf_counter() < deadline and not _pollin(self.sock):
+                os.sched_yield()
+        self.sock.recv()
+        dt = time.perf_counter() - t0
+        self.rtt_ewma += 0.2 * (dt - self.rtt_ewma)
+        return dt
+
+    def close(self) -> None:
+        import zmq
+
+        self.sock.send(b"stop", zmq.NOBLOCK)
+        self.proc.wait(timeout=10)
+        self.sock.close(linger=0)
 
 
 # -- Monarch -------------------------------------------------------------------------
@@ -242,7 +354,11 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="fewer repetitions (< 60 s)")
     p.add_argument("--no-peers", action="store_true", help="measure only this runtime")
     p.add_argument("--peer", choices=["park", "zmq", "monarch", "ray"], help=argparse.SUPPRESS)
+    p.add_argument("--bare-server", metavar="ADDRESS", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.bare_server:
+        _bare_server(args.bare_server)
+        return
     import torch
 
     torch.set_num_threads(1)
@@ -264,6 +380,11 @@ def main() -> None:
     result: dict[str, Any] = trio.run(_flotilla, args.quick)
     result.update(_run_peer("park", args.quick))
     result.update(_run_peer("zmq", args.quick))
+    print(
+        f"bare pyzmq echo (same sockets, transport and spin policy): p50 {result['bare_zmq_rtt_p50_us']:.0f} us, "
+        f"p99 {result['bare_zmq_rtt_p99_us']:.0f} us; the call's p50 is {result['rtt_over_bare_zmq']:.2f}x that",
+        file=sys.stderr,
+    )
     print(
         f"flotilla: rtt p50 {result['rtt_p50_us']:.0f} us, p99 {result['rtt_p99_us']:.0f} us, "
         f"{result['calls_per_s']:.0f} calls/s, echo 16 MB {result['echo16_gbps']:.2f} GB/s, "

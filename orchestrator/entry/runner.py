@@ -36,7 +36,7 @@ from orchestrator.entry.live import make_progress
 from orchestrator.entry.outputs import finish_outputs
 from orchestrator.entry.pool_mesh import check_hosts, gpu_warnings, identity_env, pool_mesh
 from orchestrator.entry.preflight import preflight
-from orchestrator.runtime import ActorError, open_mesh, span
+from orchestrator.runtime import ActorError, open_mesh, span, spans_not_written
 from orchestrator.state.checkpoints import (
     CheckpointError,
     latest_checkpoint,
@@ -47,7 +47,7 @@ from orchestrator.state.checkpoints import (
 from orchestrator.state.config import ConfigError, RunConfig, check_runnable, load_config
 from orchestrator.state.progress import Progress
 from orchestrator.state.sinks import open_sinks
-from orchestrator.state.telemetry import MetricsLog, setup_run_telemetry
+from orchestrator.state.telemetry import TRACE_FILE, MetricsLog, setup_run_telemetry
 
 __all__ = ["DiskCheckpoints", "RunHandles", "RunResult", "run", "run_async", "run_from_cli"]
 
@@ -209,7 +209,7 @@ async def _run_async(
             )
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(cfg.resolved_json())
-    setup_run_telemetry(run_dir)
+    setup_run_telemetry(run_dir, cfg.telemetry)
     if cfg.placement.sampler_cpus:  # the controller works alongside the samplers
         os.sched_setaffinity(0, set(cfg.placement.sampler_cpus))
 
@@ -331,6 +331,9 @@ async def _run_async(
     )
     how = "stopped" if result.failure else "interrupted" if result.interrupted else "done"
     progress.message(f"flotilla: {how} at step {result.steps_done}, {result.wall_s:.0f}s; reports in {run_dir}")
+    left_out = spans_not_written(run_dir / TRACE_FILE)
+    if left_out:
+        progress.message(f"flotilla: traces.jsonl reached telemetry.traces_max_mb; {left_out} span(s) were not written")
     return result
 
 

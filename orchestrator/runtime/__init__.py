@@ -23,6 +23,7 @@ from ._curve import Curve
 from ._errors import ActorDied, ActorError, WireError
 from ._mesh import ActorRef, HostSpec, Mesh, open_mesh
 from ._ratelimit import CLIP_CHARS, RateLimiter, clip
+from ._traceio import spans_not_written
 from ._tracing import configure_tracing, span, traced
 
 __all__ = [
@@ -44,5 +45,6 @@ __all__ = [
     "endpoint",
     "open_mesh",
     "span",
+    "spans_not_written",
     "traced",
 ]

@@ -123,11 +123,10 @@ def main(argv: list[str] | None = None) -> None:
     cpus = os.environ.get("FLOTILLA_CPUS")
     if cpus:  # pin this actor to its cores (the owner emulates separate devices on one machine)
         os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
-    trace_file = os.environ.get("FLOTILLA_TRACE_FILE")
-    if trace_file:
-        from ._tracing import configure_tracing
+    if os.environ.get("FLOTILLA_TRACE_FILE"):  # the owner traces: same file, same sampling
+        from ._tracing import configure_from_env
 
-        configure_tracing(trace_file, f"{args.name}[{args.rank}]")
+        configure_from_env(f"{args.name}[{args.rank}]")
     cls = actor_class(args.cls)
     trio.run(_serve, cls, args)
 

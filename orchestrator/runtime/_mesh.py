@@ -23,6 +23,7 @@ from ._conn import Connection, connection
 from ._curve import Curve, default_identity, set_default_identity
 from ._errors import ActorDied
 from ._owner import Owner
+from ._tracing import span
 from ._wire import encode, register_handle_decoder
 
 __all__ = ["ActorRef", "HostSpec", "Mesh", "open_mesh"]
@@ -186,7 +187,8 @@ class Mesh(Generic[A]):
         """
         if self._owner is None:
             raise RuntimeError(f"only the process that opened mesh {self.name!r} can respawn it")
-        self._owner.respawn(rank)
+        with span("actor.respawn", mesh=self.name, rank=rank):
+            self._owner.respawn(rank)
 
     @property
     def pids(self) -> list[int | None]:

@@ -2,12 +2,13 @@
 
 OpenTelemetry is imported lazily: a process that never opens a span never
 imports it, and the per-call cost of propagation is one ``sys.modules`` lookup.
-``configure_tracing`` installs an SDK tracer provider with a JSONL exporter
-(one JSON object per finished span, appended with ``O_APPEND`` so many
-processes can share one file) and, when ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set
-and the OTLP exporter is installed, an OTLP exporter too. It sets
-``FLOTILLA_TRACE_FILE`` so actor processes spawned afterwards trace into the
-same file.
+``configure_tracing`` installs an SDK tracer provider with a parent-based ratio
+sampler and a JSONL exporter (one JSON object per written span, appended with
+``O_APPEND`` so many processes can share one file, up to an optional size cap;
+``_traceio`` holds the rules) and, when ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set and
+the OTLP exporter is installed, an OTLP exporter of the sampled spans too. It
+exports its settings in the environment (``FLOTILLA_TRACE_*``), so actor
+processes spawned afterwards trace into the same file by the same rules.
 """
 
 from __future__ import annotations
@@ -15,23 +16,36 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import json
 import os
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar, overload
 
-__all__ = ["configure_tracing", "current_traceparent", "remote_parent", "span", "traced"]
+__all__ = [
+    "configure_from_env",
+    "configure_tracing",
+    "current_traceparent",
+    "remote_parent",
+    "span",
+    "traced",
+]
 
 F = TypeVar("F", bound=Callable[..., Any])
 _NULL = contextlib.nullcontext()
 _exporter: Any = None
+_policy: Any = None
+
+
+_cached_tracer: Any = None
 
 
 def _tracer() -> Any:
-    from opentelemetry import trace
+    global _cached_tracer
+    if _cached_tracer is None:
+        from opentelemetry import trace
 
-    return trace.get_tracer("flotilla")
+        _cached_tracer = trace.get_tracer("flotilla")
+    return _cached_tracer
 
 
 @contextlib.contextmanager
@@ -109,78 +123,73 @@ def _attached(trace_id: int, span_id: int, flags: int) -> Iterator[None]:
         context.detach(token)
 
 
-class _JsonlExporter:
-    """Appends one JSON line per span; one ``write`` per line keeps lines whole across processes."""
-
-    def __init__(self, path: str, service: str) -> None:
-        self.path = path
-        self.service = service
-        self._fd: int | None = None
-
-    def retarget(self, path: str, service: str) -> None:
-        if path != self.path and self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-        self.path, self.service = path, service
-
-    def export(self, spans: Sequence[Any]) -> Any:
-        from opentelemetry.sdk.trace.export import SpanExportResult
-
-        if self._fd is None:
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        for s in spans:
-            ctx, parent = s.context, s.parent
-            line = json.dumps(
-                {
-                    "name": s.name,
-                    "trace_id": f"{ctx.trace_id:032x}",
-                    "span_id": f"{ctx.span_id:016x}",
-                    "parent_span_id": f"{parent.span_id:016x}" if parent is not None else None,
-                    "start_ns": s.start_time,
-                    "end_ns": s.end_time,
-                    "attributes": {k: list(v) if isinstance(v, tuple) else v for k, v in (s.attributes or {}).items()},
-                    "service": self.service,
-                    "pid": os.getpid(),
-                },
-                default=str,
-            )
-            os.write(self._fd, (line + "\n").encode())
-        return SpanExportResult.SUCCESS
-
-    def shutdown(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-
-    def force_flush(self, timeout_millis: int = 30000) -> bool:
-        return True
+ENV_FILE = "FLOTILLA_TRACE_FILE"
+ENV_SERVICE = "FLOTILLA_SERVICE_NAME"
+ENV_SAMPLE = "FLOTILLA_TRACE_SAMPLE"
+ENV_ALWAYS = "FLOTILLA_TRACE_ALWAYS"
+ENV_TAIL = "FLOTILLA_TRACE_TAIL"
+ENV_MAX_BYTES = "FLOTILLA_TRACE_MAX_BYTES"
 
 
-def configure_tracing(path: str | os.PathLike[str], service_name: str) -> None:
+def configure_tracing(
+    path: str | os.PathLike[str],
+    service_name: str,
+    *,
+    sample: float = 1.0,
+    always: Iterable[str] = (),
+    tail: Iterable[str] = (),
+    max_bytes: int | None = None,
+) -> None:
     """Record spans of this process (and of actor processes spawned later) to ``path`` as JSONL.
 
-    Calling it again re-targets the file and service name (the OpenTelemetry
-    provider itself can be installed only once per process).
+    ``sample`` is the fraction of root traces kept; ``always`` names spans kept whatever
+    the fraction; ``tail`` names spans kept outside the sample when they end failed;
+    ``max_bytes`` caps the file (spans past it are counted, not written). The rules are
+    ``orchestrator.runtime._traceio``'s. All of it is exported in the environment, so an
+    actor process started afterwards applies the same rules (``configure_from_env``).
+
+    Calling it again re-targets the file, service name and rules (the OpenTelemetry
+    provider itself can be installed only once per process). Raises ValueError for a
+    ``sample`` outside [0, 1] or a ``max_bytes`` below 1.
     """
-    global _exporter
+    global _exporter, _policy, _cached_tracer
+    from ._traceio import JsonlExporter, SamplingPolicy, make_processor, make_sampler
+
     path = os.fspath(path)
-    os.environ["FLOTILLA_TRACE_FILE"] = path
-    os.environ["FLOTILLA_SERVICE_NAME"] = service_name
+    always, tail = frozenset(always), frozenset(tail)
+    if max_bytes is not None and max_bytes < 1:
+        raise ValueError(f"trace file cap must be at least 1 byte, got {max_bytes}")
+    if _policy is None:
+        _policy = SamplingPolicy(sample, always, tail)
+    else:
+        _policy.set(sample, always, tail)
+    os.environ[ENV_FILE] = path
+    os.environ[ENV_SERVICE] = service_name
+    os.environ[ENV_SAMPLE] = repr(float(sample))
+    os.environ[ENV_ALWAYS] = ",".join(sorted(always))
+    os.environ[ENV_TAIL] = ",".join(sorted(tail))
+    os.environ[ENV_MAX_BYTES] = "" if max_bytes is None else str(max_bytes)
     if _exporter is not None:
-        _exporter.retarget(path, service_name)
+        _exporter.retarget(path, service_name, max_bytes)
         return
     from opentelemetry import trace
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter
 
-    exporter_cls = type("JsonlSpanExporter", (_JsonlExporter, SpanExporter), {})
-    _exporter = exporter_cls(path, service_name)
+    _exporter = JsonlExporter(path, service_name, max_bytes)
     provider = trace.get_tracer_provider()
     if not isinstance(provider, TracerProvider):
-        provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+        provider = TracerProvider(
+            resource=Resource.create({"service.name": service_name}), sampler=make_sampler(_policy)
+        )
         trace.set_tracer_provider(provider)
-    provider.add_span_processor(SimpleSpanProcessor(_exporter))
+    else:  # installed by someone else: its spans follow our rules from now on
+        provider.sampler = make_sampler(_policy)
+        # The SDK caches a tracer per scope with the sampler it was made with.
+        for tracer in getattr(provider, "_tracers", {}).values():
+            tracer.sampler = provider.sampler
+    _cached_tracer = None  # a tracer carries the sampler it was made with
+    provider.add_span_processor(make_processor(_exporter))
     if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
         try:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
@@ -191,3 +200,32 @@ def configure_tracing(path: str | os.PathLike[str], service_name: str) -> None:
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+
+
+def configure_from_env(service_name: str) -> bool:
+    """Apply the tracing set up by the process that spawned this one (``configure_tracing``'s
+    environment variables). Returns False, configuring nothing, when it traced nothing.
+
+    Raises ValueError naming the variable when one holds a value that is not a number.
+    """
+    path = os.environ.get(ENV_FILE)
+    if not path:
+        return False
+    try:
+        sample = float(os.environ.get(ENV_SAMPLE) or 1.0)
+    except ValueError:
+        raise ValueError(f"{ENV_SAMPLE}={os.environ[ENV_SAMPLE]!r} is not a number") from None
+    raw_cap = os.environ.get(ENV_MAX_BYTES) or ""
+    try:
+        max_bytes = int(raw_cap) if raw_cap else None
+    except ValueError:
+        raise ValueError(f"{ENV_MAX_BYTES}={raw_cap!r} is not a whole number") from None
+    configure_tracing(
+        path,
+        service_name,
+        sample=sample,
+        always=[n for n in (os.environ.get(ENV_ALWAYS) or "").split(",") if n],
+        tail=[n for n in (os.environ.get(ENV_TAIL) or "").split(",") if n],
+        max_bytes=max_bytes,
+    )
+    return True

@@ -83,6 +83,19 @@ class TelemetrySection(BaseModel):
     live in `runs/<name>/wandb/`."""
     tensorboard: bool = False
     """Write TensorBoard event files under `runs/<name>/tensorboard/` (extra `tensorboard`)."""
+    traces: bool = True
+    """Write `traces.jsonl` (and OTLP when `OTEL_EXPORTER_OTLP_ENDPOINT` is set); false: no
+    spans are recorded at all."""
+    trace_sample: float = Field(default=0.01, ge=0.0, le=1.0)
+    """Fraction of rollouts (and other root traces) whose spans are written, decided once
+    per trace and followed by every process it crosses, so a sampled rollout keeps all its
+    spans. Written whatever the fraction: train steps, weight publishes and applies,
+    checkpoints, evaluations, restarts and respawns, dropped rollouts, and the `rollout`
+    spans of failed rollouts (without their children when outside the sample). 1 writes
+    every span."""
+    traces_max_mb: float | None = Field(default=1024.0, gt=0.0)
+    """Cap on `traces.jsonl` in MB (10^6 bytes): spans past it are not written but counted
+    (`traces_not_written` in the metrics lines once it happens). None: no cap."""
 
 
 class _Section(BaseModel):

@@ -1,9 +1,12 @@
 """Run telemetry: traces to `traces.jsonl` (and OTLP when configured), one metrics line per step.
 
-Actor processes inherit the trace file through the environment variable the
-runtime reads at start-up (FLOTILLA_TRACE_FILE), so every process of a run
-writes its spans to the same file and one trace id follows a rollout across
-them. With OTEL_EXPORTER_OTLP_ENDPOINT set, spans also go to that collector.
+Actor processes inherit the trace file and its sampling through the environment
+variables the runtime reads at start-up (`FLOTILLA_TRACE_*`), so every process of a
+run writes its spans to the same file, one trace id follows a rollout across them, and
+the decision to keep a rollout's trace (`[telemetry] trace_sample`, made where the
+rollout starts) travels with its trace context. What is kept whatever the sample is
+named here (`ALWAYS_KEPT`, `KEPT_IF_FAILED`): the runtime knows no span names. With
+OTEL_EXPORTER_OTLP_ENDPOINT set, sampled spans also go to that collector.
 """
 
 from __future__ import annotations
@@ -13,18 +16,52 @@ import os
 from pathlib import Path
 from typing import Any
 
-from orchestrator.runtime import configure_tracing
+from orchestrator.runtime import configure_tracing, spans_not_written
 
-__all__ = ["MetricsLog", "setup_run_telemetry"]
+__all__ = ["ALWAYS_KEPT", "KEPT_IF_FAILED", "TRACE_FILE", "MetricsLog", "setup_run_telemetry"]
 
 TRACE_ENV = "FLOTILLA_TRACE_FILE"
+TRACE_FILE = "traces.jsonl"
+# Rare and each one matters: written whatever the sample (their children follow them).
+ALWAYS_KEPT = frozenset(
+    {
+        "startup",
+        "eval",
+        "train_step",
+        "checkpoint",
+        "weights.publish",
+        "weights.apply",
+        "trainer.restart",
+        "actor.respawn",
+        "rollout.dropped",
+    }
+)
+# Outside the sample these are recorded (one span per rollout and process) and written only
+# when they end failed; their children are not recorded (see orchestrator.runtime._traceio).
+KEPT_IF_FAILED = frozenset({"rollout"})
 
 
-def setup_run_telemetry(run_dir: Path) -> Path:
-    """Route this process's spans, and those of actors it spawns later, to run_dir/traces.jsonl."""
-    path = run_dir / "traces.jsonl"
-    os.environ[TRACE_ENV] = str(path)
-    configure_tracing(str(path), service_name="controller")
+def setup_run_telemetry(run_dir: Path, telemetry: Any = None) -> Path | None:
+    """Route this process's spans, and those of actors it spawns later, to run_dir/traces.jsonl,
+    sampled and capped as `telemetry` (the run config's TelemetrySection; None: its defaults)
+    says. Returns the file, or None when `telemetry.traces` is off (nothing is recorded)."""
+    if telemetry is None:
+        from orchestrator.state.config import TelemetrySection
+
+        telemetry = TelemetrySection()
+    if not telemetry.traces:
+        os.environ.pop(TRACE_ENV, None)  # actors spawned later record nothing either
+        return None
+    path = run_dir / TRACE_FILE
+    cap = telemetry.traces_max_mb
+    configure_tracing(
+        str(path),
+        service_name="controller",
+        sample=telemetry.trace_sample,
+        always=ALWAYS_KEPT,
+        tail=KEPT_IF_FAILED,
+        max_bytes=None if cap is None else max(1, int(cap * 1e6)),
+    )
     return path
 
 
@@ -39,6 +76,11 @@ class MetricsLog:
         self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - open for the log's lifetime; close() closes it
 
     def write(self, record: dict[str, Any]) -> None:
+        """Append `record`; once `traces.jsonl` beside it hit its cap, with the number of
+        spans every process left out so far (`traces_not_written`, as last counted)."""
+        left_out = spans_not_written(self.path.parent / TRACE_FILE)
+        if left_out:
+            record = {**record, "traces_not_written": left_out}
         self._file.write(json.dumps(record, sort_keys=True) + "\n")
         self._file.flush()
         if self.sinks is not None:

@@ -40,6 +40,7 @@ def small_run_raw(tmp_path: Path, name: str = "t", **overrides: Any) -> dict[str
             },
         ],
     }
+    raw["telemetry"] = {"trace_sample": 1.0}  # the tests read every rollout's spans
     for key, value in overrides.items():
         raw[key] = value
     return raw
@@ -58,10 +59,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def flotilla_run(config: Path, *args: str, timeout: float = 380) -> subprocess.CompletedProcess[str]:
-    """`flotilla run CONFIG --quiet ARGS` in a subprocess from the repository root."""
+    """`flotilla run CONFIG --quiet ARGS` in a subprocess from the repository root, every
+    rollout traced (`telemetry.trace_sample = 1`: the helpers below read their spans)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    sample = ["--set", "telemetry.trace_sample=1.0"]
     return subprocess.run(
-        [sys.executable, "-m", "orchestrator", "run", str(config), "--quiet", *args],
+        [sys.executable, "-m", "orchestrator", "run", str(config), "--quiet", *sample, *args],
         cwd=ROOT,
         env=env,
         capture_output=True,

@@ -51,6 +51,8 @@ def _train(example: str, model: Path, run_root: Path, *sets: str) -> list[dict]:
         f'model.path="{model}"',
         "--set",
         f'run_root="{run_root}"',
+        "--set",
+        "telemetry.trace_sample=1.0",  # the assertions read every rollout's spans
         *sets,
     ]
     env = {

@@ -30,6 +30,8 @@ def test_harness_example_trains_through_the_gateway(tmp_path: Path) -> None:
         f'run_root="{tmp_path}"',
         "--set",
         "rollout.prompts_per_step=4",
+        "--set",
+        "telemetry.trace_sample=1.0",  # the assertions read every rollout's spans
         "--steps",
         "3",
     ]

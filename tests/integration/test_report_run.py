@@ -28,7 +28,7 @@ def run_dir(tmp_path_factory) -> Path:
     pytest.importorskip("wandb")
     pytest.importorskip("tensorboard")
     raw = small_run_raw(tmp_path_factory.mktemp("report"), name="seen", steps=STEPS)
-    raw["telemetry"] = {"wandb": {"project": "flotilla-tests", "mode": "offline"}, "tensorboard": True}
+    raw["telemetry"] |= {"wandb": {"project": "flotilla-tests", "mode": "offline"}, "tensorboard": True}
     result = run(load_config(raw=raw), quiet=True)
     assert result.steps_done == STEPS
     return result.run_dir

@@ -123,8 +123,19 @@ def staleness_distribution(data: RunData) -> Chart:
             yaxis_title="steps",
         )
     fig = go.Figure()
+    rate = data.trace_sample if data.trace_sample is not None else 1.0
     for p in sorted(pools):
-        fig.add_histogram(x=pools[p], name=f"{p} (finished)", opacity=0.8, xbins=dict(size=1))
+        if rate < 1.0:  # each sampled rollout stands for 1/rate of them; dropped ones are all there
+            fig.add_histogram(
+                x=pools[p],
+                y=[1.0 / rate] * len(pools[p]),
+                histfunc="sum",
+                name=f"{p} (finished, from {len(pools[p])} sampled)",
+                opacity=0.8,
+                xbins=dict(size=1),
+            )
+        else:
+            fig.add_histogram(x=pools[p], name=f"{p} (finished)", opacity=0.8, xbins=dict(size=1))
     for p in sorted(data.dropped_staleness):
         fig.add_histogram(
             x=data.dropped_staleness[p],
@@ -135,12 +146,20 @@ def staleness_distribution(data: RunData) -> Chart:
         )
     return _layout(
         fig,
-        "Staleness of each rollout when it came back, per pool",
+        "Staleness of each rollout when it came back, per pool" + sample_note(data),
         barmode="group",
         xaxis_title="staleness (trainer version − oldest token version)",
-        yaxis_title="rollouts",
+        yaxis_title="rollouts" if rate >= 1.0 else "rollouts (finished: estimated from the sample)",
         xaxis=dict(dtick=1),
     )
+
+
+def sample_note(data: RunData) -> str:
+    """What part of the rollouts the traces hold, for a chart's title ('' when all of them)."""
+    rate = data.trace_sample
+    if rate is None or rate >= 1.0:
+        return ""
+    return f" (traced: {rate:.3g} of rollouts, trace_sample; dropped ones: all)"
 
 
 def staleness_over_time(data: RunData) -> Chart:
@@ -442,6 +461,13 @@ def _attrs_text(s: Span) -> str:
     return ", ".join(f"{k}={s.attributes[k]}" for k in keep if k in s.attributes)
 
 
+def _of_traced(data: RunData) -> str:
+    rate = data.trace_sample
+    if rate is None or rate >= 1.0:
+        return "rollout of the run"
+    return f"of the {data.sampled_rollouts} traced rollouts (trace_sample {rate:.3g}: a sample of the run's)"
+
+
 def run_charts(data: RunData) -> list[tuple[str, str, list[tuple[str, Chart]]]]:
     """The report's sections: (id, title, [(caption, chart or reason)])."""
     return [
@@ -458,10 +484,10 @@ def run_charts(data: RunData) -> list[tuple[str, str, list[tuple[str, Chart]]]]:
             "Where a rollout's time goes",
             [
                 (
-                    "The slowest rollout of the run, across processes (controller → env → sampler).",
+                    f"The slowest {_of_traced(data)}, across processes (controller → env → sampler).",
                     waterfall(data, "slowest"),
                 ),
-                ("The median rollout.", waterfall(data, "median")),
+                (f"The median {_of_traced(data)}.", waterfall(data, "median")),
             ],
         ),
     ]

@@ -6,9 +6,12 @@ report can be rebuilt from a finished, interrupted or still-running run at any t
 required: a missing, empty or damaged one becomes a line in `RunData.missing`, and the sections
 that need it say so instead of drawing a chart.
 
-`traces.jsonl` can hold millions of spans (a 500-step demo writes ~300 MB), so it is read in two
-streaming passes: one over the controller's `rollout` spans only (matched as text before any
-JSON parsing), one over the spans of the chosen traces.
+`traces.jsonl` can hold millions of spans (with `[telemetry] trace_sample = 1`), so it is read
+in two streaming passes: one over the controller's `rollout` spans only (matched as text before
+any JSON parsing), one over the spans of the chosen traces. Rollouts are traced at the run's
+sample rate (`trace_sample` in config.json; a run without it traced every rollout): the
+per-rollout charts draw the sampled ones and say the rate, and a failed rollout written from
+outside the sample (`"sampled": false`, its children absent) is counted, not drawn as one.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+
+from orchestrator.runtime import spans_not_written
 
 __all__ = ["RunData", "Span", "load_run", "read_metrics"]
 
@@ -64,6 +69,13 @@ class RunData:
     start_ns: int | None = None
     end_ns: int | None = None
     missing: list[str] = field(default_factory=list)
+    # Fraction of rollouts traced (config.json's telemetry.trace_sample), None when unknown.
+    trace_sample: float | None = None
+    sampled_rollouts: int = 0
+    # Failed rollouts outside the sample: their controller span alone is in the file.
+    failed_unsampled: int = 0
+    # Spans left out at the file's size cap (traces.jsonl.not_written/, as last counted).
+    traces_not_written: int = 0
 
     @property
     def steps_configured(self) -> int | None:
@@ -235,7 +247,9 @@ def _read_traces(data: RunData) -> None:
                 if start is None or obj.get("name") == "startup":
                     start = int(obj["start_ns"]) if start is None else min(start, int(obj["start_ns"]))
                 attrs = obj.get("attributes") or {}
-                if obj.get("name") == "rollout" and obj.get("service") == "controller" and "staleness" in attrs:
+                if obj.get("name") == "rollout" and obj.get("service") == "controller" and obj.get("sampled") is False:
+                    data.failed_unsampled += 1
+                elif obj.get("name") == "rollout" and obj.get("service") == "controller" and "staleness" in attrs:
                     s = _span(obj)
                     staleness = int(attrs["staleness"])
                     rollouts.append(s)
@@ -251,6 +265,7 @@ def _read_traces(data: RunData) -> None:
             f"written when the run stopped); they are left out"
         )
     data.start_ns, data.end_ns = start, end
+    data.sampled_rollouts = len(rollouts)
     if not rollouts:
         data.missing.append("traces.jsonl holds no finished controller rollout span: no waterfall")
         return
@@ -303,6 +318,10 @@ def load_run(run_dir: str | Path) -> RunData:
         except json.JSONDecodeError:
             data.missing.append("checkpoint/controller_state.json is not valid JSON")
     _model_info(data)
+    if data.config is not None:
+        telemetry = data.config.get("telemetry") or {}
+        data.trace_sample = float(telemetry.get("trace_sample", 1.0))
+    data.traces_not_written = spans_not_written(run_dir / "traces.jsonl")
     _read_traces(data)
     if data.end_ns is None and (run_dir / "metrics.jsonl").exists():
         data.end_ns = int((run_dir / "metrics.jsonl").stat().st_mtime * 1e9)

@@ -81,7 +81,27 @@ def head_rows(data: RunData) -> list[tuple[str, str]]:
         rows.append(("cost", line))
     elif data.metrics:
         rows.append(("cost", f"${data.metrics[-1].get('cost_usd', 0.0):.4f} so far (metrics.jsonl)"))
+    rows.append(("traces", _traces_line(data)))
     return rows
+
+
+def _traces_line(data: RunData) -> str:
+    telemetry = (data.config or {}).get("telemetry") or {}
+    if telemetry.get("traces") is False:
+        return "off (telemetry.traces = false)"
+    rate = data.trace_sample
+    line = (
+        f"trace_sample {rate:.3g}: {data.sampled_rollouts} rollouts traced"
+        if rate is not None
+        else f"{data.sampled_rollouts} rollouts traced (sample rate unknown: no config.json)"
+    )
+    line += "; train steps, weight syncs, checkpoints, evaluations, restarts and dropped rollouts: all"
+    if data.failed_unsampled:
+        line += f"; {data.failed_unsampled} failed rollouts outside the sample (their own span only)"
+    if data.traces_not_written:
+        cap = telemetry.get("traces_max_mb")
+        line += f"; {data.traces_not_written} spans not written at the file's cap ({cap} MB)"
+    return line
 
 
 def render_report(data: RunData) -> str:

@@ -95,3 +95,19 @@ def test_flotilla_config_prints_one_section_and_refuses_an_unknown_one():
     assert "every_steps: int | None = 50" in out.stdout and "rollout" not in out.stdout
     bad = _cli("config", "colour")
     assert bad.returncode == 2 and "no config section 'colour'" in bad.stderr
+
+
+@pytest.mark.parametrize(
+    ("section", "field"),
+    [
+        ({"trace_sample": 1.5}, "telemetry.trace_sample"),
+        ({"trace_sample": -0.1}, "telemetry.trace_sample"),
+        ({"traces_max_mb": 0}, "telemetry.traces_max_mb"),
+        ({"trace_sampel": 0.1}, "telemetry.trace_sampel"),
+    ],
+)
+def test_config_errors_name_the_telemetry_field(section: dict, field: str) -> None:
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        load_config(raw={"pools": [{"name": "a", "gpu": "cpu"}], "telemetry": section})
+    cfg = load_config(raw={"pools": [{"name": "a", "gpu": "cpu"}], "telemetry": {"trace_sample": 0.25}})
+    assert cfg.telemetry.trace_sample == 0.25

@@ -236,6 +236,32 @@ def test_truncated_last_metrics_line_is_left_out_and_named(tmp_path):
     assert _charts(html) == 12
 
 
+def test_sampled_traces_say_their_rate_and_a_failed_rollout_outside_the_sample_is_counted_not_drawn(tmp_path):
+    run_dir, durations = make_run(tmp_path)  # the demo's config: the default trace_sample
+    rate = load_config(DEMO).telemetry.trace_sample
+    assert 0 < rate < 1
+    slowest = max(durations.values())
+    # a failed rollout outside the sample: its controller span alone, longer than any traced one
+    with open(run_dir / "traces.jsonl", "a") as f:
+        line = json.loads(_span("rollout", "controller", "f" * 32, "ff", None, 0, 10 * slowest, pool=POOLS[0]))
+        line["attributes"].update(failed=True, staleness=9, tokens=0, reward=0.0)
+        f.write(json.dumps({**line, "sampled": False}) + "\n")
+    not_written = run_dir / "traces.jsonl.not_written"
+    not_written.mkdir()
+    (not_written / "env[0].123").write_text("5")
+    (not_written / "controller.7").write_text("2")
+    data = load_run(run_dir)
+    assert data.trace_sample == rate and data.sampled_rollouts == 12
+    assert data.failed_unsampled == 1 and data.traces_not_written == 7
+    assert 9 not in functools.reduce(operator.iadd, data.rollout_staleness.values(), [])
+    assert data.waterfalls["slowest"][0].trace_id != "f" * 32
+    html = render_report(data)
+    assert f"trace_sample {rate:.3g}: 12 rollouts traced" in html
+    assert "1 failed rollouts outside the sample" in html and "7 spans not written" in html
+    assert f"traced: {rate:.3g} of rollouts" in html  # the staleness chart's title
+    assert "of the 12 traced rollouts" in html  # the waterfalls' captions
+
+
 def test_missing_traces_gives_a_report_that_says_so(tmp_path):
     run_dir, _ = make_run(tmp_path, traces=False)
     html = write_report(run_dir).read_text()

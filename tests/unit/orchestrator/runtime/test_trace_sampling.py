@@ -1,0 +1,114 @@
+"""Trace sampling: decided at the root, followed across processes; kept kinds; the file cap."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import trio
+
+from orchestrator.runtime import configure_tracing, open_mesh, span, spans_not_written
+
+from ._actors import Relay
+
+ENV = (
+    "FLOTILLA_TRACE_FILE",
+    "FLOTILLA_SERVICE_NAME",
+    "FLOTILLA_TRACE_SAMPLE",
+    "FLOTILLA_TRACE_ALWAYS",
+    "FLOTILLA_TRACE_TAIL",
+    "FLOTILLA_TRACE_MAX_BYTES",
+)
+
+
+@pytest.fixture(autouse=True)
+def _restore(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    # configure_tracing exports its settings; monkeypatch puts the environment back, and the
+    # process's tracing goes back to writing every span (other tests in this process expect it).
+    for name in ENV:
+        monkeypatch.setenv(name, "")
+    yield
+    configure_tracing(tmp_path / "after.jsonl", "test")
+
+
+def _spans(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+async def test_sampling_is_decided_at_the_root_and_followed_in_the_actor_process(tmp_path: Path) -> None:
+    path = tmp_path / "spans.jsonl"
+    configure_tracing(path, "test-controller", sample=0.5)
+    roots = []
+    with trio.fail_after(60):
+        async with open_mesh(Relay, name="relay") as mesh:
+            for i in range(40):
+                with span("root", i=i) as s:
+                    await mesh[0].traced_child.call_one(f"call-{i}")
+                roots.append(s.get_span_context())
+    spans = _spans(path)
+    written_roots = {s["trace_id"] for s in spans if s["name"] == "root"}
+    children = {s["trace_id"]: s for s in spans if s["name"] == "relay.inner"}
+    sampled = {f"{c.trace_id:032x}" for c in roots if c.trace_flags.sampled}
+    # ratio 0.5 over 40 traces: both kinds occur (all alike has odds 2^-39)
+    assert 0 < len(sampled) < 40
+    assert written_roots == sampled
+    # the actor process wrote a span exactly for the traces its caller sampled
+    assert set(children) == sampled
+    assert all(c["service"] == "relay[0]" for c in children.values())
+
+
+async def test_always_kept_kinds_are_written_at_ratio_zero_in_every_process(tmp_path: Path) -> None:
+    path = tmp_path / "spans.jsonl"
+    configure_tracing(path, "test-controller", sample=0.0, always={"train_step", "relay.inner"}, tail={"rollout"})
+    with trio.fail_after(60):
+        async with open_mesh(Relay, name="relay") as mesh:
+            # a child of a kept span follows it
+            with span("train_step", version=1), span("train_step.part"):
+                pass
+            with span("rollout", n=1) as ok:
+                with span("env.step"):
+                    pass
+                ok.set_attribute("failed", False)
+            with span("rollout", n=2) as bad:
+                with span("env.step"):
+                    pass
+                bad.set_attribute("failed", True)
+            with pytest.raises(RuntimeError), span("rollout", n=3):
+                raise RuntimeError("episode broke")
+            with span("unsampled.root"):
+                await mesh[0].traced_child.call_one("always")  # kept in the actor by name
+                await mesh[0].traced_child.call_one("again")
+    spans = _spans(path)
+    names = sorted(s["name"] for s in spans)
+    assert names == ["relay.inner", "relay.inner", "rollout", "rollout", "train_step", "train_step.part"]
+    rollouts = {s["attributes"]["n"]: s for s in spans if s["name"] == "rollout"}
+    assert set(rollouts) == {2, 3}  # the failed ones; their children were never recorded
+    assert all(s["sampled"] is False for s in rollouts.values())
+    assert {s["service"] for s in spans if s["name"] == "relay.inner"} == {"relay[0]"}
+    step = next(s for s in spans if s["name"] == "train_step")
+    assert "sampled" not in step
+    assert step["attributes"] == {"version": 1}
+
+
+def test_the_cap_stops_writing_and_counts_what_it_left_out(tmp_path: Path) -> None:
+    path = tmp_path / "spans.jsonl"
+    configure_tracing(path, "capped", max_bytes=2_000)
+    for i in range(60):
+        with span("work", i=i, padding="x" * 40):
+            pass
+    configure_tracing(tmp_path / "other.jsonl", "capped")  # re-targeting writes the final count
+    written = _spans(path)
+    assert path.stat().st_size <= 2_000
+    assert 0 < len(written) < 60
+    assert [s["attributes"]["i"] for s in written] == list(range(len(written)))
+    assert spans_not_written(path) == 60 - len(written)
+    assert spans_not_written(tmp_path / "other.jsonl") == 0
+
+
+def test_bad_rules_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="sample ratio"):
+        configure_tracing(tmp_path / "x.jsonl", "t", sample=1.5)
+    with pytest.raises(ValueError, match="at least 1 byte"):
+        configure_tracing(tmp_path / "x.jsonl", "t", max_bytes=0)
