@@ -43,7 +43,7 @@ class PoolView:
             [-1] * n,
             [0] * n,
             [(0, 0.0)] * n,
-            [Health(f"sampler {name}/{r}") for r in range(n)],
+            [Health(f"sampler {name}/{r}", host=_host_of(link.config, r)) for r in range(n)],
             [None] * n,
             [None] * n,
             [0] * n,
@@ -54,9 +54,23 @@ class PoolView:
         return self.link.config.name
 
     def usable(self) -> list[int]:
-        """Ranks that can take a rollout now: constructed, answering, holding weights."""
+        """Ranks that can take a rollout now: constructed, answering, holding weights, not
+        given up."""
         down = set(self.link.dead_ranks()) | set(self.link.starting_ranks())
-        return [r for r, h in enumerate(self.health) if h.responsive and r not in down and self.versions[r] >= 0]
+        return [
+            r
+            for r, h in enumerate(self.health)
+            if h.responsive and not h.retired and r not in down and self.versions[r] >= 0
+        ]
+
+    def outage_stats(self, now: float) -> dict[str, Any]:
+        """`up` (ranks usable now), `outages` (times a rank was lost) and `outage_s` (rank-
+        seconds lost, the outages in progress included), for `metrics.jsonl`."""
+        return {
+            "up": len(self.usable()),
+            "outages": sum(h.outages for h in self.health),
+            "outage_s": round(sum(h.outage_total(now) for h in self.health), 3),
+        }
 
     def held_version(self) -> int:
         """The oldest weights among the usable ranks (-1 when none is usable)."""
@@ -262,11 +276,33 @@ class RunContext:
         worker sends it a keyframe before any rollout that needs them starts."""
         for pool in self.pools.values():
             for rank in pool.link.dead_ranks():
-                if respawn_due(self, pool.health[rank]):
+                if not self.retire_if_lost(pool, rank) and respawn_due(self, pool.health[rank]):
                     self.respawn_sampler(pool, rank)
         for rank in self.links.envs.dead_ranks():
             if respawn_due(self, self.env_health[rank]):
                 self.links.envs.respawn(rank)
+
+    def retire_if_lost(self, pool: PoolView, rank: int) -> bool:
+        """Whether sampler `rank` of `pool` is given up for good: on a `flotilla host` and lost
+        for `[faults] host_give_up_after_s` (then it is given up now: one line, a
+        `sampler.outage` span with outcome "given_up", no more respawns or work)."""
+        health = pool.health[rank]
+        if health.retired:
+            return True
+        limit = self.cfg.faults.host_give_up_after_s
+        if health.host is None or health.lost_at is None or self.now() - health.lost_at < limit:
+            return False
+        health.retired = True
+        seconds = health.end_outage(self.now(), pool.name, rank, outcome="given_up")
+        left = len(pool.usable())
+        self.progress.message(
+            f"{health.label}: its host {health.host} has not answered for {seconds:.0f} s "
+            f"([faults] host_give_up_after_s); giving it up, the run goes on "
+            f"({left} of the pool's {pool.link.size} samplers usable)"
+        )
+        self.update_scheduler()
+        self.notify()
+        return True
 
     def respawn_sampler(self, pool: PoolView, rank: int) -> None:
         """A fresh process for sampler `rank` of `pool` (its old one stopped, if any)."""
@@ -290,6 +326,12 @@ class RunContext:
     def consume_rate(self) -> float:
         batch = self.cfg.rollout.prompts_per_step * self.cfg.rollout.group_size
         return batch / self.train_s_ewma if self.train_s_ewma > 0 and math.isfinite(self.train_s_ewma) else 0.0
+
+
+def _host_of(config: Any, rank: int) -> str | None:
+    """The `flotilla host` a pool's rank runs on (ranks go round-robin), None if local."""
+    hosts = getattr(config, "hosts", None)
+    return hosts[rank % len(hosts)] if hosts else None
 
 
 def _one_line(text: str, limit: int = 800) -> str:

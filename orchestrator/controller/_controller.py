@@ -189,6 +189,8 @@ class Controller:
                     partial(_live, link, rank),
                     partial(ctx.respawn_sampler, pool, rank),
                     "its rollouts go to the ranks that answer; waiting for it",
+                    (pool.name, rank),
+                    partial(ctx.retire_if_lost, pool, rank),
                 )
         envs = ctx.links.envs
         for rank, health in enumerate(ctx.env_health):

@@ -80,6 +80,9 @@ class PoolLink(Protocol):
     async def apply_weights_part(self, rank: int, header: dict[str, Any], frames: list[Any]) -> int:
         """Feed one part of a streamed keyframe to `rank`; the version it uses afterwards."""
 
+    async def have_version(self, rank: int) -> int | None:
+        """The version the rank's weight receiver holds; None when it needs a keyframe."""
+
     async def reset_weights(self, rank: int) -> None:
         """Forget the held weights' version, so an older keyframe is accepted (the trainer
         went back to a checkpoint); generation waits for the next keyframe."""

@@ -73,6 +73,9 @@ class MeshPool:
     async def apply_weights_part(self, rank: int, header: dict[str, Any], frames: list[Any]) -> int:
         return await self.mesh[rank].apply_weights_part.call_one(header, frames)
 
+    async def have_version(self, rank: int) -> int | None:
+        return await self.mesh[rank].have_version.call_one()
+
     async def reset_weights(self, rank: int) -> None:
         await self.mesh[rank].reset_weights.call_one()
 

@@ -359,7 +359,7 @@ async def _mesh_lifetime(
                 Mesh(
                     f"host {h.address}",
                     "orchestrator.runtime.host:HostActor",
-                    ["spawn", "wait_exit", "stop", "signal"],
+                    ["spawn", "wait_exit", "stop", "signal", "ping"],
                     [h.address],
                     [h.public_key],
                     identity=curve,

@@ -1,7 +1,11 @@
 """The owner's side of a mesh: spawning ranks, supervising them, respawning, stopping.
 
 Supervision: one task per process waits for its exit (local: the process
-handle; remote: a long-lived ``wait_exit`` call on its host). A respawn that does
+handle; remote: a long-lived ``wait_exit`` call on its host). A host that stops
+answering (a partition) does not make its ranks dead: their calls fail with
+``ActorDied`` while their connections are down, and work again once the link is
+back; the supervisor waits on the process again then. A host that answers without
+the process (restarted meanwhile) marks the rank dead. A respawn that does
 not finish within ``restart_timeout`` (when given) is stopped and the rank marked
 dead. An exit the owner did not cause marks the rank dead, fails its calls with ``ActorDied``
 and calls ``on_death``. ``shutdown`` (run shielded when the mesh closes) fails

@@ -45,6 +45,8 @@ __all__ = ["DEFAULT_ALLOW", "HostActor", "RemoteProcess", "allowed_class", "main
 DEFAULT_ALLOW = ("actors.",)
 """Module prefixes a host spawns actor classes from when ``--allow`` is not given."""
 ALLOW_ENV = "FLOTILLA_HOST_ALLOW"
+HOST_RETRY_S = 1.0
+"""Seconds between the owner's pings of a host it lost touch with (see RemoteProcess)."""
 
 
 def allowed_class(cls_path: str, prefixes: tuple[str, ...]) -> bool:
@@ -173,10 +175,26 @@ class RemoteProcess:
         return proc
 
     async def wait_exit(self) -> str:
-        try:
-            return await self.host.wait_exit.call_one(self.pid)
-        except ActorDied as exc:
-            raise ActorDied(exc.name, exc.rank, f"lost its host: {exc.reason}") from None
+        """How the process ended, once it has. A host that stops answering (its link is
+        cut, its machine unreachable) is not an exit: the process may well run on, so this
+        waits for the host to answer again, then keeps waiting on the process. A host that
+        answers but no longer runs it (restarted meanwhile) raises ActorError (KeyError)."""
+        while True:
+            try:
+                return await self.host.wait_exit.call_one(self.pid)
+            except ActorDied:
+                await self._reachable()
+
+    async def _reachable(self) -> None:
+        """Return once the host answers a ping (tried every HOST_RETRY_S)."""
+        while True:
+            await trio.sleep(HOST_RETRY_S)
+            with trio.move_on_after(HOST_RETRY_S * 5):
+                try:
+                    await self.host.ping.call_one()
+                    return
+                except ActorDied:
+                    pass
 
     def signal_stop(self) -> None:
         self.host.signal.broadcast(self.pid, int(signal.SIGTERM))
