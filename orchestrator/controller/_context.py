@@ -37,13 +37,12 @@ class PoolView:
     @classmethod
     def of(cls, link: PoolLink) -> PoolView:
         n = link.size
-        name = link.config.name
         return cls(
             link,
             [-1] * n,
             [0] * n,
             [(0, 0.0)] * n,
-            [Health(f"sampler {name}/{r}", host=_host_of(link.config, r)) for r in range(n)],
+            [_sampler_health(link, r) for r in range(n)],
             [None] * n,
             [None] * n,
             [0] * n,
@@ -68,6 +67,7 @@ class PoolView:
         seconds lost, the outages in progress included), for `metrics.jsonl`."""
         return {
             "up": len(self.usable()),
+            "hosts": sum(1 for h in self.health if h.host is not None and not h.retired),
             "outages": sum(h.outages for h in self.health),
             "outage_s": round(sum(h.outage_total(now) for h in self.health), 3),
         }
@@ -283,16 +283,28 @@ class RunContext:
                 self.links.envs.respawn(rank)
 
     def retire_if_lost(self, pool: PoolView, rank: int) -> bool:
-        """Whether sampler `rank` of `pool` is given up for good: on a `flotilla host` and lost
-        for `[faults] host_give_up_after_s` (then it is given up now: one line, a
-        `sampler.outage` span with outcome "given_up", no more respawns or work)."""
+        """Whether sampler `rank` of `pool` is given up: its host left the run (SIGTERM), or it
+        is on a `flotilla host` and lost for `[faults] host_give_up_after_s`. Given up now:
+        one line, a `sampler.outage` span (outcome "left" or "given_up"), no more respawns
+        or work; an elastic pool may place another host on the rank."""
         health = pool.health[rank]
         if health.retired:
+            return True
+        if health.host is not None and rank in pool.link.dead_ranks() and pool.link.left(rank):
+            health.retire()
+            health.lost(self.now())
+            health.end_outage(self.now(), pool.name, rank, outcome="left")
+            self.progress.message(
+                f"{health.label}: its host {health.host} left the run (drained; its rollouts go "
+                f"to the other samplers); {len(pool.usable())} of the pool's {pool.link.size} samplers usable"
+            )
+            self.update_scheduler()
+            self.notify()
             return True
         limit = self.cfg.faults.host_give_up_after_s
         if health.host is None or health.lost_at is None or self.now() - health.lost_at < limit:
             return False
-        health.retired = True
+        health.retire()
         seconds = health.end_outage(self.now(), pool.name, rank, outcome="given_up")
         left = len(pool.usable())
         self.progress.message(
@@ -328,10 +340,12 @@ class RunContext:
         return batch / self.train_s_ewma if self.train_s_ewma > 0 and math.isfinite(self.train_s_ewma) else 0.0
 
 
-def _host_of(config: Any, rank: int) -> str | None:
-    """The `flotilla host` a pool's rank runs on (ranks go round-robin), None if local."""
-    hosts = getattr(config, "hosts", None)
-    return hosts[rank % len(hosts)] if hosts else None
+def _sampler_health(link: PoolLink, rank: int) -> Health:
+    """A sampler rank's liveness record; a vacant rank of an elastic pool starts retired."""
+    health = Health(f"sampler {link.config.name}/{rank}", host=link.host_of(rank))
+    if link.config.elastic and health.host is None:
+        health.retire()
+    return health
 
 
 def _one_line(text: str, limit: int = 800) -> str:

@@ -74,10 +74,28 @@ class Health:
     lost_at: float | None = None  # trio time it stopped answering; None while it answers
     outages: int = 0  # times it was lost
     outage_s: float = 0.0  # seconds of its finished outages
-    retired: bool = False  # given up for good: its host never came back
+    retired: bool = False  # given up (its host never came back), or a vacant elastic rank
+    present: trio.Event = field(default_factory=trio.Event)  # set while not retired
 
     def __post_init__(self) -> None:
         self.back.set()
+        self.present.set()
+
+    def retire(self) -> None:
+        self.retired = True
+        self.present = trio.Event()
+
+    def join(self, host: str, now: float) -> None:
+        """A host takes this (retired) rank: a fresh start there."""
+        self.host, self.retired = host, False
+        self.since, self.lost_at, self.up_since = None, None, None
+        self.respawns, self.next_respawn, self.last_answer = 0, 0.0, now
+        self.back.set()
+        self.present.set()
+
+    async def wait_present(self) -> None:
+        while self.retired:
+            await self.present.wait()
 
     @property
     def where(self) -> str:
@@ -155,17 +173,19 @@ async def watch(
     outage: tuple[str, int] | None = None,
     retire: Callable[[], bool] | None = None,
 ) -> None:
-    """Ping one rank until it is retired (see the module docstring). `live`: the rank is
+    """Ping one rank, forever; idle while it is retired (see the module docstring). `live`: the rank is
     neither dead nor (re)starting (the death path and the start own those states);
     `give_up`: stop its process and start a fresh one (None: never; it is waited for);
     `effect`: what the unresponsive line says happens; `outage`: (pool, rank) of a sampler,
     whose outages are traced; `retire`: called while it is lost, True once it is given up
-    for good (the watcher ends)."""
+    (the watcher then waits until a host takes the rank: `Health.join`)."""
     f = ctx.cfg.faults
     health.last_answer = ctx.now()
     while True:
-        if retire is not None and health.lost_at is not None and retire():
-            return
+        if health.retired or (retire is not None and health.lost_at is not None and retire()):
+            await health.wait_present()  # an elastic pool may place a new host on it
+            health.last_answer = ctx.now()
+            continue
         if not live():
             health.last_answer, health.up_since = ctx.now(), None
             if not health.responsive:  # respawned (given up, or died meanwhile): a new process

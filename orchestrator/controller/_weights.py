@@ -40,6 +40,7 @@ async def sync_worker(ctx: RunContext, pool: PoolView, rank: int) -> None:
     health = pool.health[rank]
     backoff = Backoff()
     while True:
+        await health.wait_present()  # a vacant elastic rank gets weights once a host joins
         while pool.versions[rank] >= ctx.version:
             await ctx.wait_bump()
         await ctx.trainer_alive.wait()

@@ -104,6 +104,23 @@ class PoolLink(Protocol):
         """Start a fresh process for `rank` (stopping the old one, also a frozen one);
         calls wait until it is constructed."""
 
+    def host_of(self, rank: int) -> str | None:
+        """The `flotilla host` address `rank` runs on; None: the controller's machine, or a
+        vacant rank of an elastic pool."""
+
+    def left(self, rank: int) -> bool:
+        """Whether dead `rank` was stopped by its host leaving the run (SIGTERM: drained)."""
+
+    # Elastic pools (`config.elastic`) only:
+    def candidates(self) -> list[str]:
+        """Host addresses that may join now: the pool's `hosts` and its `hosts_file`."""
+
+    async def probe(self, address: str) -> str | None:
+        """None when the host answers with the expected key (it may be placed), else why not."""
+
+    def place(self, rank: int, address: str) -> None:
+        """Start sampler `rank` on the probed host `address` (as `respawn`)."""
+
 
 class EnvLink(Protocol):
     """The environment actors, which play episodes against a chosen sampler."""
