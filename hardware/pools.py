@@ -184,7 +184,8 @@ class PoolConfig(BaseModel):
                 f"(this pool's backend is {self.backend!r})"
             )
         if self.elastic:
-            if self.backend != "torch" or (self.device == "cuda" and self.count != 1):
+            cuda = (self.device or ("cpu" if self.gpu == "cpu" else "cuda")) == "cuda"
+            if self.backend != "torch" or (cuda and self.count != 1):
                 raise ValueError(f"{who}: an elastic pool runs one torch sampler per host (count = 1 GPU per host)")
             if self.max_hosts is None:
                 self.max_hosts = max(1, len(self.hosts))

@@ -56,11 +56,16 @@ class PoolView:
         """Ranks that can take a rollout now: constructed, answering, holding weights, not
         given up."""
         down = set(self.link.dead_ranks()) | set(self.link.starting_ranks())
+        now = trio.current_time()
         return [
             r
             for r, h in enumerate(self.health)
-            if h.responsive and not h.retired and r not in down and self.versions[r] >= 0
+            if h.responsive and not h.retired and h.avoid_until <= now and r not in down and self.versions[r] >= 0
         ]
+
+    def present_hosts(self) -> list[str]:
+        """Hosts serving the pool now: joined, not given up, answering."""
+        return [h.host for h in self.health if h.host is not None and not h.retired and h.lost_at is None]
 
     def outage_stats(self, now: float) -> dict[str, Any]:
         """`up` (ranks usable now), `outages` (times a rank was lost) and `outage_s` (rank-
@@ -161,6 +166,7 @@ class RunContext:
         self.trainer_death: ActorDied | None = None  # seen by a weight-sync call (see report_trainer_death)
         self._changed = trio.Event()
         self._bumped = trio.Event()
+        self.host_mark: dict[str, float] = {}  # per pool: when hosts' presence was last recorded
 
     def report_trainer_death(self, death: ActorDied) -> None:
         """A call other than a train step found the trainer dead (the caller checked
@@ -281,6 +287,16 @@ class RunContext:
         for rank in self.links.envs.dead_ranks():
             if respawn_due(self, self.env_health[rank]):
                 self.links.envs.respawn(rank)
+
+    def host_stats(self, name: str, now: float) -> dict[str, Any]:
+        """A pool's `up`, `hosts`, `outages` and `outage_s` for this step's metrics; records
+        in the cost ledger the time each of its hosts was present since the last call."""
+        pool = self.pools[name]
+        dt = max(0.0, now - self.host_mark.get(name, self.t_start))
+        self.host_mark[name] = now
+        for host in pool.present_hosts():
+            self.ledger.record_presence(name, host, dt)
+        return pool.outage_stats(now)
 
     def retire_if_lost(self, pool: PoolView, rank: int) -> bool:
         """Whether sampler `rank` of `pool` is given up: its host left the run (SIGTERM), or it

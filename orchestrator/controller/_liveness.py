@@ -74,6 +74,7 @@ class Health:
     lost_at: float | None = None  # trio time it stopped answering; None while it answers
     outages: int = 0  # times it was lost
     outage_s: float = 0.0  # seconds of its finished outages
+    avoid_until: float = 0.0  # trio time before which it gets no new rollout (its link failed one)
     retired: bool = False  # given up (its host never came back), or a vacant elastic rank
     present: trio.Event = field(default_factory=trio.Event)  # set while not retired
 

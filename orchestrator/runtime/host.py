@@ -47,6 +47,8 @@ DEFAULT_ALLOW = ("actors.",)
 ALLOW_ENV = "FLOTILLA_HOST_ALLOW"
 HOST_LEFT = "its host left the run (SIGTERM)"
 """In the exit description of an actor its host stopped because the host is leaving."""
+LEAVE_REPORT_S = 15.0
+"""Longest a leaving host serves on, after stopping its actors, until their owners learn it."""
 HOST_RETRY_S = 1.0
 """Seconds between the owner's pings of a host it lost touch with (see RemoteProcess)."""
 
@@ -82,8 +84,8 @@ class HostActor(Actor):
         self.allow = tuple(p for p in allow.split(",") if p) if allow is not None else DEFAULT_ALLOW
         self.children: dict[int, LocalProcess] = {}
         self.leaving = False  # SIGTERM: the host is leaving (see on_signal)
-        self.waiting = 0  # wait_exit calls running
-        self.replied = trio.Event()  # set (and replaced) as each wait_exit call returns
+        self.reported: set[int] = set()  # children whose exit an owner was told while leaving
+        self.replied = trio.Event()  # set (and replaced) as each such wait_exit call returns
 
     @endpoint
     async def spawn(self, cls_path: str, name: str, rank: int, env: dict[str, str]) -> list[Any]:
@@ -124,14 +126,13 @@ class HostActor(Actor):
         """Return how the child ``pid`` ended, once it has; with ``HOST_LEFT`` in it when the
         host stopped it because the host is leaving (SIGTERM)."""
         proc = self._child(pid)
-        self.waiting += 1
-        try:
-            how = describe_exit(await proc.process.wait())
-        finally:
-            self.waiting -= 1
-            self.replied.set()
-            self.replied = trio.Event()
-        return f"{how}; {HOST_LEFT}" if self.leaving else how
+        how = describe_exit(await proc.process.wait())
+        if not self.leaving:
+            return how
+        self.reported.add(pid)
+        self.replied.set()
+        self.replied = trio.Event()
+        return f"{how}; {HOST_LEFT}"
 
     @endpoint
     async def stop(self, pid: int, grace: float) -> None:
@@ -166,12 +167,15 @@ class HostActor(Actor):
         ``wait_exit`` learns that the host left (``HOST_LEFT`` in the reply) and does not
         wait for it as for a partition."""
         self.leaving = True
+        stopped = set(self.children)
         async with trio.open_nursery() as nursery:
             for proc in list(self.children.values()):
                 nursery.start_soon(proc.stop, 3.0)
-        # The owners' wait_exit calls return as their processes end; let them reply.
-        while self.waiting:
-            await self.replied.wait()
+        # Serve on until every owner has been told (an owner whose link to this host
+        # dropped a moment ago asks again within seconds), bounded by LEAVE_REPORT_S.
+        with trio.move_on_after(LEAVE_REPORT_S):
+            while not stopped <= self.reported:
+                await self.replied.wait()
 
     async def on_stop(self) -> None:
         procs = list(self.children.values())

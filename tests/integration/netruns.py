@@ -157,3 +157,53 @@ def measure_partition(tmp: Path, rig: Any, *, cut_s: float, warm_steps: int = 5,
         "last": rows[-1],
         "spans": run.spans("sampler.outage"),
     }
+
+
+def measure_join(tmp: Path, rig: Any, **raw: Any) -> dict[str, Any]:
+    """One run with an elastic remote pool and no host; once it trains on its local pool a
+    rig host is started and listed in the pool's hosts file. Returns `elastic_join_s` (host
+    started -> end of the first step with a rollout from it) and the console."""
+    hosts_file = tmp / "join-hosts.txt"
+    hosts_file.write_text("")
+    remote = {"hosts": [], "keys": str(rig.keys), "elastic": True, "hosts_file": str(hosts_file)}
+    run = Run(remote_run_config(tmp, "join", remote, **raw), tmp / "runs" / "join")
+    host = rig.add_host("e", start=False)
+    try:
+        run.wait(lambda r: len(r) >= 3, 300, "3 steps on the local pool")
+        t_start = time.time()
+        host.start()
+        hosts_file.write_text(f"{host.address}\n")
+        n = len(run.metrics())
+        run.wait(lambda r: any(x["pools"]["remote"]["rollouts"] > 0 for x in r[n:]), 180, "a rollout from the host")
+    finally:
+        code = run.stop()
+    assert code == 0, run.tail()
+    rows = run.metrics()
+    first = next(r for r in rows[n:] if r["pools"]["remote"]["rollouts"] > 0)
+    return {"elastic_join_s": round(step_times(run)[first["version"]] - t_start, 3), "console": run.err.read_text()}
+
+
+def main() -> None:
+    """`python -m tests.integration.netruns [--cut-s S]` (root, iproute2): one partition run
+    and one join run in the network rig; prints one JSON line with partition_prompts_lost,
+    partition_train_stall_s, normal_step_s, rejoin_s and elastic_join_s."""
+    import argparse
+    import tempfile
+
+    from tests.netrig import NetRig, netrig_unavailable
+
+    p = argparse.ArgumentParser(prog="python -m tests.integration.netruns")
+    p.add_argument("--cut-s", type=float, default=30.0, help="seconds the link stays cut")
+    args = p.parse_args()
+    reason = netrig_unavailable()
+    if reason:
+        raise SystemExit(f"netruns: {reason}")
+    with tempfile.TemporaryDirectory() as d, NetRig() as rig:
+        part = measure_partition(Path(d), rig, cut_s=args.cut_s)
+        join = measure_join(Path(d), rig)
+    keys = ("partition_prompts_lost", "partition_train_stall_s", "normal_step_s", "rejoin_s", "cut_s")
+    print(json.dumps({**{k: part[k] for k in keys}, "elastic_join_s": join["elastic_join_s"]}))
+
+
+if __name__ == "__main__":
+    main()
