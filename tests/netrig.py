@@ -21,9 +21,10 @@ API (everything synchronous; call it from trio tests as is)::
         rig.add_host("b", start=False)          # namespace only; `host.start()` later (a join)
     # leaving the block kills every process in the namespaces and deletes them
 
-* ``NetRig(tag=None, keys=None)``: ``tag`` (default: random) makes every name unique, so runs
-  in parallel do not collide; ``keys`` is the controller's key directory (default: a
-  temporary one, created). Each host has its own key pair; the controller's public key is in
+* ``NetRig(tag=None, keys=None, keep=False)``: ``tag`` (default: random) makes every name
+  unique, so runs in parallel do not collide; ``keys`` is the controller's key directory
+  (default: a temporary one, created); the rig's temporary directory (``rig.dir``: keys,
+  host logs) is removed on close unless ``keep``. Each host has its own key pair; the controller's public key is in
   the host's ``allowed/`` and the host's in ``keys/hosts/IP_PORT.key``, as a pool expects.
 * ``add_host(name, *, rate_mbit=None, start=True, port=5555)``: ``name`` is at most 4
   characters (interface names are short).
@@ -250,13 +251,14 @@ class Host:
 class NetRig:
     """Namespaces, links and hosts for one test; a context manager that removes all of them."""
 
-    def __init__(self, tag: str | None = None, keys: Path | None = None) -> None:
+    def __init__(self, tag: str | None = None, keys: Path | None = None, keep: bool = False) -> None:
         self.tag = tag or "".join(random.choices("0123456789abcdef", k=4))
         if len(self.tag) > 6 or not self.tag.isalnum():
             raise ValueError(f"rig tag must be 1-6 letters or digits, got {self.tag!r}")
         self.dir = Path(mkdtemp(prefix=f"netrig-{self.tag}-"))
         self.keys = keys or self.dir / "controller-keys"
         self.hosts: dict[str, Host] = {}
+        self.keep = keep
 
     def __enter__(self) -> NetRig:
         from orchestrator.runtime import Curve
@@ -268,9 +270,12 @@ class NetRig:
         self.close()
 
     def close(self) -> None:
-        """Kill every host, delete every namespace and link this rig made (idempotent)."""
+        """Kill every host, delete every namespace and link this rig made, and its temporary
+        directory (keys, host logs), unless ``keep`` (idempotent)."""
         for host in self.hosts.values():
             host._destroy()
+        if not self.keep:
+            shutil.rmtree(self.dir, ignore_errors=True)
 
     def _subnet(self) -> tuple[int, int, int]:
         used = _used_subnets()
