@@ -70,6 +70,9 @@ class PoolCost(BaseModel):
     """Token-weighted mean sampler/trainer KL of its tokens, when provided."""
     masked_fraction: float | None
     """Token-weighted fraction of its tokens masked by the importance weights, when provided."""
+    host_hours: dict[str, float] = Field(default_factory=dict)
+    """Pools on `flotilla host` machines: hours each host was present in the run (joined
+    and answering), by address."""
 
 
 class CostTotals(BaseModel):
@@ -165,6 +168,10 @@ class CostReport(BaseModel):
                 f"{c.tokens_per_s_per_gpu:.1f} tokens/s per GPU ({c.basis}) and ${c.price_per_gpu_hour:.4f}/GPU-hour: "
                 f"{c.gpu_hours:.4f} GPU-hours, ${c.cost_usd:.4f}. Saving: {c.saving_pct:.1f}%.",
             ]
+        hosts = [(p.pool, h, hours) for p in self.pools for h, hours in p.host_hours.items()]
+        if hosts:
+            lines += ["", "| pool | host | hours present |", "|---|---|---:|"]
+            lines += [f"| {pool} | {h} | {hours:.4f} |" for pool, h, hours in hosts]
         if any(p.billing == "modelled" for p in self.pools):
             lines += [
                 "",
@@ -204,6 +211,8 @@ class _Acc(BaseModel):
     """Token-weighted sum of masked fractions."""
     mm_tokens: int = Field(default=0, ge=0)
     """Tokens the mismatch figures cover."""
+    host_seconds: dict[str, float] = Field(default_factory=dict)
+    """Seconds each `flotilla host` (by address) was present."""
 
 
 class _LedgerState(BaseModel):
@@ -241,6 +250,12 @@ class CostLedger:
         if n < 0:
             raise ValueError(f"gpus must be ≥ 0, got {n}")
         a.gpu_seconds += seconds * n
+
+    def record_presence(self, pool: str, host: str, seconds: float) -> None:
+        """`seconds` during which `host` (an address) served `pool` (joined and answering)."""
+        a = self._a(pool)
+        _check("seconds", seconds)
+        a.host_seconds[host] = a.host_seconds.get(host, 0.0) + seconds
 
     def record_rollout(self, pool: str, tokens: int, *, staleness: int | None = None) -> None:
         """A finished rollout of `tokens` generated tokens; its staleness at train time if known."""
@@ -316,6 +331,7 @@ class CostLedger:
                     mean_staleness=a.stale_sum / a.stale_n if a.stale_n else None,
                     mismatch_kl=a.kl_sum / a.mm_tokens if a.mm_tokens else None,
                     masked_fraction=a.mask_sum / a.mm_tokens if a.mm_tokens else None,
+                    host_hours={h: s / 3600.0 for h, s in a.host_seconds.items()},
                 )
             )
         accs = list(self._acc.values())

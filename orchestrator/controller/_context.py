@@ -48,18 +48,17 @@ class PoolView:
     stats_call: list[trio.Event | None]  # set when the rank's outstanding stats call ends
     epochs: list[int]  # bumped when a rank's process is replaced
     flips: int = 0  # liveness changes of any rank (invalidates the usable-ranks cache)
-    _cache: tuple[Any, list[int], int, int] | None = None  # key, usable ranks, min, max version
+    _cache: tuple[Any, list[int], int, int, float] | None = None  # key, usable ranks, min, max version, expiry
 
     @classmethod
     def of(cls, link: PoolLink) -> PoolView:
         n = link.size
-        name = link.config.name
         view = cls(
             link,
             Versions([-1] * n),
             [0] * n,
             [(0, 0.0)] * n,
-            [Health(f"sampler {name}/{r}") for r in range(n)],
+            [_sampler_health(link, r) for r in range(n)],
             [None] * n,
             [None] * n,
             [0] * n,
@@ -77,22 +76,46 @@ class PoolView:
 
     def _usable(self) -> tuple[list[int], int, int]:
         """(usable ranks ascending, oldest and newest version among them), recomputed only
-        when a rank's version, liveness, death or start changed since the last call."""
+        when a rank's version, liveness, death, start, retirement or avoidance changed since
+        the last call, or an avoidance it excluded a rank for has run out."""
         dead, starting = self.link.dead_ranks(), self.link.starting_ranks()
         key = (self.versions.writes, self.flips, tuple(dead), tuple(starting))
+        now = trio.current_time()
         cache = self._cache
-        if cache is not None and cache[0] == key:
+        if cache is not None and cache[0] == key and now < cache[4]:
             return cache[1], cache[2], cache[3]
         down = set(dead) | set(starting)
         versions = self.versions
-        ranks = [r for r, h in enumerate(self.health) if h.since is None and r not in down and versions[r] >= 0]
+        ranks, expires = [], math.inf
+        for r, h in enumerate(self.health):
+            if h.since is not None or h.retired or r in down or versions[r] < 0:
+                continue
+            if h.avoid_until > now:
+                expires = min(expires, h.avoid_until)
+                continue
+            ranks.append(r)
         held = [versions[r] for r in ranks]
-        self._cache = (key, ranks, min(held, default=-1), max(held, default=-1))
+        self._cache = (key, ranks, min(held, default=-1), max(held, default=-1), expires)
         return ranks, self._cache[2], self._cache[3]
 
     def usable(self) -> list[int]:
-        """Ranks that can take a rollout now: constructed, answering, holding weights."""
+        """Ranks that can take a rollout now: constructed, answering, holding weights, not
+        given up, not avoided."""
         return list(self._usable()[0])
+
+    def present_hosts(self) -> list[str]:
+        """Hosts serving the pool now: joined, not given up, answering."""
+        return [h.host for h in self.health if h.host is not None and not h.retired and h.lost_at is None]
+
+    def outage_stats(self, now: float) -> dict[str, Any]:
+        """`up` (ranks usable now), `outages` (times a rank was lost) and `outage_s` (rank-
+        seconds lost, the outages in progress included), for `metrics.jsonl`."""
+        return {
+            "up": len(self.usable()),
+            "hosts": sum(1 for h in self.health if h.host is not None and not h.retired),
+            "outages": sum(h.outages for h in self.health),
+            "outage_s": round(sum(h.outage_total(now) for h in self.health), 3),
+        }
 
     def held_version(self) -> int:
         """The oldest weights among the usable ranks (-1 when none is usable)."""
@@ -202,6 +225,7 @@ class RunContext:
         self.trainer_death: ActorDied | None = None  # seen by a weight-sync call (see report_trainer_death)
         self._changed = trio.Event()
         self._bumped = trio.Event()
+        self.host_mark: dict[str, float] = {}  # per pool: when hosts' presence was last recorded
 
     def report_trainer_death(self, death: ActorDied) -> None:
         """A call other than a train step found the trainer dead (the caller checked
@@ -325,11 +349,55 @@ class RunContext:
         worker sends it a keyframe before any rollout that needs them starts."""
         for pool in self.pools.values():
             for rank in pool.link.dead_ranks():
-                if respawn_due(self, pool.health[rank]):
+                if not self.retire_if_lost(pool, rank) and respawn_due(self, pool.health[rank]):
                     self.respawn_sampler(pool, rank)
         for rank in self.links.envs.dead_ranks():
             if respawn_due(self, self.env_health[rank]):
                 self.links.envs.respawn(rank)
+
+    def host_stats(self, name: str, now: float) -> dict[str, Any]:
+        """A pool's `up`, `hosts`, `outages` and `outage_s` for this step's metrics; records
+        in the cost ledger the time each of its hosts was present since the last call."""
+        pool = self.pools[name]
+        dt = max(0.0, now - self.host_mark.get(name, self.t_start))
+        self.host_mark[name] = now
+        for host in pool.present_hosts():
+            self.ledger.record_presence(name, host, dt)
+        return pool.outage_stats(now)
+
+    def retire_if_lost(self, pool: PoolView, rank: int) -> bool:
+        """Whether sampler `rank` of `pool` is given up: its host left the run (SIGTERM), or it
+        is on a `flotilla host` and lost for `[faults] host_give_up_after_s`. Given up now:
+        one line, a `sampler.outage` span (outcome "left" or "given_up"), no more respawns
+        or work; an elastic pool may place another host on the rank."""
+        health = pool.health[rank]
+        if health.retired:
+            return True
+        if health.host is not None and rank in pool.link.dead_ranks() and pool.link.left(rank):
+            health.retire()
+            health.lost(self.now())
+            health.end_outage(self.now(), pool.name, rank, outcome="left")
+            self.progress.message(
+                f"{health.label}: its host {health.host} left the run (drained; its rollouts go "
+                f"to the other samplers); {len(pool.usable())} of the pool's {pool.link.size} samplers usable"
+            )
+            self.update_scheduler()
+            self.notify()
+            return True
+        limit = self.cfg.faults.host_give_up_after_s
+        if health.host is None or health.lost_at is None or self.now() - health.lost_at < limit:
+            return False
+        health.retire()
+        seconds = health.end_outage(self.now(), pool.name, rank, outcome="given_up")
+        left = len(pool.usable())
+        self.progress.message(
+            f"{health.label}: its host {health.host} has not answered for {seconds:.0f} s "
+            f"([faults] host_give_up_after_s); giving it up, the run goes on "
+            f"({left} of the pool's {pool.link.size} samplers usable)"
+        )
+        self.update_scheduler()
+        self.notify()
+        return True
 
     def respawn_sampler(self, pool: PoolView, rank: int) -> None:
         """A fresh process for sampler `rank` of `pool` (its old one stopped, if any)."""
@@ -353,6 +421,14 @@ class RunContext:
     def consume_rate(self) -> float:
         batch = self.cfg.rollout.prompts_per_step * self.cfg.rollout.group_size
         return batch / self.train_s_ewma if self.train_s_ewma > 0 and math.isfinite(self.train_s_ewma) else 0.0
+
+
+def _sampler_health(link: PoolLink, rank: int) -> Health:
+    """A sampler rank's liveness record; a vacant rank of an elastic pool starts retired."""
+    health = Health(f"sampler {link.config.name}/{rank}", host=link.host_of(rank))
+    if link.config.elastic and health.host is None:
+        health.retire()
+    return health
 
 
 def _one_line(text: str, limit: int = 800) -> str:

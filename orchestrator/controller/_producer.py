@@ -138,6 +138,13 @@ async def produce(ctx: RunContext, nursery: trio.Nursery) -> None:
         _put_back(ctx, waiting)
 
 
+async def _notify_after(ctx: RunContext, seconds: float) -> None:
+    """Wake the producer once a sampler it avoids may take rollouts again."""
+    await trio.sleep(seconds)
+    ctx.update_scheduler()
+    ctx.notify()
+
+
 async def _rollout(
     ctx: RunContext, slot: Slot, task: TaskSpec, pool: PoolView, rank: int, min_version: int, env: int
 ) -> None:
@@ -175,15 +182,24 @@ async def _rollout(
         ctx.rollout_scopes.discard(scope)
         pool.in_flight[rank] -= 1
         ctx.env_in_flight[env] -= 1
-        if traj is None:  # died or cancelled (trainer restart): it never finished
+        lost = traj is not None and traj.sampler_lost
+        if traj is None or lost:
+            # Died, cancelled (trainer restart, unresponsive actor) or failed with its sampler's
+            # link: it never finished, and it is retried as it was (no attempt counted, so a
+            # partition costs no prompt). A sampler that lost its link gets nothing for a
+            # ping interval, so retries go elsewhere before the watcher names it.
             ctx.scheduler.release(pool.name)
             ctx.buffer.requeue(slot)
+            if lost:
+                pool.health[rank].avoid(ctx.now() + ctx.cfg.faults.ping_every_s)
+                ctx.update_scheduler()
+                if ctx.nursery is not None:
+                    ctx.nursery.start_soon(_notify_after, ctx, ctx.cfg.faults.ping_every_s)
         else:
             ctx.scheduler.complete(pool.name, traj.num_generated)
-            if not traj.sampler_lost:  # a sampler's death is respawning's business, not the env's
-                ctx.episode_ended(
-                    f"episode {slot.prompt_id}#{slot.index}: {traj.error or 'failed'}" if traj.failed else None
-                )
+            ctx.episode_ended(
+                f"episode {slot.prompt_id}#{slot.index}: {traj.error or 'failed'}" if traj.failed else None
+            )
             drop = ctx.buffer.complete(slot, traj)
             if drop is not None and drop.reason == "zero_variance":
                 ctx.due.pop(slot.group_id, None)  # gone untrained; the producer tops up

@@ -201,3 +201,18 @@ max_concurrent_rollouts = 2
     assert rep.counterfactual is not None and rep.counterfactual.pool == "b200"
     _json_path, md_path = rep.write(tmp_path)
     assert "(emulated)" in md_path.read_text()
+
+
+def test_hosts_are_accounted_over_the_time_they_were_present(tmp_path):
+    ledger = CostLedger(pools())
+    ledger.record_presence("cheap", "tcp://10.0.0.5:5555", 1800.0)
+    ledger.record_presence("cheap", "tcp://10.0.0.5:5555", 1800.0)
+    ledger.record_presence("cheap", "tcp://10.0.0.6:5555", 900.0)
+    row = next(p for p in ledger.report().pools if p.pool == "cheap")
+    assert row.host_hours == {"tcp://10.0.0.5:5555": 1.0, "tcp://10.0.0.6:5555": 0.25}
+    assert "| cheap | tcp://10.0.0.6:5555 | 0.2500 |" in ledger.report().to_markdown()
+    restored = CostLedger(pools())
+    restored.load_state(json.loads(json.dumps(ledger.state())))
+    assert next(p for p in restored.report().pools if p.pool == "cheap").host_hours == row.host_hours
+    with pytest.raises(ValueError, match="seconds"):
+        ledger.record_presence("cheap", "tcp://10.0.0.5:5555", -1.0)

@@ -142,3 +142,18 @@ max_concurrent_rollouts = 100
     assert e.value.errors()[0]["loc"] == ("pools", 0, "precision")
     with pytest.raises(ValidationError):
         HardwareConfig.from_toml_text("[model]\nx = 1\n")  # no pools at all
+
+
+def test_elastic_pools_check_their_host_bounds():
+    p = PoolConfig(name="spot", gpu="L40S", elastic=True, hosts_file="hosts.txt")
+    assert p.max_hosts == 1 and p.min_hosts == 0
+    p = PoolConfig(name="spot", gpu="L40S", elastic=True, hosts=["tcp://10.0.0.5:5555"], max_hosts=4, min_hosts=1)
+    assert p.max_hosts == 4
+    with pytest.raises(ValidationError, match="min_hosts <= len\\(hosts\\) <= max_hosts"):
+        PoolConfig(name="spot", gpu="L40S", elastic=True, hosts=["tcp://10.0.0.5:5555"] * 2, max_hosts=1)
+    with pytest.raises(ValidationError, match="min_hosts <= len"):
+        PoolConfig(name="spot", gpu="L40S", elastic=True, min_hosts=1)
+    with pytest.raises(ValidationError, match="are for elastic pools"):
+        PoolConfig(name="fixed", gpu="L40S", max_hosts=2)
+    with pytest.raises(ValidationError, match="one torch sampler per host"):
+        PoolConfig(name="spot", gpu="L40S", elastic=True, count=2)

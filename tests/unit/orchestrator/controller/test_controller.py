@@ -160,6 +160,7 @@ async def test_episodes_failed_by_a_dying_sampler_do_not_stop_the_run(autojump_c
     h = Harness(run_config(steps=4, task={"max_failed_in_a_row": 8}), envs=envs)
     await h.controller.run()
     assert envs.lost == 40 and h.state.step == 4 and h.controller.failure is None
+    assert h.metrics.rows[-1]["prompts_skipped"] == 0  # retried as unfinished: no prompt lost
 
 
 async def test_failures_broken_by_successes_never_stop_the_run(autojump_clock):
