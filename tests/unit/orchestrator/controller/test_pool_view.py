@@ -3,6 +3,8 @@ get weights, die, restart and stop answering."""
 
 from __future__ import annotations
 
+import trio
+
 from hardware import PoolConfig
 from orchestrator.controller._context import PoolView
 
@@ -14,7 +16,7 @@ def _view(size: int = 4) -> tuple[FakePool, PoolView]:
     return pool, PoolView.of(pool)
 
 
-def test_usable_ranks_follow_versions_deaths_and_liveness():
+async def test_usable_ranks_follow_versions_deaths_and_liveness():
     pool, view = _view()
     assert view.usable() == [] and view.pick_rank(0) is None and view.held_version() == -1
     for r, v in enumerate([3, 1, 2, 3]):
@@ -36,9 +38,23 @@ def test_usable_ranks_follow_versions_deaths_and_liveness():
     assert view.usable() == [0, 1, 2, 3] and view.newest_version() == 4 and view.pick_rank(4) == 2
 
 
-def test_a_copy_of_the_usable_ranks_does_not_change_the_view():
+async def test_a_copy_of_the_usable_ranks_does_not_change_the_view():
     _, view = _view(2)
     view.versions[0] = view.versions[1] = 0
     ranks = view.usable()
     ranks.clear()
     assert view.usable() == [0, 1]
+
+
+async def test_retired_and_avoided_ranks_leave_the_view_and_avoided_ones_come_back_on_time():
+    _, view = _view(3)
+    for r in range(3):
+        view.versions[r] = 1
+    view.health[1].retire()
+    assert view.usable() == [0, 2]
+    view.health[1].join("tcp://10.0.0.2:5555", now=trio.current_time())
+    assert view.usable() == [0, 1, 2]
+    view.health[0].avoid(trio.current_time() + 0.05)
+    assert view.usable() == [1, 2] and view.pick_rank(1) == 1
+    await trio.sleep(0.06)  # the avoidance ran out: the cached view is recomputed
+    assert view.usable() == [0, 1, 2]
