@@ -4,3 +4,5 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from tests.netrig import netrig  # noqa: F401 - the network rig's fixture, for every test
