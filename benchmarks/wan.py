@@ -3,9 +3,9 @@
 What: two `flotilla host` processes, each in its own network namespace behind a veth link
 shaped with tc tbf (tests/netrig.py): one at 1000 Mbit/s, one at 100 Mbit/s.
 
-1. The demo (examples/guess_number.toml), three runs one after the other in this
-   invocation: both pools local (the baseline), then its bf16 pool placed on the 1 Gbit/s
-   host, then on the 100 Mbit/s host. Per run, from step `warm` on: steps/s (metrics
+1. The demo (examples/guess_number.toml) in rounds of three runs, one after the other in
+   this invocation: both pools local (the baseline), then its bf16 pool placed on the
+   1 Gbit/s host, then on the 100 Mbit/s host; figures are means over the rounds. Per run, from step `warm` on: steps/s (metrics
    `wall_s`), the link's bytes per step (the veth's tx+rx counters, read whenever a step's
    metrics line appears), the remote pool's rollouts and their mean staleness, and the
    delta compression ratio the controller's `weights.apply` spans show (dense bf16 bytes of
@@ -18,7 +18,15 @@ shaped with tc tbf (tests/netrig.py): one at 1000 Mbit/s, one at 100 Mbit/s.
    sampler's acknowledgement (keyframe, and delta p50), bytes on the wire per delta
    (counters) ÷ the dense bf16 weights, and the raw ÷ wire ratio of the deltas. Training a
    125 M model in the full RL loop is beyond a shared 2-core machine; the deltas are real.
-3. The Slurm recipe (deploy/slurm/flotilla.sbatch) on a real one-node cluster
+3. A partition (tests/integration/netruns.py's test run: a local pool and a remote one):
+   the remote host's link is cut for 30 s after 5 steps, then restored:
+   `partition_prompts_lost`, `partition_train_stall_s` (the longest gap between train
+   steps during the cut) against `normal_step_s`, `rejoin_s` (link restored -> end of the
+   first step with a rollout from the host).
+4. An elastic pool in the same test run: no host at start, one started and listed in the
+   pool's hosts file after 3 steps: `elastic_join_s` (host started -> end of the first step
+   with a rollout from it).
+5. The Slurm recipe (deploy/slurm/flotilla.sbatch) on a real one-node cluster
    (tests/slurmrig.py): `slurm_job_ok`.
 
 Why: the claim that samplers can leave the training cluster rests on what a step costs on a
@@ -26,12 +34,13 @@ real link; this measures it rather than loopback.
 
 Targets: remote_100mbit_async_efficiency >= 0.9, remote_100mbit_update_s_p50 <= 1.0
 (~125 M params, lr 1e-6), wire_bytes_per_step_vs_dense <= 0.05 (the large model's deltas
-over 100 Mbit/s), slurm_job_ok.
+over 100 Mbit/s), partition_prompts_lost = 0, partition_train_stall_s <= 2 x
+normal_step_s, rejoin_s <= 10, elastic_join_s <= 10, slurm_job_ok.
 
 How: as root, `PYTHONPATH=$PWD python benchmarks/wan.py` (two rounds of the three demo runs,
 30 steps each, figures from step 5; 6 deltas per link) or `--quick` (one round of 6 steps,
-from step 2; 2 deltas). `--no-slurm` skips part 3. Prints
-progress on stderr, then one JSON line.
+from step 2; 2 deltas; a 15 s cut). `--parts demo,sync,partition,elastic,slurm` runs a
+subset. Prints progress on stderr, then one JSON line.
 """
 
 from __future__ import annotations
@@ -270,6 +279,46 @@ async def _weight_sync(hosts: dict[str, Host], keys: Path, deltas: int) -> dict[
     return out
 
 
+def partition_check(work: Path, rig: NetRig, cut_s: float) -> dict[str, Any]:
+    """The test run (tests/integration/netruns.py: a local pool and a remote one) with the
+    remote host's link cut for ``cut_s`` s after 5 steps: prompts lost, the longest gap
+    between train steps during the cut against the normal step time, and link restored ->
+    first step with a rollout from the host."""
+    from tests.integration.netruns import measure_partition
+
+    m = measure_partition(work, rig, cut_s=cut_s)
+    keys = ("partition_prompts_lost", "partition_train_stall_s", "normal_step_s", "rejoin_s", "steps_during_cut")
+    return {k: m[k] for k in keys} | {"partition_cut_s": cut_s}
+
+
+def elastic_check(work: Path, rig: NetRig) -> dict[str, Any]:
+    """An elastic remote pool (no hosts at start, a hosts file) in the test run: after 3
+    steps on the local pool a host is started and listed; `elastic_join_s` is host started ->
+    end of the first train step with a rollout from it."""
+    from tests.integration.netruns import Run, remote_run_config, step_times
+
+    hosts_file = work / "hosts.txt"
+    hosts_file.write_text("# hosts that may join\n")
+    remote = {"hosts": [], "keys": str(rig.keys), "elastic": True, "max_hosts": 1, "hosts_file": str(hosts_file)}
+    run = Run(remote_run_config(work, "elastic", remote), work / "runs" / "elastic")
+    joiner = rig.add_host("j", start=False)
+    try:
+        run.wait(lambda r: len(r) >= 3, 300, "3 steps on the local pool")
+        t_start = time.time()
+        joiner.start()
+        hosts_file.write_text(f"{joiner.address}\n")
+        n = len(run.metrics())
+        run.wait(lambda r: any(x["pools"]["remote"]["rollouts"] > 0 for x in r[n:]), 120, "a rollout from the host")
+    finally:
+        run.stop()
+    rows = run.metrics()
+    first = next(r for r in rows[n:] if r["pools"]["remote"]["rollouts"] > 0)
+    return {
+        "elastic_join_s": step_times(run)[first["version"]] - t_start,
+        "elastic_prompts_lost": rows[-1]["prompts_skipped"],
+    }
+
+
 def slurm_check(work: Path) -> tuple[bool, str]:
     from tests.integration.conftest import small_run_raw
     from tests.slurmrig import single_node_cluster, slurm_unavailable, submit_recipe
@@ -293,22 +342,72 @@ def slurm_check(work: Path) -> tuple[bool, str]:
     return ok, f"job {job.state} exit {job.returncode}"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="6-step demo runs, 2 deltas per link")
-    ap.add_argument("--no-slurm", action="store_true", help="skip the Slurm recipe's run")
-    args = ap.parse_args()
-    reason = netrig_unavailable()
-    if reason:
-        sys.exit(f"wan: {reason}")
-
-    steps, warm, deltas, rounds = (6, 2, 2, 1) if args.quick else (30, 5, 6, 2)
+def demo_part(rig: NetRig, hosts: dict[str, Host], steps: int, warm: int, rounds: int) -> dict[str, Any]:
+    """Part 1 (see the module docstring)."""
     raw = demo_raw()
     raw["steps"] = steps
     raw["name"] = "wan"
+    result: dict[str, Any] = {}
+    # Rounds of (local, 1 Gbit/s, 100 Mbit/s) runs, so load that drifts over the
+    # invocation falls on every variant alike.
+    runs: dict[str, list[dict[str, Any]]] = {"local": [], **{link: [] for link in LINKS}}
+    for i in range(rounds):
+        for variant in runs:
+            r = demo_run(raw, hosts.get(variant), rig.keys, warm)
+            runs[variant].append(r)
+            log(
+                f"round {i + 1}, {variant}: {r['steps_per_s']:.3f} steps/s, "
+                f"{r.get('wire_bytes_per_step', 0):.0f} B/step, run {r['total_s']:.0f} s"
+            )
+    from actors.models import build_model, default_model_config
+
+    demo_dense = 2 * sum(p.numel() for p in build_model(default_model_config()).parameters())
+
+    def mean(variant: str, key: str) -> float | None:
+        vals = [r[key] for r in runs[variant] if r.get(key) is not None]
+        return statistics.mean(vals) if vals else None
+
+    local = mean("local", "steps_per_s")
+    result["demo_local_steps_per_s"] = local
+    result["demo_local_pool_staleness_mean"] = mean("local", "remote_staleness_mean")
+    for link in LINKS:
+        sps = mean(link, "steps_per_s")
+        per_step = mean(link, "wire_bytes_per_step")
+        result[f"remote_{link}_async_efficiency"] = sps / local if sps and local else None
+        result[f"demo_remote_{link}_steps_per_s"] = sps
+        result[f"demo_remote_{link}_wire_bytes_per_step"] = per_step
+        result[f"demo_remote_{link}_wire_vs_dense"] = per_step / demo_dense if per_step else None
+        result[f"demo_remote_{link}_staleness_mean"] = mean(link, "remote_staleness_mean")
+        result[f"demo_remote_{link}_rollouts_per_step"] = mean(link, "remote_rollouts_per_step")
+        result[f"demo_remote_{link}_update_s_p50"] = mean(link, "update_s_p50")
+        wire = sum(r["delta_wire_bytes"] for r in runs[link])
+        if wire:
+            result[f"demo_remote_{link}_delta_compression_ratio"] = (
+                demo_dense * sum(r["delta_messages"] for r in runs[link]) / wire
+            )
+    result["demo_dense_bf16_bytes"] = demo_dense
+    return result
+
+
+PARTS = ("demo", "sync", "partition", "elastic", "slurm")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="6-step demo runs, 2 deltas per link, a 15 s cut")
+    ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
+    args = ap.parse_args()
+    parts = args.parts.split(",")
+    if not parts or set(parts) - set(PARTS):
+        sys.exit(f"wan: --parts takes a comma-separated subset of {','.join(PARTS)}, got {args.parts!r}")
+    reason = netrig_unavailable()
+    if reason:
+        sys.exit(f"wan: {reason}")
+    steps, warm, deltas, rounds, cut_s = (6, 2, 2, 1, 15.0) if args.quick else (30, 5, 6, 2, 30.0)
     result: dict[str, Any] = {
         "benchmark": "wan",
         "quick": args.quick,
+        "parts": parts,
         "demo_steps": steps,
         "warm_step": warm,
         "demo_rounds": rounds,
@@ -316,55 +415,29 @@ def main() -> None:
     }
     t_start = time.monotonic()
     sweep_stale()
-    with NetRig() as rig:
+    with NetRig() as rig, tempfile.TemporaryDirectory(prefix="flotilla-wan-") as tmp:
+        work = Path(tmp)
         hosts = {link: rig.add_host(name, rate_mbit=mbit) for link, (name, mbit) in LINKS.items()}
         log(f"hosts {', '.join(f'{k} {h.address}' for k, h in hosts.items())}")
-        # Rounds of (local, 1 Gbit/s, 100 Mbit/s) runs, so load that drifts over the
-        # invocation falls on every variant alike.
-        runs: dict[str, list[dict[str, Any]]] = {"local": [], **{link: [] for link in LINKS}}
-        for i in range(rounds):
-            for variant in runs:
-                r = demo_run(raw, hosts.get(variant), rig.keys, warm)
-                runs[variant].append(r)
-                log(
-                    f"round {i + 1}, {variant}: {r['steps_per_s']:.3f} steps/s, "
-                    f"{r.get('wire_bytes_per_step', 0):.0f} B/step, run {r['total_s']:.0f} s"
-                )
-        from actors.models import build_model, default_model_config
-
-        demo_dense = 2 * sum(p.numel() for p in build_model(default_model_config()).parameters())
-
-        def mean(variant: str, key: str) -> float | None:
-            vals = [r[key] for r in runs[variant] if r.get(key) is not None]
-            return statistics.mean(vals) if vals else None
-
-        local = mean("local", "steps_per_s")
-        result["demo_local_steps_per_s"] = local
-        result["demo_local_pool_staleness_mean"] = mean("local", "remote_staleness_mean")
-        for link in LINKS:
-            sps = mean(link, "steps_per_s")
-            per_step = mean(link, "wire_bytes_per_step")
-            result[f"remote_{link}_async_efficiency"] = sps / local if sps and local else None
-            result[f"demo_remote_{link}_steps_per_s"] = sps
-            result[f"demo_remote_{link}_wire_bytes_per_step"] = per_step
-            result[f"demo_remote_{link}_wire_vs_dense"] = per_step / demo_dense if per_step else None
-            result[f"demo_remote_{link}_staleness_mean"] = mean(link, "remote_staleness_mean")
-            result[f"demo_remote_{link}_rollouts_per_step"] = mean(link, "remote_rollouts_per_step")
-            result[f"demo_remote_{link}_update_s_p50"] = mean(link, "update_s_p50")
-            wire = sum(r["delta_wire_bytes"] for r in runs[link])
-            if wire:
-                result[f"demo_remote_{link}_delta_compression_ratio"] = (
-                    demo_dense * sum(r["delta_messages"] for r in runs[link]) / wire
-                )
-        result["demo_dense_bf16_bytes"] = demo_dense
-        result.update(trio.run(_weight_sync, hosts, rig.keys, deltas))
-    if args.no_slurm:
-        result["slurm_job_ok"] = None
-    else:
-        with tempfile.TemporaryDirectory(prefix="flotilla-wan-slurm-") as work:
-            ok, why = slurm_check(Path(work))
-        result["slurm_job_ok"] = ok
-        log(f"slurm: {why}")
+        if "demo" in parts:
+            result.update(demo_part(rig, hosts, steps, warm, rounds))
+        if "sync" in parts:
+            result.update(trio.run(_weight_sync, hosts, rig.keys, deltas))
+        for h in hosts.values():  # the links' hosts are not needed past here
+            h.terminate()
+        for part, check in (
+            ("partition", lambda w: partition_check(w, rig, cut_s)),
+            ("elastic", lambda w: elastic_check(w, rig)),
+        ):
+            if part in parts:
+                (work / part).mkdir()
+                result.update(check(work / part))
+                log(f"{part}: done")
+        if "slurm" in parts:
+            (work / "slurm").mkdir()
+            ok, why = slurm_check(work / "slurm")
+            result["slurm_job_ok"] = ok
+            log(f"slurm: {why}")
     result["wall_s"] = time.monotonic() - t_start
     result["load_average"] = load_average()
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()}))
