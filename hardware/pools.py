@@ -73,6 +73,19 @@ class PoolConfig(BaseModel):
     """With `hosts`: the controller's CurveZMQ key directory (`id.key_secret`; each host's
     public key in `hosts/<ip>_<port>.key`, else the controller's own when all machines share
     one key pair -- those hosts run with `--trust-own-key`)."""
+    elastic: bool = False
+    """Hosts may join and leave during the run: one sampler per host, up to `max_hosts`; a
+    host of `hosts` or `hosts_file` that answers (and accepts the controller's key) joins,
+    gets a keyframe and takes work; one that leaves or stays unreachable for `[faults]
+    host_give_up_after_s` frees its place. False: `hosts` are fixed and must all answer."""
+    min_hosts: int = 0
+    """elastic: how many of `hosts` must answer at start-up (the others join when they do)."""
+    max_hosts: int | None = None
+    """elastic: most hosts at once; None: the number of `hosts` (at least 1)."""
+    hosts_file: str | None = None
+    """elastic: a file the controller reads every second, one `tcp://HOST:PORT` per line
+    (`#` comments); each host listed joins when it answers. Removing a line does not remove
+    a host: stop `flotilla host` (SIGTERM) to take one out."""
     prefix_cache: bool = True
     """torch backend: keep a session's KV cache between its turns (a harness episode's
     requests all go to one rank), so a turn prefills only the tokens past the cached
@@ -170,6 +183,18 @@ class PoolConfig(BaseModel):
                 f"{who}: urls, launch and weights_dir belong to backend 'sglang' "
                 f"(this pool's backend is {self.backend!r})"
             )
+        if self.elastic:
+            if self.backend != "torch" or (self.device == "cuda" and self.count != 1):
+                raise ValueError(f"{who}: an elastic pool runs one torch sampler per host (count = 1 GPU per host)")
+            if self.max_hosts is None:
+                self.max_hosts = max(1, len(self.hosts))
+            if self.max_hosts < max(1, len(self.hosts)) or not 0 <= self.min_hosts <= len(self.hosts):
+                raise ValueError(
+                    f"{who}: elastic needs 0 <= min_hosts <= len(hosts) <= max_hosts and max_hosts >= 1 "
+                    f"(got min_hosts {self.min_hosts}, {len(self.hosts)} hosts, max_hosts {self.max_hosts})"
+                )
+        elif self.min_hosts or self.max_hosts is not None or self.hosts_file is not None:
+            raise ValueError(f"{who}: min_hosts, max_hosts and hosts_file are for elastic pools (elastic = true)")
         if self.gpus is not None:
             if self.device == "cpu" or self.gpu == "cpu":
                 raise ValueError(f"{who}: gpus is for device 'cuda' pools")

@@ -15,7 +15,7 @@ API (everything synchronous; call it from trio tests as is)::
         host.address                            # "tcp://10.x.y.2:5555", for a pool's `hosts`
         rig.keys                                # the controller's key dir, for a pool's `keys`
         host.shape(rate_mbit=1000)              # tbf both ways; None removes the shaping
-        host.cut(); host.restore()              # `ip link set ... down` / `up`
+        host.cut(); host.restore()              # `ip link set ... down` / `up` (drops, silently)
         host.counters()                         # {"tx_bytes": ..., "rx_bytes": ...} controller side
         host.kill(signal.SIGKILL); host.start() # the host process (same namespace and address)
         rig.add_host("b", start=False)          # namespace only; `host.start()` later (a join)
@@ -36,9 +36,9 @@ API (everything synchronous; call it from trio tests as is)::
 * ``sweep_stale()``: deletes namespaces left by rigs whose process died (``flt-<pid>-...``).
 
 Shaping is a token-bucket filter (``tc qdisc ... tbf``) on each end's egress; this kernel has
-no ``netem``, so the rig adds no latency. A cut sets the root-side interface down: packets to
-and from the host are dropped, established TCP connections survive it and resume after
-``restore()`` unless their peer gave up meanwhile.
+no ``netem``, so the rig adds no latency. A cut sets the host's end of the link down: packets
+to and from the host are dropped silently (no error reaches the sender), established TCP
+connections survive it and resume after ``restore()`` unless their peer gave up meanwhile.
 """
 
 from __future__ import annotations
@@ -221,15 +221,19 @@ class Host:
             )
 
     def cut(self) -> None:
-        """Take the link down: nothing passes between the controller and this host."""
-        _ip("link", "set", self.veth, "down")
+        """Take the link down (the host's end): nothing passes between the controller and this
+        host. The controller's end keeps its address and route but has no carrier, so what it
+        sends to the host is dropped silently, as on a partitioned WAN link (with that end
+        down too, the kernel would route the host's address elsewhere)."""
+        _ip("-n", self.netns, "link", "set", self.peer, "down")
 
     def restore(self) -> None:
         """Bring the link back up (addresses and shaping are kept)."""
-        _ip("link", "set", self.veth, "up")
+        _ip("-n", self.netns, "link", "set", self.peer, "up")
 
     def is_up(self) -> bool:
-        return "UP" in _ip("-o", "link", "show", self.veth).stdout.split(">")[0]
+        """Whether the link carries traffic (the controller's end has a carrier)."""
+        return "NO-CARRIER" not in _ip("-o", "link", "show", self.veth).stdout.split(">")[0]
 
     def counters(self) -> dict[str, int]:
         """Bytes and packets through the root-side interface: ``tx`` is controller -> host."""

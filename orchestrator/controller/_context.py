@@ -37,13 +37,12 @@ class PoolView:
     @classmethod
     def of(cls, link: PoolLink) -> PoolView:
         n = link.size
-        name = link.config.name
         return cls(
             link,
             [-1] * n,
             [0] * n,
             [(0, 0.0)] * n,
-            [Health(f"sampler {name}/{r}") for r in range(n)],
+            [_sampler_health(link, r) for r in range(n)],
             [None] * n,
             [None] * n,
             [0] * n,
@@ -54,9 +53,24 @@ class PoolView:
         return self.link.config.name
 
     def usable(self) -> list[int]:
-        """Ranks that can take a rollout now: constructed, answering, holding weights."""
+        """Ranks that can take a rollout now: constructed, answering, holding weights, not
+        given up."""
         down = set(self.link.dead_ranks()) | set(self.link.starting_ranks())
-        return [r for r, h in enumerate(self.health) if h.responsive and r not in down and self.versions[r] >= 0]
+        return [
+            r
+            for r, h in enumerate(self.health)
+            if h.responsive and not h.retired and r not in down and self.versions[r] >= 0
+        ]
+
+    def outage_stats(self, now: float) -> dict[str, Any]:
+        """`up` (ranks usable now), `outages` (times a rank was lost) and `outage_s` (rank-
+        seconds lost, the outages in progress included), for `metrics.jsonl`."""
+        return {
+            "up": len(self.usable()),
+            "hosts": sum(1 for h in self.health if h.host is not None and not h.retired),
+            "outages": sum(h.outages for h in self.health),
+            "outage_s": round(sum(h.outage_total(now) for h in self.health), 3),
+        }
 
     def held_version(self) -> int:
         """The oldest weights among the usable ranks (-1 when none is usable)."""
@@ -262,11 +276,45 @@ class RunContext:
         worker sends it a keyframe before any rollout that needs them starts."""
         for pool in self.pools.values():
             for rank in pool.link.dead_ranks():
-                if respawn_due(self, pool.health[rank]):
+                if not self.retire_if_lost(pool, rank) and respawn_due(self, pool.health[rank]):
                     self.respawn_sampler(pool, rank)
         for rank in self.links.envs.dead_ranks():
             if respawn_due(self, self.env_health[rank]):
                 self.links.envs.respawn(rank)
+
+    def retire_if_lost(self, pool: PoolView, rank: int) -> bool:
+        """Whether sampler `rank` of `pool` is given up: its host left the run (SIGTERM), or it
+        is on a `flotilla host` and lost for `[faults] host_give_up_after_s`. Given up now:
+        one line, a `sampler.outage` span (outcome "left" or "given_up"), no more respawns
+        or work; an elastic pool may place another host on the rank."""
+        health = pool.health[rank]
+        if health.retired:
+            return True
+        if health.host is not None and rank in pool.link.dead_ranks() and pool.link.left(rank):
+            health.retire()
+            health.lost(self.now())
+            health.end_outage(self.now(), pool.name, rank, outcome="left")
+            self.progress.message(
+                f"{health.label}: its host {health.host} left the run (drained; its rollouts go "
+                f"to the other samplers); {len(pool.usable())} of the pool's {pool.link.size} samplers usable"
+            )
+            self.update_scheduler()
+            self.notify()
+            return True
+        limit = self.cfg.faults.host_give_up_after_s
+        if health.host is None or health.lost_at is None or self.now() - health.lost_at < limit:
+            return False
+        health.retire()
+        seconds = health.end_outage(self.now(), pool.name, rank, outcome="given_up")
+        left = len(pool.usable())
+        self.progress.message(
+            f"{health.label}: its host {health.host} has not answered for {seconds:.0f} s "
+            f"([faults] host_give_up_after_s); giving it up, the run goes on "
+            f"({left} of the pool's {pool.link.size} samplers usable)"
+        )
+        self.update_scheduler()
+        self.notify()
+        return True
 
     def respawn_sampler(self, pool: PoolView, rank: int) -> None:
         """A fresh process for sampler `rank` of `pool` (its old one stopped, if any)."""
@@ -290,6 +338,14 @@ class RunContext:
     def consume_rate(self) -> float:
         batch = self.cfg.rollout.prompts_per_step * self.cfg.rollout.group_size
         return batch / self.train_s_ewma if self.train_s_ewma > 0 and math.isfinite(self.train_s_ewma) else 0.0
+
+
+def _sampler_health(link: PoolLink, rank: int) -> Health:
+    """A sampler rank's liveness record; a vacant rank of an elastic pool starts retired."""
+    health = Health(f"sampler {link.config.name}/{rank}", host=link.host_of(rank))
+    if link.config.elastic and health.host is None:
+        health.retire()
+    return health
 
 
 def _one_line(text: str, limit: int = 800) -> str:

@@ -24,6 +24,7 @@ import trio
 
 from hardware import CostLedger, Scheduler
 from orchestrator.controller._context import RunContext
+from orchestrator.controller._elastic import elastic_worker
 from orchestrator.controller._liveness import watch
 from orchestrator.controller._producer import produce
 from orchestrator.controller._signals import request_stop, watch_sigint
@@ -150,6 +151,8 @@ class Controller:
             for pool in ctx.pools.values():
                 for rank in range(len(pool.versions)):
                     nursery.start_soon(sync_worker, ctx, pool, rank)
+                if pool.link.config.elastic:
+                    nursery.start_soon(elastic_worker, ctx, pool)
             # Rollouts start in this same nursery: leaving it abandons the ones in flight,
             # whose slots stay counted as buffered.
             nursery.start_soon(produce, ctx, nursery)
@@ -189,6 +192,8 @@ class Controller:
                     partial(_live, link, rank),
                     partial(ctx.respawn_sampler, pool, rank),
                     "its rollouts go to the ranks that answer; waiting for it",
+                    (pool.name, rank),
+                    partial(ctx.retire_if_lost, pool, rank),
                 )
         envs = ctx.links.envs
         for rank, health in enumerate(ctx.env_health):

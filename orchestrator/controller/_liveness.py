@@ -14,6 +14,14 @@ brings it to the newest weights, and rollouts it produced before the freeze are 
 the staleness budgets as always. Unresponsive for `give_up_after_s`, it is given up: its
 process is stopped and a fresh one started.
 
+Outages: a rank is *lost* from the moment it stops answering (unresponsive, or dead) until
+it answers again (rejoined, or respawned and constructed); each outage counts in
+`Health.outages` and `outage_s` (the per-pool `up`, `outages` and `outage_s` of
+`metrics.jsonl`) and ends with a `sampler.outage` span (pool, rank, host, seconds,
+outcome). The console says once that it is lost and once that it is back. A rank on a
+`flotilla host` lost for `[faults] host_give_up_after_s` is given up for good (one line):
+no more respawns, no work, and the run goes on with the other ranks and pools.
+
 Respawns back off per rank (0.5 s doubling up to `respawn_backoff_max_s`), so a rank whose
 respawn keeps failing (its host is unreachable) is retried calmly; the console says once
 that it died, then only how many attempts failed, at doubling counts, and when it is back.
@@ -35,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from orchestrator.runtime import ActorDied
+from orchestrator.runtime import ActorDied, span
 
 if TYPE_CHECKING:
     from orchestrator.controller._context import PoolView, RunContext
@@ -62,9 +70,59 @@ class Health:
     respawns: int = 0  # respawn attempts since it was last up for a while
     next_respawn: float = 0.0  # no respawn attempt before this trio time
     up_since: float | None = None  # first answer since its last (re)start
+    host: str | None = None  # the `flotilla host` it runs on (remote pools), else None
+    lost_at: float | None = None  # trio time it stopped answering; None while it answers
+    outages: int = 0  # times it was lost
+    outage_s: float = 0.0  # seconds of its finished outages
+    retired: bool = False  # given up (its host never came back), or a vacant elastic rank
+    present: trio.Event = field(default_factory=trio.Event)  # set while not retired
 
     def __post_init__(self) -> None:
         self.back.set()
+        self.present.set()
+
+    def retire(self) -> None:
+        self.retired = True
+        self.present = trio.Event()
+
+    def join(self, host: str, now: float) -> None:
+        """A host takes this (retired) rank: a fresh start there."""
+        self.host, self.retired = host, False
+        self.since, self.lost_at, self.up_since = None, None, None
+        self.respawns, self.next_respawn, self.last_answer = 0, 0.0, now
+        self.back.set()
+        self.present.set()
+
+    async def wait_present(self) -> None:
+        while self.retired:
+            await self.present.wait()
+
+    @property
+    def where(self) -> str:
+        """What the console adds to a line about this rank: its host, if remote."""
+        return f" (host {self.host})" if self.host else ""
+
+    def lost(self, since: float) -> None:
+        """It stopped answering at trio time `since` (an outage starts, unless one runs)."""
+        if self.lost_at is None:
+            self.lost_at = since
+            self.outages += 1
+
+    def outage_total(self, now: float) -> float:
+        """Seconds lost so far, the outage in progress included."""
+        return self.outage_s + (now - self.lost_at if self.lost_at is not None else 0.0)
+
+    def end_outage(self, now: float, pool: str, rank: int, outcome: str) -> float:
+        """Close the outage in progress (a `sampler.outage` span); its seconds."""
+        if self.lost_at is None:
+            return 0.0
+        seconds = now - self.lost_at
+        self.outage_s += seconds
+        self.lost_at = None
+        attrs = {"pool": pool, "rank": rank, "host": self.host or "", "seconds": round(seconds, 3)}
+        with span("sampler.outage", **attrs, outcome=outcome):
+            pass
+        return seconds
 
     @property
     def responsive(self) -> bool:
@@ -112,14 +170,22 @@ async def watch(
     live: Callable[[], bool],
     give_up: Callable[[], None] | None,
     effect: str,
+    outage: tuple[str, int] | None = None,
+    retire: Callable[[], bool] | None = None,
 ) -> None:
-    """Ping one rank forever (see the module docstring). `live`: the rank is neither dead
-    nor (re)starting (the death path and the start own those states); `give_up`: stop its
-    process and start a fresh one (None: never; it is waited for); `effect`: what the
-    unresponsive line says happens."""
+    """Ping one rank, forever; idle while it is retired (see the module docstring). `live`: the rank is
+    neither dead nor (re)starting (the death path and the start own those states);
+    `give_up`: stop its process and start a fresh one (None: never; it is waited for);
+    `effect`: what the unresponsive line says happens; `outage`: (pool, rank) of a sampler,
+    whose outages are traced; `retire`: called while it is lost, True once it is given up
+    (the watcher then waits until a host takes the rank: `Health.join`)."""
     f = ctx.cfg.faults
     health.last_answer = ctx.now()
     while True:
+        if health.retired or (retire is not None and health.lost_at is not None and retire()):
+            await health.wait_present()  # an elastic pool may place a new host on it
+            health.last_answer = ctx.now()
+            continue
         if not live():
             health.last_answer, health.up_since = ctx.now(), None
             if not health.responsive:  # respawned (given up, or died meanwhile): a new process
@@ -142,15 +208,16 @@ async def watch(
                 pass  # gone: the supervisor respawns it; `live` tells once it is marked
         now = ctx.now()
         if answered:
-            _answered(ctx, health, now)
+            _answered(ctx, health, now, outage)
             await trio.sleep(f.ping_every_s)
         elif now < deadline:
             await trio.sleep(f.ping_every_s)  # ActorDied: never spin on a dead connection
         elif health.responsive:
             health.mark_unresponsive()
+            health.lost(health.last_answer)
             ctx.progress.message(
                 f"{health.label} is unresponsive: no answer since {_clock(health.last_answer)} "
-                f"({now - health.last_answer:.1f} s); {effect}"
+                f"({now - health.last_answer:.1f} s){health.where}; {effect}"
             )
             ctx.notify()
         else:
@@ -165,20 +232,32 @@ async def watch(
             ctx.notify()
 
 
-def _answered(ctx: RunContext, health: Health, now: float) -> None:
+def _answered(ctx: RunContext, health: Health, now: float, outage: tuple[str, int] | None) -> None:
     if not health.responsive:
         assert health.since is not None
         ctx.progress.message(
-            f"{health.label} answers again after {now - health.since:.1f} s unresponsive; it rejoins the run"
+            f"{health.label} answers again after {now - health.since:.1f} s unresponsive{health.where}; "
+            "it rejoins the run"
         )
         health.mark_responsive()
+        if outage is not None:
+            health.end_outage(now, *outage, outcome="rejoined")
+        health.lost_at = None
         ctx.notify()
         ctx.bump_versions()
     health.last_answer = now
     if health.up_since is None:  # first answer of a (re)started process
         health.up_since = now
-        if health.respawns > 1:
-            ctx.progress.message(f"{health.label} is back after {health.respawns} respawn attempts")
+        if health.lost_at is not None:  # it had died: back as a fresh process
+            down = now - health.lost_at
+            n = health.respawns
+            ctx.progress.message(
+                f"{health.label} is back after {down:.1f} s down "
+                f"({n} respawn attempt{'s' if n != 1 else ''}){health.where}"
+            )
+            if outage is not None:
+                health.end_outage(now, *outage, outcome="respawned")
+            health.lost_at = None
         ctx.notify()
     elif health.respawns and now - health.up_since >= ctx.cfg.faults.respawn_backoff_max_s:
         health.respawns = 0  # up for a while: a later death starts the back-off afresh
@@ -192,11 +271,12 @@ def respawn_due(ctx: RunContext, health: Health) -> bool:
     if now < health.next_respawn:
         return False
     health.respawns += 1
+    health.lost(now)
     n = health.respawns
     wait = min(ctx.cfg.faults.respawn_backoff_max_s, RESPAWN_FIRST_S * 2 ** (n - 1))
     health.next_respawn = now + wait
     if n == 1:
-        ctx.progress.message(f"{health.label} died; respawning it")
+        ctx.progress.message(f"{health.label} died{health.where}; respawning it")
     elif n & (n - 1) == 0:  # 2, 4, 8, ...
         ctx.progress.message(f"{health.label} still down: {n} respawn attempts so far; next in {wait:g} s")
     return True

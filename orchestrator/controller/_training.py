@@ -195,6 +195,7 @@ async def _account(ctx: RunContext, trajs: list[Trajectory], stale: list[int], r
         "pools": {
             name: {
                 **pool_stats[name],
+                **ctx.pools[name].outage_stats(now),
                 "staleness_mean": sum(by_pool[name]) / len(by_pool[name]) if name in by_pool else None,
                 "staleness_max": max(by_pool[name]) if name in by_pool else None,
                 "rollouts": len(by_pool.get(name, [])),

@@ -7,6 +7,12 @@ a checkpoint (version -2 here), the sampler first forgets its version, so that t
 older keyframe is accepted. The sampler keeps generating while it applies (in-flight
 updates).
 
+A sampler cut off mid-update (its link lost, or it stopped answering) holds what it held,
+or the update it was sent if that landed: the controller does not know which (`UNKNOWN`).
+When it answers again the worker asks it (`have_version`) and sends the cheaper of the
+delta chain from there and the newest keyframe (the publisher's choice); an update that
+landed meanwhile makes that chain refused, and a keyframe follows.
+
 Failure: a dead sampler is respawned and gets a keyframe; a dead trainer is reported to
 the trainer loop, which restores it, and waited for; every retry backs off, so no worker
 spins on a dead actor. A sampler that stops answering (`_liveness`) has its update
@@ -22,7 +28,10 @@ from orchestrator.controller._liveness import bind
 from orchestrator.controller._stream import PART_BYTES, KeyframeGone, send_path
 from orchestrator.runtime import ActorDied, ActorError, span
 
-__all__ = ["sync_worker"]
+__all__ = ["UNKNOWN", "sync_worker"]
+
+UNKNOWN = -3
+"""`PoolView.versions` of a rank whose held version the controller must ask it for."""
 
 
 async def sync_worker(ctx: RunContext, pool: PoolView, rank: int) -> None:
@@ -31,6 +40,7 @@ async def sync_worker(ctx: RunContext, pool: PoolView, rank: int) -> None:
     health = pool.health[rank]
     backoff = Backoff()
     while True:
+        await health.wait_present()  # a vacant elastic rank gets weights once a host joins
         while pool.versions[rank] >= ctx.version:
             await ctx.wait_bump()
         await ctx.trainer_alive.wait()
@@ -54,6 +64,10 @@ async def sync_worker(ctx: RunContext, pool: PoolView, rank: int) -> None:
                 if have == -2:
                     await pool.link.reset_weights(rank)
                     have = pool.versions[rank] = -1
+                elif have == UNKNOWN:
+                    held = await pool.link.have_version(rank)
+                    have = pool.versions[rank] = -1 if held is None or held > ctx.version else held
+                    s.set_attribute("from_version", have)
                 path = await ctx.links.trainer.update_path(receiver, have, precision, PART_BYTES)
                 now, wire = await send_path(ctx.links.trainer, pool.link, rank, precision, path)
                 s.set_attribute("messages", len(path["deltas"]) + (path["keyframe"] is not None))
@@ -74,8 +88,8 @@ async def sync_worker(ctx: RunContext, pool: PoolView, rank: int) -> None:
             else:
                 if ctx.links.trainer.is_dead():  # the trainer loop restores it
                     ctx.report_trainer_death(e)
-                if pool.versions[rank] >= 0:
-                    pool.versions[rank] = -1
+                elif pool.versions[rank] >= 0:  # the sampler's link went down mid-update
+                    pool.versions[rank] = UNKNOWN
             await backoff.wait()
             continue
         except ActorError as e:
@@ -89,9 +103,10 @@ async def sync_worker(ctx: RunContext, pool: PoolView, rank: int) -> None:
             await backoff.wait()
             continue
         if scope.cancelled_caught:
-            # Unresponsive mid-update: what it holds once it thaws is unknown (the abandoned
-            # update may still land), so it forgets its version first, then gets a keyframe.
-            pool.versions[rank] = -2
+            # Unresponsive mid-update: what it holds once it answers is unknown (the
+            # abandoned update may still land); it is asked then.
+            if pool.versions[rank] != -2:
+                pool.versions[rank] = UNKNOWN
             continue
         backoff.reset()
         if pool.versions[rank] != -2:  # unless the trainer went back meanwhile

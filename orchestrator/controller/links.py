@@ -80,6 +80,9 @@ class PoolLink(Protocol):
     async def apply_weights_part(self, rank: int, header: dict[str, Any], frames: list[Any]) -> int:
         """Feed one part of a streamed keyframe to `rank`; the version it uses afterwards."""
 
+    async def have_version(self, rank: int) -> int | None:
+        """The version the rank's weight receiver holds; None when it needs a keyframe."""
+
     async def reset_weights(self, rank: int) -> None:
         """Forget the held weights' version, so an older keyframe is accepted (the trainer
         went back to a checkpoint); generation waits for the next keyframe."""
@@ -100,6 +103,23 @@ class PoolLink(Protocol):
     def respawn(self, rank: int) -> None:
         """Start a fresh process for `rank` (stopping the old one, also a frozen one);
         calls wait until it is constructed."""
+
+    def host_of(self, rank: int) -> str | None:
+        """The `flotilla host` address `rank` runs on; None: the controller's machine, or a
+        vacant rank of an elastic pool."""
+
+    def left(self, rank: int) -> bool:
+        """Whether dead `rank` was stopped by its host leaving the run (SIGTERM: drained)."""
+
+    # Elastic pools (`config.elastic`) only:
+    def candidates(self) -> list[str]:
+        """Host addresses that may join now: the pool's `hosts` and its `hosts_file`."""
+
+    async def probe(self, address: str) -> str | None:
+        """None when the host answers with the expected key (it may be placed), else why not."""
+
+    def place(self, rank: int, address: str) -> None:
+        """Start sampler `rank` on the probed host `address` (as `respawn`)."""
 
 
 class EnvLink(Protocol):

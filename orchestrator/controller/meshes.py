@@ -9,7 +9,9 @@ import trio
 from actors.trainer import StepResult
 from actors.types import SamplingParams, TaskSpec, Trajectory
 from hardware import PoolConfig
+from orchestrator.controller.hosts import probe_host, read_hosts_file
 from orchestrator.runtime import ActorDied, Mesh
+from orchestrator.runtime.host import HOST_LEFT
 
 __all__ = ["MeshEnvs", "MeshPool", "MeshTrainer"]
 
@@ -59,6 +61,7 @@ class MeshPool:
     def __init__(self, config: PoolConfig, mesh: Mesh[Any]) -> None:
         self.config = config
         self.mesh = mesh
+        self._probed: dict[str, Any] = {}  # address -> HostSpec of hosts that answered a probe
 
     @property
     def size(self) -> int:
@@ -72,6 +75,9 @@ class MeshPool:
 
     async def apply_weights_part(self, rank: int, header: dict[str, Any], frames: list[Any]) -> int:
         return await self.mesh[rank].apply_weights_part.call_one(header, frames)
+
+    async def have_version(self, rank: int) -> int | None:
+        return await self.mesh[rank].have_version.call_one()
 
     async def reset_weights(self, rank: int) -> None:
         await self.mesh[rank].reset_weights.call_one()
@@ -96,6 +102,25 @@ class MeshPool:
 
     def respawn(self, rank: int) -> None:
         self.mesh.respawn(rank)
+
+    async def probe(self, address: str) -> str | None:
+        spec, reason = await probe_host(self.config, address)
+        if spec is not None:
+            self._probed[address] = spec
+        return None if spec is not None else reason
+
+    def place(self, rank: int, address: str) -> None:
+        self.mesh.place(rank, self._probed.pop(address))
+
+    def host_of(self, rank: int) -> str | None:
+        return self.mesh.rank_hosts[rank]
+
+    def left(self, rank: int) -> bool:
+        return HOST_LEFT in (self.mesh.death_reason(rank) or "")
+
+    def candidates(self) -> list[str]:
+        listed = read_hosts_file(self.config.hosts_file) if self.config.hosts_file else []
+        return list(dict.fromkeys([*self.config.hosts, *listed]))
 
 
 class MeshEnvs:

@@ -28,6 +28,7 @@ from typing import Any
 
 import trio
 
+from orchestrator.controller.hosts import host_specs
 from orchestrator.runtime import ActorDied, ActorError, Curve, HostSpec, Mesh, open_mesh
 from orchestrator.state.config import ConfigError
 
@@ -58,42 +59,18 @@ def pool_gpus(pool: Any) -> list[int] | None:
     return [r // per for r in range(pool.count)]
 
 
-def _curve(pool: Any) -> Curve:
-    return Curve.from_dir(os.path.expanduser(pool.keys))
-
-
-def _host_key(keys: Path, address: str, own: Curve) -> tuple[str, str]:
-    """(public key, where it came from) of the host at ``address``."""
-    import zmq.auth
-
-    ip, _, port = address.removeprefix("tcp://").rpartition(":")
-    for name in (f"{ip}_{port}.key", f"{ip}.key"):
-        f = keys / "hosts" / name
-        if f.is_file():
-            return zmq.auth.load_certificate(f)[0].decode(), str(f)
-    return own.public.decode(), f"the shared key pair {keys / 'id.key'}"
-
-
-def host_specs(pool: Any) -> tuple[list[HostSpec], Curve, list[str]]:
-    """The pool's hosts with their public keys, the controller's identity, and each key's source."""
-    curve = _curve(pool)
-    keys = Path(os.path.expanduser(pool.keys))
-    specs, sources = [], []
-    for address in pool.hosts:
-        key, source = _host_key(keys, address, curve)
-        specs.append(HostSpec(address=address, public_key=key))
-        sources.append(source)
-    return specs, curve, sources
-
-
-async def check_hosts(pools: list[Any], timeout_s: float = HOST_TIMEOUT_S) -> None:
-    """Ping every host of every pool, concurrently; ``PoolStartError`` for the first that fails.
+async def check_hosts(pools: list[Any], timeout_s: float = HOST_TIMEOUT_S) -> dict[str, list[str]]:
+    """Ping every host of every pool, concurrently; ``PoolStartError`` naming each that
+    fails, except for elastic pools, which need only ``min_hosts`` of theirs to answer.
+    Returns the hosts that answered, per pool with hosts.
 
     Cancellation abandons the pings. Nothing is spawned on any host.
     """
     from orchestrator.runtime import host as _host  # noqa: F401 - typed endpoints of host handles
 
     failures: list[str] = []
+    answered: dict[str, list[str]] = {p.name: [] for p in pools if p.hosts}
+    elastic_failures: dict[str, list[str]] = {}
 
     async def ping(pool: Any, spec: HostSpec, curve: Curve, source: str) -> None:
         mesh: Mesh[Any] = Mesh(
@@ -108,13 +85,14 @@ async def check_hosts(pools: list[Any], timeout_s: float = HOST_TIMEOUT_S) -> No
         with trio.move_on_after(timeout_s):
             try:
                 await mesh[0].ping.call_one()
+                answered[pool.name].append(spec.address)
                 return
             except ActorDied as exc:
                 reason = exc.reason
             except ActorError as exc:
                 reason = f"{exc.remote_type}: {exc.message}"
         reason = reason or f"no answer within {timeout_s:g} s"
-        failures.append(
+        (elastic_failures.setdefault(pool.name, []) if pool.elastic else failures).append(
             f"pool {pool.name!r}: host {spec.address} cannot be used: {reason}. Check that "
             f"`flotilla host` runs there, that its public key is {source}, and that this "
             f"controller's key ({Path(os.path.expanduser(pool.keys)) / 'id.key'}) is in the "  # noqa: ASYNC240 - no I/O
@@ -127,8 +105,12 @@ async def check_hosts(pools: list[Any], timeout_s: float = HOST_TIMEOUT_S) -> No
                 specs, curve, sources = host_specs(pool)
                 for spec, source in zip(specs, sources, strict=True):
                     nursery.start_soon(ping, pool, spec, curve, source)
+    for pool in pools:
+        if pool.elastic and len(answered.get(pool.name, [])) < pool.min_hosts:
+            failures.extend(elastic_failures.get(pool.name, []))
     if failures:
         raise PoolStartError("\n".join(sorted(failures)))
+    return {name: [h for h in p.hosts if h in answered[name]] for name, p in ((p.name, p) for p in pools if p.hosts)}
 
 
 def pool_mesh(
@@ -140,8 +122,13 @@ def pool_mesh(
     max_len: int | None = None,
     weights_key: str | None = None,
     restart_timeout: float | None = None,
+    present: list[str] | None = None,
 ) -> AbstractAsyncContextManager[Mesh[Any]]:
     """The ``open_mesh`` context of the pool's samplers (see the module docstring).
+
+    An elastic pool has ``max_hosts`` ranks: one on each host of ``present`` (those that
+    answered ``check_hosts``; default: all its hosts), the others vacant until a host
+    joins (``MeshPool.place``).
 
     Samplers start with no weights (version -1) and wait for the trainer's keyframe.
     ``max_len``: tokens per KV-cache slot (the run's ``[model] max_seq_len``);
@@ -151,7 +138,13 @@ def pool_mesh(
     from actors.sampler import SamplerActor
 
     placement: dict[str, Any] = {}
-    if pool.hosts:
+    procs = pool_procs(pool)
+    if pool.elastic:
+        specs, curve, _ = host_specs(pool)
+        specs = [s for s in specs if present is None or s.address in present]
+        procs = len(specs)
+        placement = {"hosts": specs, "curve": curve, "vacant": pool.max_hosts - procs}
+    elif pool.hosts:
         specs, curve, _ = host_specs(pool)
         placement = {"hosts": specs, "curve": curve}
     sglang = None
@@ -175,10 +168,10 @@ def pool_mesh(
         seed=seed,
         backend=pool.backend,
         sglang=sglang,
-        gpus=pool_gpus(pool),
+        gpus=[0] * pool.max_hosts if pool.elastic and pool.device == "cuda" else pool_gpus(pool),
         prefix_cache=pool.prefix_cache,
         stale_prefix=pool.stale_prefix,
-        procs=pool_procs(pool),
+        procs=procs,
         name=f"sampler-{pool.name}",
         env=env,
         restart_timeout=restart_timeout,
@@ -204,7 +197,7 @@ def identity_env(pools: list[Any]) -> dict[str, str]:
     Raises PoolStartError when remote pools name different key directories: a process
     presents one identity.
     """
-    dirs = sorted({os.path.expanduser(p.keys) for p in pools if p.hosts})
+    dirs = sorted({os.path.expanduser(p.keys) for p in pools if p.hosts or p.elastic})
     if not dirs:
         return {}
     if len(dirs) > 1:

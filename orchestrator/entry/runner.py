@@ -184,7 +184,7 @@ async def _run_async(
 
     t0 = time.monotonic()
     check_runnable(cfg)  # devices, task and params: one line naming the field, before any actor starts
-    await check_hosts(cfg.pools)  # a pool's host that is down or refuses our key stops the run here
+    present = await check_hosts(cfg.pools)  # a host that is down or refuses our key stops the run here
     checked = preflight(cfg)  # model, memory, task modules, datasets: before any process
     run_dir = cfg.run_dir
     ckpt_dir = run_dir / "checkpoint"
@@ -277,6 +277,7 @@ async def _run_async(
             max_len=cfg.model.max_seq_len,
             weights_key=weights_key,
             restart_timeout=cfg.faults.restart_timeout_s,
+            present=present.get(pc.name),
         )
     checkpoints = DiskCheckpoints(ckpt_dir, warn)
     async with trio.open_nursery() as actors:

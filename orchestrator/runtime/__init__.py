@@ -21,7 +21,7 @@ from ._actor import Actor, EndpointDef, current_rank, endpoint
 from ._calls import EndpointRef
 from ._curve import Curve
 from ._errors import ActorDied, ActorError, WireError
-from ._mesh import ActorRef, HostSpec, Mesh, open_mesh
+from ._mesh import ActorRef, HostSpec, Mesh, host_mesh, open_mesh
 from ._ratelimit import CLIP_CHARS, RateLimiter, clip
 from ._tracing import configure_tracing, span, traced
 
@@ -42,6 +42,7 @@ __all__ = [
     "configure_tracing",
     "current_rank",
     "endpoint",
+    "host_mesh",
     "open_mesh",
     "span",
     "traced",

@@ -54,6 +54,11 @@ class Actor:
     async def on_start(self, nursery: trio.Nursery) -> None:
         """Start long-lived tasks of the actor (they are cancelled when the actor stops)."""
 
+    async def on_signal(self) -> None:
+        """The process got SIGTERM (or SIGINT): drain. Runs before the running calls are
+        cancelled and ``on_stop`` runs, while calls are still served, for at most
+        ``_child.DRAIN_S`` seconds; the default does nothing."""
+
     async def on_stop(self) -> None:
         """Clean up before the process exits (bounded by the owner's grace period)."""
 

@@ -54,6 +54,7 @@ async def _serve(cls: Any, args: argparse.Namespace) -> None:
         else None
     )
     sock = ctx.socket(zmq.ROUTER)
+    drained: list[bool] = []  # set once the actor drained on a signal: flush its last replies
     try:
         tune(sock, tcp=args.bind.startswith("tcp://"))
         if auth is not None and curve is not None:
@@ -65,7 +66,7 @@ async def _serve(cls: Any, args: argparse.Namespace) -> None:
             address = f"tcp://{args.advertise}:{port}"
         server = Server(cls, sock, name=args.name, rank=args.rank, local=args.bind.startswith("ipc://"))
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(_stop_on_signal, nursery.cancel_scope)
+            nursery.start_soon(_stop_on_signal, nursery.cancel_scope, server, drained)
             if args.parent_pid is not None:
                 nursery.start_soon(_stop_with_parent, args.parent_pid, nursery.cancel_scope)
             await nursery.start(server.serve)
@@ -77,13 +78,23 @@ async def _serve(cls: Any, args: argparse.Namespace) -> None:
             else:
                 print(f"listening on {address}", flush=True)
     finally:
-        sock.close(linger=0)
+        # After a drain the replies it ended with may still be queued: give them a moment
+        # to leave (nothing else is left to block).
+        sock.close(linger=DRAIN_FLUSH_MS if drained else 0)
         if auth is not None:
             auth.stop()
 
 
-async def _stop_on_signal(scope: trio.CancelScope) -> None:
-    """The first SIGTERM (or SIGINT, unless ignored) stops gracefully: on_stop runs.
+DRAIN_S = 30.0
+"""Longest an actor's ``on_signal`` (its drain) may take before the process stops anyway."""
+DRAIN_FLUSH_MS = 2000
+"""Longest the socket of a drained actor waits at close for its last replies to leave."""
+
+
+async def _stop_on_signal(scope: trio.CancelScope, server: Any = None, drained: list[bool] | None = None) -> None:
+    """The first SIGTERM (or SIGINT, unless ignored) stops gracefully: the actor's
+    ``on_signal`` runs first, while calls are still served (at most DRAIN_S), then the
+    running calls are cancelled and on_stop runs.
 
     Later signals are ignored, so a repeated SIGTERM cannot kill the process in
     the middle of on_stop (trio restores the default handler when the receiver
@@ -95,6 +106,12 @@ async def _stop_on_signal(scope: trio.CancelScope) -> None:
     try:
         with trio.open_signal_receiver(*stop) as signals:
             async for _ in signals:
+                actor = getattr(server, "actor", None)
+                if actor is not None:
+                    with trio.move_on_after(DRAIN_S):
+                        await actor.on_signal()
+                    if drained is not None:
+                        drained.append(True)
                 scope.cancel()
                 return
     finally:

@@ -178,6 +178,14 @@ class Mesh(Generic[A]):
         )
 
     # -- supervision ----------------------------------------------------------------
+    def place(self, rank: int, host: HostSpec) -> None:
+        """Start ``rank`` on ``host`` (a vacant rank, or one whose host left): its old
+        process, if any, is stopped first. Returns at once, as ``respawn``; owner only."""
+        if self._owner is None:
+            raise RuntimeError(f"only the process that opened mesh {self.name!r} can place its ranks")
+        self._keys[rank] = host.public_key
+        self._owner.place(rank, host_mesh(host, self._owner.curve))
+
     def respawn(self, rank: int) -> None:
         """Start a fresh process for ``rank`` (stopping the old one if it still runs).
 
@@ -194,6 +202,21 @@ class Mesh(Generic[A]):
         if self._owner is None:
             raise RuntimeError(f"only the process that opened mesh {self.name!r} knows its pids")
         return [s.proc.pid if s.proc is not None else None for s in self._owner.slots]
+
+    def death_reason(self, rank: int) -> str | None:
+        """Why ``rank`` is dead (owner only), None while it is not."""
+        if self._owner is None:
+            raise RuntimeError(f"only the process that opened mesh {self.name!r} knows its ranks' deaths")
+        slot = self._owner.slots[rank]
+        return slot.died.reason if slot.state == "dead" and slot.died is not None else None
+
+    @property
+    def rank_hosts(self) -> list[str | None]:
+        """The host address each rank runs on (owner only): None for this machine or a
+        vacant rank."""
+        if self._owner is None:
+            raise RuntimeError(f"only the process that opened mesh {self.name!r} knows its hosts")
+        return [m.addresses[0] if m is not None else None for m in self._owner.rank_hosts]
 
     @property
     def dead_ranks(self) -> list[int]:
@@ -239,6 +262,18 @@ class ActorRef(Generic[A]):
         return mesh[rank]
 
 
+def host_mesh(h: HostSpec, curve: Curve | None) -> Mesh[Any]:
+    """A handle on the ``flotilla host`` at ``h`` (its HostActor)."""
+    return Mesh(
+        f"host {h.address}",
+        "orchestrator.runtime.host:HostActor",
+        ["spawn", "wait_exit", "stop", "signal", "ping"],
+        [h.address],
+        [h.public_key],
+        identity=curve,
+    )
+
+
 def _strs(x: Any) -> bool:
     return isinstance(x, list) and all(isinstance(s, str) for s in x)
 
@@ -270,6 +305,7 @@ async def open_mesh(
     grace: float = 5.0,
     on_death: Callable[[ActorDied], None] | None = None,
     restart_timeout: float | None = None,
+    vacant: int = 0,
     **kwargs: Any,
 ) -> AsyncIterator[Mesh[A]]:
     """Spawn ``procs`` processes each running ``cls(*args, **kwargs)``; yield the mesh.
@@ -285,7 +321,10 @@ async def open_mesh(
     marked dead (None: no limit; the first start is never limited).
 
     ``transport="tcp"`` needs ``curve``; with ``hosts`` the ranks are spread
-    round-robin over remote actor hosts (tcp + curve). Constructor keyword
+    round-robin over remote actor hosts (tcp + curve). ``vacant`` adds that many ranks
+    after the ``procs`` ones with no process and no host (dead, reason "vacant"), for
+    hosts that join later: ``mesh.place(rank, HostSpec)`` starts one there (``procs``
+    may then be 0). Constructor keyword
     arguments that clash with these options must be passed positionally.
     """
     if not (isinstance(cls, type) and issubclass(cls, Actor)):
@@ -295,8 +334,10 @@ async def open_mesh(
             f"{cls.__qualname__} must be defined at top level of an importable "
             "module (actor processes import it by name)"
         )
-    if procs < 1:
+    if procs < 1 and not (procs == 0 and vacant > 0):
         raise ValueError(f"procs must be >= 1, got {procs}")
+    if vacant and curve is None:
+        raise ValueError("vacant ranks are placed on hosts later: pass curve=")
     if (transport == "tcp" or hosts) and curve is None:
         raise ValueError("tcp meshes need curve= (CurveZMQ keys); see Curve.generate/from_dir")
     _Spec(cls.__init__, f"{cls.__qualname__}.__init__").check_call(args, kwargs)
@@ -324,6 +365,7 @@ async def open_mesh(
             on_death,
             ((a, w), frames),
             restart_timeout,
+            vacant,
         ) as mesh:
             yield mesh
     except BaseExceptionGroup as group:
@@ -349,22 +391,16 @@ async def _mesh_lifetime(
     on_death: Callable[[ActorDied], None] | None,
     init: tuple[Any, list[Any]],
     restart_timeout: float | None = None,
+    vacant: int = 0,
 ) -> AsyncIterator[Mesh[A]]:
     async with trio.open_nursery() as nursery:
         host_meshes = []
         if hosts:
             importlib.import_module(".host", __package__)  # typed endpoints for host handles
+        if hosts or vacant:
+            importlib.import_module(".host", __package__)
         for h in hosts or ():
-            host_meshes.append(
-                Mesh(
-                    f"host {h.address}",
-                    "orchestrator.runtime.host:HostActor",
-                    ["spawn", "wait_exit", "stop", "signal"],
-                    [h.address],
-                    [h.public_key],
-                    identity=curve,
-                )
-            )
+            host_meshes.append(host_mesh(h, curve))
         keys: list[str | None] = [
             host_meshes[r % len(host_meshes)]._keys[0]
             if host_meshes
@@ -372,7 +408,7 @@ async def _mesh_lifetime(
             if curve is not None and transport == "tcp"
             else None
             for r in range(procs)
-        ]
+        ] + [None] * vacant
         if curve is not None:
             set_default_identity(curve)
         owner = Owner(
@@ -389,6 +425,7 @@ async def _mesh_lifetime(
             grace=grace,
             on_death=on_death,
             restart_timeout=restart_timeout,
+            vacant=vacant,
         )
         mesh: Mesh[A] = Mesh(name, cls_path, list(endpoints_of(cls)), [], keys, owner=owner, identity=curve)
         try:

@@ -1,7 +1,11 @@
 """The owner's side of a mesh: spawning ranks, supervising them, respawning, stopping.
 
 Supervision: one task per process waits for its exit (local: the process
-handle; remote: a long-lived ``wait_exit`` call on its host). A respawn that does
+handle; remote: a long-lived ``wait_exit`` call on its host). A host that stops
+answering (a partition) does not make its ranks dead: their calls fail with
+``ActorDied`` while their connections are down, and work again once the link is
+back; the supervisor waits on the process again then. A host that answers without
+the process (restarted meanwhile) marks the rank dead. A respawn that does
 not finish within ``restart_timeout`` (when given) is stopped and the rank marked
 dead. An exit the owner did not cause marks the rank dead, fails its calls with ``ActorDied``
 and calls ``on_death``. ``shutdown`` (run shielded when the mesh closes) fails
@@ -61,13 +65,23 @@ class Owner:
         grace: float,
         on_death: Callable[[ActorDied], None] | None,
         restart_timeout: float | None = None,
+        vacant: int = 0,
     ) -> None:
-        self.addresses = [""] * procs  # each rank's address; a respawn may change it
+        self.addresses = [""] * (procs + vacant)  # each rank's address; a respawn may change it
         self.name, self.cls_path, self.init = name, cls_path, init
         self.nursery, self.env, self.transport, self.curve = nursery, env, transport, curve
         self.hosts, self.tcp_host, self.grace, self.on_death = hosts, tcp_host, grace, on_death
         self.restart_timeout = restart_timeout
-        self.slots = [RankSlot() for _ in range(procs)]
+        self.slots = [RankSlot() for _ in range(procs + vacant)]
+        # The host of each rank (None: this machine, or a vacant rank not placed yet).
+        self.rank_hosts: list[Mesh[Any] | None] = [
+            hosts[r % len(hosts)] if hosts and r < procs else None for r in range(procs + vacant)
+        ]
+        self.started = procs  # ranks started by start_all; the rest are vacant
+        for rank in range(procs, procs + vacant):
+            slot = self.slots[rank]
+            slot.state, slot.died = "dead", ActorDied(name, rank, "vacant: no host placed yet")
+            slot.ready.set()
         self.procs: list[ActorProcess] = []
         self.closing = False
         self.tmpdir = tempfile.mkdtemp(prefix="flotilla-") if transport == "ipc" and not hosts else None
@@ -79,10 +93,11 @@ class Owner:
             self.procs.append(proc)
             mine.append(proc)
 
-        if self.hosts:
+        host_mesh = self.rank_hosts[rank]
+        if host_mesh is not None:
             from .host import RemoteProcess
 
-            host = self.hosts[rank % len(self.hosts)][0]
+            host = host_mesh[0]
             return await RemoteProcess.spawn(
                 host, self.cls_path, name=self.name, rank=rank, env=self.env, register=register
             )
@@ -103,8 +118,8 @@ class Owner:
         self.addresses[rank] = proc.address
         self.nursery.start_soon(self._supervise, rank, proc)
         key = self.curve.public if self.curve is not None and proc.address.startswith("tcp://") else None
-        if self.hosts:
-            key = self.hosts[rank % len(self.hosts)]._keys[0].encode()
+        if self.rank_hosts[rank] is not None:
+            key = self.rank_hosts[rank]._keys[0].encode()
         conn = connection(
             proc.address, name=self.name, rank=rank, server_key=key, identity=self.curve, connect_timeout=None
         )
@@ -129,7 +144,7 @@ class Owner:
                 nursery.cancel_scope.cancel()
 
         async with trio.open_nursery() as nursery:
-            for rank in range(len(self.slots)):
+            for rank in range(self.started):
                 nursery.start_soon(one, rank)
         if errors:
             raise errors[min(errors)]
@@ -158,6 +173,13 @@ class Owner:
                 self.on_death(exc)
             except Exception as err:
                 log(f"on_death callback raised: {err!r}")
+
+    def place(self, rank: int, host: Mesh[Any]) -> None:
+        """Move ``rank`` to ``host`` and start it there (see ``Mesh.place``)."""
+        if self.closing:
+            raise RuntimeError(f"mesh {self.name!r} is closed")
+        self.rank_hosts[rank] = host
+        self.respawn(rank)
 
     def respawn(self, rank: int) -> None:
         if self.closing:

@@ -40,11 +40,15 @@ from ._curve import TRUST_SELF_ENV, Curve, KeyFileError
 from ._errors import ActorDied, ActorError
 from ._proc import LocalProcess, child_env, describe_exit, spawn_local
 
-__all__ = ["DEFAULT_ALLOW", "HostActor", "RemoteProcess", "allowed_class", "main"]
+__all__ = ["DEFAULT_ALLOW", "HOST_LEFT", "HostActor", "RemoteProcess", "allowed_class", "main"]
 
 DEFAULT_ALLOW = ("actors.",)
 """Module prefixes a host spawns actor classes from when ``--allow`` is not given."""
 ALLOW_ENV = "FLOTILLA_HOST_ALLOW"
+HOST_LEFT = "its host left the run (SIGTERM)"
+"""In the exit description of an actor its host stopped because the host is leaving."""
+HOST_RETRY_S = 1.0
+"""Seconds between the owner's pings of a host it lost touch with (see RemoteProcess)."""
 
 
 def allowed_class(cls_path: str, prefixes: tuple[str, ...]) -> bool:
@@ -77,6 +81,9 @@ class HostActor(Actor):
         allow = os.environ.get(ALLOW_ENV)
         self.allow = tuple(p for p in allow.split(",") if p) if allow is not None else DEFAULT_ALLOW
         self.children: dict[int, LocalProcess] = {}
+        self.leaving = False  # SIGTERM: the host is leaving (see on_signal)
+        self.waiting = 0  # wait_exit calls running
+        self.replied = trio.Event()  # set (and replaced) as each wait_exit call returns
 
     @endpoint
     async def spawn(self, cls_path: str, name: str, rank: int, env: dict[str, str]) -> list[Any]:
@@ -114,9 +121,17 @@ class HostActor(Actor):
 
     @endpoint
     async def wait_exit(self, pid: int) -> str:
-        """Return how the child ``pid`` ended, once it has."""
+        """Return how the child ``pid`` ended, once it has; with ``HOST_LEFT`` in it when the
+        host stopped it because the host is leaving (SIGTERM)."""
         proc = self._child(pid)
-        return describe_exit(await proc.process.wait())
+        self.waiting += 1
+        try:
+            how = describe_exit(await proc.process.wait())
+        finally:
+            self.waiting -= 1
+            self.replied.set()
+            self.replied = trio.Event()
+        return f"{how}; {HOST_LEFT}" if self.leaving else how
 
     @endpoint
     async def stop(self, pid: int, grace: float) -> None:
@@ -144,6 +159,19 @@ class HostActor(Actor):
         if proc is None:
             raise KeyError(f"no actor process {pid} on this host")
         return proc
+
+    async def on_signal(self) -> None:
+        """SIGTERM: leave the run. Every child is stopped (SIGTERM: its calls in flight fail,
+        and their owners retry them elsewhere) while the host still serves, so each owner's
+        ``wait_exit`` learns that the host left (``HOST_LEFT`` in the reply) and does not
+        wait for it as for a partition."""
+        self.leaving = True
+        async with trio.open_nursery() as nursery:
+            for proc in list(self.children.values()):
+                nursery.start_soon(proc.stop, 3.0)
+        # The owners' wait_exit calls return as their processes end; let them reply.
+        while self.waiting:
+            await self.replied.wait()
 
     async def on_stop(self) -> None:
         procs = list(self.children.values())
@@ -173,10 +201,26 @@ class RemoteProcess:
         return proc
 
     async def wait_exit(self) -> str:
-        try:
-            return await self.host.wait_exit.call_one(self.pid)
-        except ActorDied as exc:
-            raise ActorDied(exc.name, exc.rank, f"lost its host: {exc.reason}") from None
+        """How the process ended, once it has. A host that stops answering (its link is
+        cut, its machine unreachable) is not an exit: the process may well run on, so this
+        waits for the host to answer again, then keeps waiting on the process. A host that
+        answers but no longer runs it (restarted meanwhile) raises ActorError (KeyError)."""
+        while True:
+            try:
+                return await self.host.wait_exit.call_one(self.pid)
+            except ActorDied:
+                await self._reachable()
+
+    async def _reachable(self) -> None:
+        """Return once the host answers a ping (tried every HOST_RETRY_S)."""
+        while True:
+            await trio.sleep(HOST_RETRY_S)
+            with trio.move_on_after(HOST_RETRY_S * 5):
+                try:
+                    await self.host.ping.call_one()
+                    return
+                except ActorDied:
+                    pass
 
     def signal_stop(self) -> None:
         self.host.signal.broadcast(self.pid, int(signal.SIGTERM))

@@ -241,6 +241,11 @@ class FaultsSection(_Section):
     give_up_after_s: float = Field(default=300.0, gt=0)
     """An actor unresponsive for this long is given up: its process is stopped (SIGKILL if it
     ignores SIGTERM) and a fresh one started."""
+    host_give_up_after_s: float = Field(default=600.0, gt=0)
+    """A sampler on a `flotilla host` that has answered nothing for this long (its host
+    unreachable, or gone and every respawn failing) is given up for good, with one line:
+    no more respawns and no work for it; the run goes on with the other samplers and pools.
+    Shorter outages end when it answers again (it catches up on the weights and rejoins)."""
     restart_timeout_s: float = Field(default=600.0, gt=0)
     """A respawned sampler or environment actor not constructed within this many seconds
     (its model load included) is stopped and counts as a failed respawn (retried with
@@ -251,6 +256,11 @@ class FaultsSection(_Section):
 
     @model_validator(mode="after")
     def _ordered(self) -> FaultsSection:
+        if self.host_give_up_after_s <= self.unresponsive_after_s:
+            raise ValueError(
+                f"host_give_up_after_s ({self.host_give_up_after_s:g}) must be longer than "
+                f"unresponsive_after_s ({self.unresponsive_after_s:g})"
+            )
         if self.give_up_after_s <= self.unresponsive_after_s:
             raise ValueError(
                 f"give_up_after_s ({self.give_up_after_s:g}) must be longer than "

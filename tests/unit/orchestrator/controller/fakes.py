@@ -205,6 +205,17 @@ class FakePool:
             self.held[rank] = header["version"]
         return self.held[rank]
 
+    def host_of(self, rank: int) -> str | None:
+        return None
+
+    def left(self, rank: int) -> bool:
+        return False
+
+    async def have_version(self, rank: int) -> int | None:
+        self._alive(rank)
+        await self._thawed(rank)
+        return self.held[rank] if self.held[rank] >= 0 else None
+
     async def reset_weights(self, rank: int) -> None:
         self._alive(rank)
         self.resets += 1

@@ -1,0 +1,159 @@
+"""Runs of `flotilla run` against hosts of the network rig (tests/netrig.py): a config with
+local pools beside a remote one, the run as a subprocess in the root namespace, and what its
+run directory says over time."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from tests.integration.conftest import read_jsonl, small_run_raw
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def remote_run_config(tmp: Path, name: str, remote: dict[str, Any], *, steps: int = 10_000, **raw: Any) -> Path:
+    """The small test run (two local CPU pools) plus the pool ``remote`` (its ``hosts`` and
+    ``keys`` set by the caller); ``raw`` overrides top-level sections."""
+    cfg = small_run_raw(tmp, name=name, steps=steps)
+    cfg["pools"] = [
+        cfg["pools"][0],
+        {
+            "name": "remote",
+            "gpu": "H100-SXM",
+            "device": "cpu",
+            "staleness_budget": 2,
+            "max_concurrent_rollouts": 16,
+            **remote,
+        },
+    ]
+    cfg.update(raw)
+    path = tmp / f"{name}.json"
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+class Run:
+    """`flotilla run CONFIG` in a subprocess (stdout and stderr to files in ``tmp``)."""
+
+    def __init__(self, config: Path, run_dir: Path, *args: str) -> None:
+        self.run_dir = run_dir
+        self.out = config.with_suffix(".out")
+        self.err = config.with_suffix(".err")
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        with self.out.open("wb") as out, self.err.open("wb") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "orchestrator", "run", str(config), *args],
+                cwd=ROOT,
+                env=env,
+                stdout=out,
+                stderr=err,
+                stdin=subprocess.DEVNULL,
+            )
+
+    def metrics(self) -> list[dict[str, Any]]:
+        path = self.run_dir / "metrics.jsonl"
+        if not path.exists():
+            return []
+        text = path.read_text()
+        return [json.loads(line) for line in text.splitlines()[: text.count("\n")] if line.strip()]
+
+    def wait(self, until, timeout: float, what: str) -> list[dict[str, Any]]:
+        """Poll the metrics until ``until(rows)`` is true; AssertionError naming ``what`` and
+        the run's output tail on timeout or exit."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            rows = self.metrics()
+            if until(rows):
+                return rows
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.2)
+        raise AssertionError(f"run: {what} did not happen (exit {self.proc.poll()}): {self.tail()}")
+
+    def tail(self) -> str:
+        return (self.out.read_text()[-3000:] + "\n--- stderr ---\n" + self.err.read_text()[-3000:]).strip()
+
+    def stop(self, timeout: float = 120.0) -> int:
+        """SIGINT (finish the step, checkpoint, reports), then wait; the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise AssertionError(f"run did not stop within {timeout:g} s of SIGINT: {self.tail()}") from None
+
+    def spans(self, name: str) -> list[dict[str, Any]]:
+        return [s for s in read_jsonl(self.run_dir / "traces.jsonl") if s.get("name") == name]
+
+
+def step_times(run: Run) -> dict[int, float]:
+    """Wall-clock time (time.time()) at which each trained version's step ended, from the
+    trainer's `train_step` spans (the newest span per version: a restored trainer repeats)."""
+    out: dict[int, float] = {}
+    for s in run.spans("train_step"):
+        if s["attributes"].get("applied", True):
+            out[int(s["attributes"]["version"])] = s["end_ns"] / 1e9
+    return out
+
+
+def longest_gap(times: list[float], start: float, end: float) -> float:
+    """The longest time without a step within [start, end] (its edges count as steps)."""
+    inside = sorted(t for t in times if start <= t <= end)
+    edges = [start, *inside, end]
+    return max(b - a for a, b in itertools.pairwise(edges))
+
+
+def measure_partition(tmp: Path, rig: Any, *, cut_s: float, warm_steps: int = 5, **raw: Any) -> dict[str, Any]:
+    """One run with a remote pool on a rig host whose link is cut for `cut_s` seconds after
+    `warm_steps` steps, then restored; the run is stopped once a rollout from the host was
+    trained again. Returns `partition_prompts_lost` (prompts skipped, plus any the run never
+    trained), `partition_train_stall_s` (longest gap between train steps during the cut),
+    `normal_step_s` (median step time before the cut), `rejoin_s` (link restored -> end of
+    the first step with a rollout from the host), the console lines and the last metrics row."""
+    host = rig.add_host("p")
+    cfg = remote_run_config(tmp, "partition", {"hosts": [host.address], "keys": str(rig.keys)}, **raw)
+    run = Run(cfg, tmp / "runs" / "partition")
+    try:
+        run.wait(lambda r: len(r) >= warm_steps and r[-1]["pools"]["remote"]["rollouts"] > 0, 300, "warm-up")
+        t_cut = time.time()
+        host.cut()
+        time.sleep(cut_s)
+        host.restore()
+        t_restore = time.time()
+        n_restore = len(run.metrics())
+
+        def remote_trained(rows: list[dict[str, Any]]) -> bool:
+            return any(r["pools"]["remote"]["rollouts"] > 0 for r in rows[n_restore:])
+
+        rows = run.wait(remote_trained, 120, "a rollout from the host trained after the link came back")
+        code = run.stop()
+    except BaseException:
+        run.stop()
+        raise
+    assert code == 0, run.tail()
+    rows = run.metrics()
+    times = step_times(run)
+    first_back = next(r for r in rows[n_restore:] if r["pools"]["remote"]["rollouts"] > 0)
+    before = sorted(t for t in times.values() if t < t_cut)
+    gaps = [b - a for a, b in itertools.pairwise(before)]
+    return {
+        "partition_prompts_lost": rows[-1]["prompts_skipped"],
+        "partition_train_stall_s": round(longest_gap(list(times.values()), t_cut, t_restore), 3),
+        "normal_step_s": round(sorted(gaps)[len(gaps) // 2], 3) if gaps else None,
+        "rejoin_s": round(times[first_back["version"]] - t_restore, 3),
+        "cut_s": cut_s,
+        "steps_during_cut": sum(1 for t in times.values() if t_cut <= t <= t_restore),
+        "console": run.err.read_text(),
+        "last": rows[-1],
+        "spans": run.spans("sampler.outage"),
+    }
