@@ -189,7 +189,7 @@ async def _weight_sync(hosts: dict[str, Host], keys: Path, deltas: int) -> dict[
     from actors.models import build_model
     from actors.sampler import SamplerActor
     from hardware import PoolConfig
-    from orchestrator.entry.pool_mesh import host_specs
+    from orchestrator.controller.hosts import host_specs
     from orchestrator.runtime import open_mesh
     from orchestrator.weightsync import WeightPublisher, message_parts, snapshot_bytes
 
