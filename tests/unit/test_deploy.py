@@ -84,25 +84,49 @@ def test_slurm_script_renders_hosts_and_a_valid_run_command(tmp_path: Path) -> N
         "PORT": "6000",
     }
     out = subprocess.run(
-        ["bash", str(script)], env=env, capture_output=True, text=True, check=True, cwd=ROOT
+        ["bash", str(script), "--steps", "3"], env=env, capture_output=True, text=True, check=True, cwd=ROOT
     ).stdout.splitlines()
     host_line = next(shlex.split(line) for line in out if " host " in line)
-    assert host_line[:6] == ["srun", "--nodes=2", "--ntasks-per-node=1", "--nodelist=gpu-b,gpu-c", "flotilla", "host"]
-    assert host_line[6:] == ["--bind", "tcp://0.0.0.0:6000", "--keys", "/shared/keys", "--trust-own-key"]
+    assert host_line[:9] == [
+        "srun",
+        "--overlap",
+        "--job-name=flotilla-hosts",
+        "--nodes=2",
+        "--ntasks=2",
+        "--ntasks-per-node=1",
+        "--nodelist=gpu-b,gpu-c",
+        "flotilla",
+        "host",
+    ]
+    assert host_line[9:] == ["--bind", "tcp://0.0.0.0:6000", "--keys", "/shared/keys", "--trust-own-key"]
     run_line = next(shlex.split(line) for line in out if " run " in line)
-    assert run_line[:5] == ["srun", "--nodes=1", "--ntasks=1", "--nodelist=gpu-a", "flotilla"]
-    args = run_line[5:]
+    assert run_line[:6] == ["srun", "--overlap", "--nodes=1", "--ntasks=1", "--nodelist=gpu-a", "flotilla"]
+    args = run_line[6:]
+    assert args[-2:] == ["--steps", "3"]  # the script's own arguments go to `flotilla run`
     overrides = [args[i + 1] for i, a in enumerate(args) if a == "--set"]
     cfg = load_config(args[1], overrides)  # the rendered command's config validates
     assert cfg.pools[1].hosts == ["tcp://gpu-b:6000", "tcp://gpu-c:6000"]
     assert cfg.pools[1].keys == "/shared/keys" and not cfg.pools[0].hosts
 
 
-def test_slurm_script_refuses_a_single_node(tmp_path: Path) -> None:
+def test_slurm_script_refuses_a_single_task_and_shares_a_node_between_two(tmp_path: Path) -> None:
     fake = tmp_path / "bin"
     fake.mkdir()
     (fake / "scontrol").write_text("#!/bin/sh\necho gpu-a\n")
     (fake / "scontrol").chmod(0o755)
     env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "gpu-a", "FLOTILLA_DRY_RUN": "1"}
-    r = subprocess.run(["bash", str(ROOT / "deploy/slurm/flotilla.sbatch")], env=env, capture_output=True, text=True)
-    assert r.returncode == 2 and "at least 2 nodes" in r.stderr
+    env.pop("SLURM_NTASKS", None)
+    script = str(ROOT / "deploy/slurm/flotilla.sbatch")
+    r = subprocess.run(["bash", script], env=env, capture_output=True, text=True)
+    assert r.returncode == 2 and "at least 2 nodes, or 1 node and --ntasks-per-node=2" in r.stderr
+    # one node, two tasks: the host runs beside the controller, both steps may share the node
+    r = subprocess.run(
+        ["bash", script], env={**env, "SLURM_NTASKS": "2", "PORT": "6000"}, capture_output=True, text=True
+    )
+    assert r.returncode == 0, r.stderr
+    lines = [shlex.split(line) for line in r.stdout.splitlines()]
+    host_line = next(line for line in lines if "host" in line)
+    run_line = next(line for line in lines if "run" in line)
+    assert "--nodelist=gpu-a" in host_line and "--ntasks=1" in host_line and "--overlap" in host_line
+    assert "--nodelist=gpu-a" in run_line and "--overlap" in run_line
+    assert "pools.0.hosts=[\"tcp://gpu-a:6000\"]" in run_line
