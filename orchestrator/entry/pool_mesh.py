@@ -178,6 +178,7 @@ def pool_mesh(
         gpus=pool_gpus(pool),
         prefix_cache=pool.prefix_cache,
         stale_prefix=pool.stale_prefix,
+        emulate_quant=pool.emulate_quant,
         procs=pool_procs(pool),
         name=f"sampler-{pool.name}",
         env=env,
