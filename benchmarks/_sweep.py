@@ -30,6 +30,8 @@ ratio is null and `full_tolerance_lower_bound` = (the largest KL `full` was meas
 (plain GRPO's drop KL): full survives at least that much more mismatch. When plain GRPO
 never drops the ratio is null and `full_tolerance_upper_bound` = (full's drop KL) / (the
 largest KL plain GRPO was measured at). When neither drops, all three are null.
+`tolerance_note` says which case held, and when a variant already dropped at the lowest
+level measured (its drop KL is then only an upper bound).
 """
 
 from __future__ import annotations
@@ -77,9 +79,14 @@ def cell_name(level: str, variant: str) -> str:
 
 
 def run_names(levels: list[str], variants: list[str]) -> list[str]:
-    """Record names in run order: the reference, then variant by variant over every level
-    (so a sweep stopped early has the full recipe and plain GRPO at every level first)."""
-    return [REFERENCE] + [cell_name(lv, v) for v in variants for lv in levels]
+    """Record names in run order: the reference, `full` and `plain_grpo` at every level,
+    then the other variants level by level from the last level given (the most mismatched
+    in the default grid) back: a sweep stopped early has the tolerance curve's two
+    variants everywhere and every variant at the highest mismatch first."""
+    first = [v for v in ("full", "plain_grpo") if v in variants]
+    rest = [v for v in variants if v not in first]
+    names = [REFERENCE] + [cell_name(lv, v) for v in first for lv in levels]
+    return names + [cell_name(lv, v) for lv in reversed(levels) for v in rest]
 
 
 def build_sweep_raw(name: str, seed: int, steps: int) -> dict[str, Any]:
@@ -188,6 +195,11 @@ def tolerance(table: dict[str, dict[str, Any]], levels: list[str]) -> dict[str, 
         out["tolerance_note"] = f"plain GRPO never fell below {GRPO_KEEP} of on-policy: ratio <= upper bound"
     else:
         out["tolerance_note"] = "neither dropped below its threshold at the levels measured"
+    lowest = min(kls.values())
+    if g_kl is not None and g_kl == lowest:
+        out["tolerance_note"] += "; plain GRPO already dropped at the lowest level (its drop KL is at most that)"
+    if f_kl is not None and f_kl == lowest:
+        out["tolerance_note"] += "; full already dropped at the lowest level (its drop KL is at most that)"
     return out
 
 
