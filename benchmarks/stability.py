@@ -34,7 +34,16 @@ Options: --steps N, --seeds K, --variants a,b,..., --budget B (FP8 staleness bud
 --record FILE (append each run's figures; runs already there are skipped, so a stopped
 comparison resumes), --report (with --record: the table of what is recorded, no runs).
 Runs go seed by seed (all variants' seed 0 first).
-Last line: JSON with `onpolicy_final`, `full_final`, `plain_grpo_final`, `no_replay_final`,
+Sweep:  .venv/bin/python benchmarks/stability.py --sweep [--levels bf16:0,fp8:4,...] [--plot FILE]
+      the mismatch-tolerance curve (benchmarks/_sweep.py): every level of sampler precision
+      (bf16, fp8, int4) x staleness budget (0, 2, 4, 8, 16) with the variants full,
+      plain_grpo, tis, icepop, seq_mask, no_replay, no_centering, and the on-policy
+      reference; 3 seeds x 300 steps by default (hours: use --record). --sweep --quick:
+      level int4:4, 1 seed, 2 steps (a smoke test of the pipeline, same keys). Its last line:
+      JSON with `full_tolerance_ratio` (and `full_tolerance_lower_bound` /
+      `full_tolerance_upper_bound` when one variant never dropped), `collapses` per
+      variant and the cell table.
+Last line (without --sweep): JSON with `onpolicy_final`, `full_final`, `plain_grpo_final`, `no_replay_final`,
 `no_is_final`, `no_centering_final`, `full_collapses`, `plain_grpo_collapses` and
 per-variant details.
 """
@@ -48,6 +57,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import _sweep
 from _runs import demo_raw, load_average, run_variants
 from ablation import FP8_BUDGET, VARIANTS
 from ablation import build_raw as ablation_raw
@@ -144,9 +154,15 @@ def main() -> None:
     p.add_argument(
         "--report", action="store_true", help="with --record: print the table of the recorded runs, run nothing"
     )
+    p.add_argument("--sweep", action="store_true", help="the mismatch-tolerance sweep (see the module docstring)")
+    p.add_argument("--levels", help="--sweep: comma-separated PRECISION:BUDGET levels (default: the whole grid)")
+    p.add_argument("--plot", type=Path, help="--sweep: write the final-reward-against-KL plot (PNG) here")
     args = p.parse_args()
     if args.report and args.record is None:
         p.error("--report needs --record")
+    if args.sweep:
+        sweep_main(p, args)
+        return
     demo = demo_raw()
     steps = args.steps or (4 if args.quick else int(demo["steps"]))
     n_seeds = args.seeds or (1 if args.quick else 3)
@@ -221,6 +237,75 @@ def main() -> None:
                 "load_avg_after": load_after,
                 "total_s": round(total, 1),
                 "variants": results,
+            }
+        )
+    )
+
+
+def sweep_main(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """`--sweep`: run (or, with --report, read) the sweep and print its table and JSON line."""
+    steps = args.steps or (2 if args.quick else 300)
+    n_seeds = args.seeds or (1 if args.quick else 3)
+    levels = (
+        args.levels.split(",") if args.levels else list(_sweep.QUICK_LEVELS) if args.quick else _sweep.default_levels()
+    )
+    for lv in levels:
+        try:
+            _sweep.parse_level(lv)
+        except ValueError as exc:
+            p.error(f"--levels: {exc}")
+    variants = args.variants.split(",") if args.variants else list(_sweep.SWEEP_VARIANTS)
+    unknown = [v for v in variants if v not in _sweep.SWEEP_VARIANTS]
+    if unknown:
+        p.error(f"--variants: unknown {unknown}; choose from {list(_sweep.SWEEP_VARIANTS)}")
+
+    import torch
+
+    torch.set_num_threads(1)
+    load_before = load_average()
+    t0 = time.monotonic()
+    runs = run_variants(
+        _sweep.run_names(levels, variants),
+        n_seeds,
+        steps,
+        lambda name, seed: _sweep.build_sweep_raw(name, seed, steps),
+        run_figures,
+        record=args.record,
+        run=not args.report,
+    )
+    if not runs:
+        raise SystemExit(f"stability --sweep: no runs recorded in {args.record} with {steps} steps")
+    table = _sweep.cells(runs)
+    total = time.monotonic() - t0
+    load_after = load_average()
+    tol = _sweep.tolerance(table, levels)
+    plotted = _sweep.plot(table, levels, variants, args.plot) if args.plot else False
+
+    print(
+        f"\nmismatch sweep: guess_number, {steps} steps, up to {n_seeds} seed(s) per cell; cell = final reward "
+        f"(mean measured mismatch KL, collapsed runs/seeds); on-policy reference (BF16, sync) "
+        f"{tol['onpolicy_final']}"
+    )
+    print(f"load average before {load_before}, after {load_after}; {total:.0f}s\n")
+    print(_sweep.markdown_table(table, levels, variants))
+    print(
+        json.dumps(
+            {
+                "benchmark": "stability_sweep",
+                "quick": args.quick,
+                "steps": steps,
+                "seeds": n_seeds,
+                "levels": levels,
+                "variants_run": variants,
+                **tol,
+                "collapses": _sweep.collapses_by_variant(table, levels, variants),
+                "full_fewer_collapses_than_plain_grpo": _sweep.full_fewer_collapses(table, levels),
+                "cells_run": len(table),
+                "plot": str(args.plot) if plotted else None,
+                "load_avg_before": load_before,
+                "load_avg_after": load_after,
+                "total_s": round(total, 1),
+                "cells": table,
             }
         )
     )

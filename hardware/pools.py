@@ -94,6 +94,12 @@ class PoolConfig(BaseModel):
     """torch backend, a cached prefix older than the weights now held (a weight update came
     between two turns): `reuse` its keys and values as computed (every generated token still
     records the version that produced it) or `recompute` it under the new weights."""
+    emulate_quant: Literal["e5m2_tensor", "int4_group"] | None = None
+    """torch backend: round every linear weight the sampler multiplies with through a coarser
+    format on top of `precision` (`e5m2_tensor`: FP8 e5m2 with one scale per tensor;
+    `int4_group`: 4-bit integers, one scale per 32 columns) -- a deliberately coarse pool to
+    measure how training copes with sampler mismatch. It changes numerics only, not speed or
+    price; None: the weights as `precision` delivers them."""
     gpus: list[int] | None = None
     """device `cuda`: the CUDA device index of each rank (`count` of them; rank r uses
     `gpus[r]`); None: each rank takes the next GPU of its own machine (with n hosts, rank r
@@ -173,6 +179,8 @@ class PoolConfig(BaseModel):
                 raise ValueError(f"{who}: urls must be http:// or https:// base URLs")
             if self.device == "cpu" or self.gpu == "cpu":
                 raise ValueError(f"{who}: backend 'sglang' runs on CUDA GPUs; device must be 'cuda'")
+            if self.emulate_quant is not None:
+                raise ValueError(f"{who}: emulate_quant is a torch-backend setting")
             if not self.prefix_cache or self.stale_prefix != "reuse":
                 raise ValueError(
                     f"{who}: prefix_cache and stale_prefix are torch-backend settings "

@@ -57,15 +57,21 @@ class RecipeConfig(BaseModel):
     """Replay the sampler's recorded support on the trainer: log p^S over S_t only.
     False is the ablation that scores sampled tokens with the full-vocabulary softmax."""
 
-    importance: Literal["mis", "tis", "none"] = "mis"
-    """Importance-weight function f of the ratio r = p/q (detached):
-    "mis" f(r) = r·1[mis_low <= r <= mis_high], "tis" f(r) = min(r, tis_cap), "none" f = 1."""
+    importance: Literal["mis", "tis", "icepop", "seq_mask", "none"] = "mis"
+    """The mismatch correction: importance-weight function f of the ratio r = p/q (detached).
+    "mis" f(r) = r·1[mis_low <= r <= mis_high] (the recipe's), "tis" f(r) = min(r, tis_cap)
+    (truncated IS), "icepop" f(r_t) = r_t·1[icepop_low <= r_t <= icepop_high] on each token
+    (IcePop's double-sided token mask), "seq_mask" f = 1[seq_mask_low <= ρ <= seq_mask_high]
+    with ρ the trajectory's geometric-mean ratio (the whole trajectory is kept with weight 1
+    or masked), "none" f = 1. docs/recipe.md (Corrections) has each formula, where it comes
+    from and when it helps."""
 
     is_level: Literal["token", "sequence", "geometric"] = "token"
     """Which ratio f is applied to: each token's own r_t, the trajectory's product of
     ratios (sum of log-ratios), or the trajectory's geometric mean exp(mean log r_t).
     At the sequence levels every token of a trajectory shares one weight, and a masked
-    trajectory masks all its tokens."""
+    trajectory masks all its tokens. Applies to "mis" and "tis"; "icepop" (token) and
+    "seq_mask" (geometric) fix their own level and need it left at "token"."""
 
     mis_low: float = 0.5
     """Lower bound lo of the MIS window (ratios below it are masked)."""
@@ -75,6 +81,18 @@ class RecipeConfig(BaseModel):
 
     tis_cap: float = 2.0
     """Cap C of truncated importance sampling, f(r) = min(r, C)."""
+
+    icepop_low: float = 0.5
+    """Lower bound α of IcePop's token window (tokens with r_t < α are masked)."""
+
+    icepop_high: float = 5.0
+    """Upper bound β of IcePop's token window (tokens with r_t > β are masked)."""
+
+    seq_mask_low: float = 0.5
+    """Lower bound of the sequence mask's window on the geometric-mean ratio."""
+
+    seq_mask_high: float = 2.0
+    """Upper bound of the sequence mask's window on the geometric-mean ratio."""
 
     score_centering: bool = True
     """Subtract the q-weighted expected score sum_v c_v log p^S(v), c_v = q(v)·f(r(v)),
@@ -101,7 +119,7 @@ class RecipeConfig(BaseModel):
             raise ValueError(f"top_p must be in (0, 1], got {v}")
         return v
 
-    @field_validator("mis_low", "mis_high")
+    @field_validator("mis_low", "mis_high", "icepop_low", "icepop_high", "seq_mask_low", "seq_mask_high")
     @classmethod
     def _mis_bound(cls, v: float, info: ValidationInfo) -> float:
         name = info.field_name
@@ -118,8 +136,15 @@ class RecipeConfig(BaseModel):
 
     @model_validator(mode="after")
     def _cross_field(self) -> RecipeConfig:
-        if self.mis_low > self.mis_high:
-            raise ValueError(f"mis_low ({self.mis_low}) must not exceed mis_high ({self.mis_high})")
+        for low in ("mis_low", "icepop_low", "seq_mask_low"):
+            high = low.replace("_low", "_high")
+            if getattr(self, low) > getattr(self, high):
+                raise ValueError(f"{low} ({getattr(self, low)}) must not exceed {high} ({getattr(self, high)})")
+        if self.importance in ("icepop", "seq_mask") and self.is_level != "token":
+            raise ValueError(
+                f"importance={self.importance!r} fixes its own level (icepop: token, seq_mask: "
+                f"geometric); leave is_level at 'token', got {self.is_level!r}"
+            )
         if self.entropy_coef > 0.0 and not self.mask_replay:
             raise ValueError(
                 "entropy_coef > 0 needs mask_replay=True: the entropy runs over the replayed "

@@ -1,4 +1,4 @@
-"""Importance weights: MIS / TIS / none at token, sequence or geometric level.
+"""Importance weights: MIS / TIS / IcePop / sequence mask / none (docs/recipe.md, Corrections).
 
 docs/architecture.md, The recipe, 3.
 
@@ -11,6 +11,12 @@ level picks the ratio ρ that f sees:
 
 and f is  mis: ρ·1[lo <= ρ <= hi],  tis: min(ρ, C),  none: 1.  w_y = f(ρ_t); a trajectory
 whose ρ falls outside [lo, hi] under MIS therefore masks all its tokens.
+
+Two corrections fix their own level (`is_level` must stay "token" for them):
+
+    icepop     token level, f(ρ) = ρ·1[α <= ρ <= β]   (the IcePop double-sided token mask)
+    seq_mask   geometric level, f(ρ) = 1[lo_s <= ρ <= hi_s]  (a whole trajectory is kept with
+               weight 1 or masked, no reweighting)
 
 Centering coefficients c_v (docs/architecture.md, The recipe, 4) are the q-expectation of
 the same weight: the weight token t would have had if v had been sampled there,
@@ -34,7 +40,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-__all__ = ["ImportanceWeights", "importance_weights"]
+__all__ = ["IMPORTANCE_KINDS", "ImportanceWeights", "importance_weights"]
 
 
 @dataclass(frozen=True)
@@ -46,23 +52,44 @@ class ImportanceWeights:
     c_support: Tensor | None
     """float32 [nnz]: c_v = q(v)·f(ρ_t(v)); None when no support ratios were given."""
     mis_masked: Tensor
-    """bool [T]: loss tokens whose weight MIS set to 0 (all False for tis/none)."""
+    """bool [T]: loss tokens whose weight a mask (mis, icepop, seq_mask) set to 0; all False
+    for tis and none."""
     log_ratio_token: Tensor
     """float32 [T]: ℓ_t = log p(y_t) − log q(y_t)."""
 
 
-def _log_f(log_rho: Tensor, importance: str, lo: float, hi: float, cap: float) -> tuple[Tensor, Tensor]:
-    """(log f(ρ), f(ρ) > 0) elementwise."""
-    if importance == "none":
+IMPORTANCE_KINDS = ("mis", "tis", "icepop", "seq_mask", "none")
+
+
+def _log_f(log_rho: Tensor, kind: str, lo: float, hi: float, cap: float) -> tuple[Tensor, Tensor]:
+    """(log f(ρ), f(ρ) > 0) elementwise; kind "window" is ρ·1[lo<=ρ<=hi], "indicator" 1[lo<=ρ<=hi]."""
+    if kind == "none":
         return torch.zeros_like(log_rho), torch.ones_like(log_rho, dtype=torch.bool)
-    if importance == "tis":
+    if kind == "tis":
         return torch.clamp(log_rho, max=math.log(cap)), torch.ones_like(log_rho, dtype=torch.bool)
-    if importance == "mis":
-        log_lo = math.log(lo) if lo > 0 else float("-inf")
-        log_hi = math.log(hi) if hi > 0 else float("-inf")
-        inside = (log_rho >= log_lo) & (log_rho <= log_hi)
+    log_lo = math.log(lo) if lo > 0 else float("-inf")
+    log_hi = math.log(hi) if hi > 0 else float("-inf")
+    inside = (log_rho >= log_lo) & (log_rho <= log_hi)
+    if kind == "window":
         return log_rho, inside
-    raise ValueError(f"importance must be 'mis', 'tis' or 'none', got {importance!r}")
+    return torch.zeros_like(log_rho), inside
+
+
+def _resolve(importance: str, is_level: str, bounds: dict[str, float]) -> tuple[str, str, float, float]:
+    """(f kind, level, lo, hi) of a correction; refuses unknown names and fixed-level clashes."""
+    if importance not in IMPORTANCE_KINDS:
+        raise ValueError(f"importance must be one of {IMPORTANCE_KINDS}, got {importance!r}")
+    if importance in ("icepop", "seq_mask") and is_level != "token":
+        raise ValueError(
+            f"importance={importance!r} fixes its own level (icepop: token, seq_mask: geometric); "
+            f"leave is_level at 'token', got {is_level!r}"
+        )
+    if importance == "icepop":
+        return "window", "token", bounds["icepop_low"], bounds["icepop_high"]
+    if importance == "seq_mask":
+        return "indicator", "geometric", bounds["seq_mask_low"], bounds["seq_mask_high"]
+    kind = "window" if importance == "mis" else importance
+    return kind, is_level, bounds["mis_low"], bounds["mis_high"]
 
 
 @torch.no_grad()
@@ -70,11 +97,15 @@ def importance_weights(
     log_ratio_token: Tensor,
     loss_mask: Tensor,
     *,
-    importance: Literal["mis", "tis", "none"],
+    importance: Literal["mis", "tis", "icepop", "seq_mask", "none"],
     is_level: Literal["token", "sequence", "geometric"] = "token",
     mis_low: float = 0.5,
     mis_high: float = 5.0,
     tis_cap: float = 2.0,
+    icepop_low: float = 0.5,
+    icepop_high: float = 5.0,
+    seq_mask_low: float = 0.5,
+    seq_mask_high: float = 2.0,
     seq_ids: Tensor | None = None,
     log_ratio_support: Tensor | None = None,
     logq_support: Tensor | None = None,
@@ -89,7 +120,24 @@ def importance_weights(
             A trajectory must not be split across micro-batches at those levels.
         log_ratio_support, logq_support, row: [nnz] per-entry log r, log q and row index,
             to get the centering coefficients.
+        mis_low..seq_mask_high: the window (lo, hi) of mis, icepop and seq_mask; tis_cap C.
+
+    Raises:
+        ValueError: an unknown importance or level, is_level other than "token" with
+            icepop/seq_mask, or missing seq_ids at a trajectory level.
     """
+    kind, is_level, lo, hi = _resolve(
+        importance,
+        is_level,
+        dict(
+            mis_low=mis_low,
+            mis_high=mis_high,
+            icepop_low=icepop_low,
+            icepop_high=icepop_high,
+            seq_mask_low=seq_mask_low,
+            seq_mask_high=seq_mask_high,
+        ),
+    )
     n = log_ratio_token.numel()
     dev = log_ratio_token.device
     mask = loss_mask.to(torch.bool)
@@ -114,7 +162,7 @@ def importance_weights(
     else:
         raise ValueError(f"is_level must be 'token', 'sequence' or 'geometric', got {is_level!r}")
 
-    log_f, positive = _log_f(log_rho, importance, mis_low, mis_high, tis_cap)
+    log_f, positive = _log_f(log_rho, kind, lo, hi, tis_cap)
     keep = positive & mask
     w = torch.where(keep, torch.exp(torch.where(keep, log_f, 0.0)), 0.0)
     mis_masked = mask & ~positive
@@ -124,7 +172,7 @@ def importance_weights(
         if logq_support is None or row is None:
             raise ValueError("log_ratio_support needs logq_support and row")
         alt = log_rho[row] + kappa[row] * (log_ratio_support.double() - ell[row])
-        log_fv, pos_v = _log_f(alt, importance, mis_low, mis_high, tis_cap)
+        log_fv, pos_v = _log_f(alt, kind, lo, hi, tis_cap)
         keep_v = pos_v & mask[row]
         log_c = torch.where(keep_v, logq_support.double() + log_fv, 0.0)
         c = torch.where(keep_v, torch.exp(log_c), 0.0).float()

@@ -45,6 +45,12 @@ from .support import SupportRecord
 __all__ = ["recipe_loss"]
 
 
+def _bounds(config: RecipeConfig) -> dict[str, float]:
+    """The windows and cap of every correction, as `importance_weights` takes them."""
+    keys = ("mis_low", "mis_high", "tis_cap", "icepop_low", "icepop_high", "seq_mask_low", "seq_mask_high")
+    return {k: getattr(config, k) for k in keys}
+
+
 def recipe_loss(
     config: RecipeConfig,
     support: SupportRecord,
@@ -116,8 +122,7 @@ def recipe_loss(
         weights = importance_weights(
             log_r_y, mask,
             importance=config.importance, is_level=config.is_level,
-            mis_low=config.mis_low, mis_high=config.mis_high, tis_cap=config.tis_cap,
-            seq_ids=seq_ids,
+            seq_ids=seq_ids, **_bounds(config),
             log_ratio_support=log_r_s if config.score_centering else None,
             logq_support=support.logq, row=row,
         )  # fmt: skip
@@ -136,8 +141,7 @@ def recipe_loss(
         weights = importance_weights(
             log_r_y, mask,
             importance=config.importance, is_level=config.is_level,
-            mis_low=config.mis_low, mis_high=config.mis_high, tis_cap=config.tis_cap,
-            seq_ids=seq_ids,
+            seq_ids=seq_ids, **_bounds(config),
         )  # fmt: skip
 
     # torch.where (not multiplication) keeps masked rows inert even if their inputs are

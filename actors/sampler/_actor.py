@@ -108,6 +108,8 @@ class SamplerActor(Actor):
             rank r uses device r modulo the visible GPUs. Ignored for "cpu" and "cuda:i".
         weights_key: hex key shared with the trainer's publisher: weight messages must be
             sealed with it (``weightsync.WeightReceiver(auth_key=...)``); None: unkeyed digests.
+        emulate_quant: torch backend: a coarse weight format the engine rounds every linear
+            weight through (``actors.sampler._emulate``), or None.
     """
 
     def __init__(
@@ -130,6 +132,7 @@ class SamplerActor(Actor):
         sglang: dict[str, Any] | None = None,
         gpus: list[int] | None = None,
         weights_key: str | None = None,
+        emulate_quant: str | None = None,
     ) -> None:
         from actors.models import build_model, default_model_config, model_weights
 
@@ -155,8 +158,11 @@ class SamplerActor(Actor):
                 batch_window_s=batch_window_s,
                 prefix_cache=prefix_cache,
                 stale_prefix=stale_prefix,
+                emulate_quant=emulate_quant,
             )
         elif backend == "sglang":
+            if emulate_quant is not None:
+                raise ValueError("emulate_quant is a torch-backend setting (the sglang backend computes its own way)")
             self._backend = sglang_backend(pool, config, rank, gpus, sglang or {})
         else:
             raise ValueError(f"backend must be 'torch' or 'sglang', got {backend!r}")

@@ -113,6 +113,7 @@ class TorchBackend:
         seed: seeds the generator of requests that carry no seed.
         batch_window_s: the quiet gap that closes an admission batch (0: no wait).
         prefix_cache / stale_prefix: the session prefix cache (``ContinuousBatcher``).
+        emulate_quant: a coarse weight format to emulate (``actors.sampler._emulate``), or None.
     """
 
     name = "torch"
@@ -129,10 +130,11 @@ class TorchBackend:
         batch_window_s: float = 0.005,
         prefix_cache: bool = True,
         stale_prefix: str = "reuse",
+        emulate_quant: str | None = None,
     ) -> None:
         if batch_window_s < 0:
             raise ValueError(f"batch_window_s must be >= 0, got {batch_window_s}")
-        engine = DecoderEngine(model_config, max_slots=max_batch, max_len=max_len, device=device)
+        engine = DecoderEngine(model_config, max_slots=max_batch, max_len=max_len, device=device, emulate=emulate_quant)
         self._batcher = ContinuousBatcher(
             engine, pool=pool, seed=seed, prefix_cache=prefix_cache, stale_prefix=stale_prefix
         )  # type: ignore[arg-type]

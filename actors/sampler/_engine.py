@@ -43,6 +43,7 @@ import torch.nn.functional as F
 
 from actors.models import load_model_config
 
+from ._emulate import EMULATED_FORMATS, emulate_quant
 from ._fp8mm import Fp8Weight, fp8_matmul_available, linear
 from ._weights import LINEAR_BLOCKS, layer_parts, rope_frequencies, wire_to_compute
 
@@ -95,6 +96,8 @@ class DecoderEngine:
             on CPU, bfloat16 on CUDA).
         fp8_matmul: keep FP8 linear weights in FP8 and multiply with ``torch._scaled_mm``;
             None: where the device has FP8 tensor cores (``fp8_matmul_available``).
+        emulate: a coarse format (``actors.sampler._emulate``) every linear weight is
+            rounded through before use, or None; it turns ``fp8_matmul`` off.
     """
 
     def __init__(
@@ -106,6 +109,7 @@ class DecoderEngine:
         device: str | torch.device = "cpu",
         compute_dtype: torch.dtype | None = None,
         fp8_matmul: bool | None = None,
+        emulate: str | None = None,
     ) -> None:
         cfg = load_model_config(config)
         inv_freq, rope_scale = rope_frequencies(cfg)
@@ -113,9 +117,13 @@ class DecoderEngine:
             raise ValueError(f"model config: hidden_act {cfg.hidden_act!r} is not supported (only 'silu')")
         if max_slots < 1:
             raise ValueError(f"max_slots must be >= 1, got {max_slots}")
+        if emulate is not None and emulate not in EMULATED_FORMATS:
+            raise ValueError(f"emulate_quant must be one of {EMULATED_FORMATS} or None, got {emulate!r}")
+        self.emulate = emulate
         self.device = torch.device(device)
         # FP8 weights stay FP8 for the linear layers where the GPU multiplies FP8 (else dequantised)
         self.fp8_matmul = fp8_matmul_available(self.device) if fp8_matmul is None else fp8_matmul
+        self.fp8_matmul = self.fp8_matmul and emulate is None  # an emulated format multiplies dense
         self.dtype = compute_dtype or (torch.float32 if self.device.type == "cpu" else torch.bfloat16)
         self.vocab_size = cfg.vocab_size
         self.n_layers = cfg.num_hidden_layers
@@ -214,6 +222,8 @@ class DecoderEngine:
                         )
                         continue
                     tensors = [get(n) for n in full]
+                    if self.emulate is not None and key in LINEAR_BLOCKS:
+                        tensors = [emulate_quant(t, self.emulate) for t in tensors]
                     layer[key] = tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0).contiguous()
                     if key in ("q_norm", "k_norm") and "q_norm" in layer and "k_norm" in layer:
                         layer["qk_norm"] = torch.cat(

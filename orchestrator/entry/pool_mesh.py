@@ -171,6 +171,7 @@ def pool_mesh(
         gpus=[0] * pool.max_hosts if pool.elastic and pool.device == "cuda" else pool_gpus(pool),
         prefix_cache=pool.prefix_cache,
         stale_prefix=pool.stale_prefix,
+        emulate_quant=pool.emulate_quant,
         procs=procs,
         name=f"sampler-{pool.name}",
         env=env,
