@@ -49,7 +49,7 @@ from ._errors import DeltaError, HashMismatchError, MalformedMessageError, Struc
 from ._message import MessageMeta, Precision, TensorMeta, WeightMessage
 from ._shared import Job, encode_on_helpers, locate
 
-__all__ = ["Snapshot", "apply", "decode_keyframe", "encode_delta", "encode_keyframe", "snapshot_bytes"]
+__all__ = ["Changes", "Snapshot", "apply", "decode_keyframe", "encode_delta", "encode_keyframe", "snapshot_bytes"]
 
 Snapshot = dict[str, torch.Tensor]
 T = TypeVar("T")
@@ -398,8 +398,22 @@ def _verify(meta: MessageMeta, chunks: list[_Chunk], results: list[bytes | Delta
     return None
 
 
-def apply(message: WeightMessage, target: Mapping[str, torch.Tensor], *, threads: int = 2) -> None:
+Changes = dict[str, np.ndarray | None]
+"""What a delta changed, per tensor it touched: the ascending flat indices (int32, or
+int64 for tensors of 2**31 elements or more) of exactly the elements whose value
+changed, or None where that is not worth listing (a chunk of it was sent dense, or more
+than 1/_DENSE_SHARE of its elements changed): then any element may have. A tensor the
+delta left alone is absent. Its memory is at most 2 bytes per element of the tensors listed."""
+
+_DENSE_SHARE = 4
+
+
+def apply(
+    message: WeightMessage, target: Mapping[str, torch.Tensor], *, threads: int = 2, changes: bool = False
+) -> Changes | None:
     """Apply `message` to `target` in place, exactly, verifying every tensor's hash.
+    With `changes`, returns for a delta what it changed (`Changes`); otherwise, and for
+    a keyframe, None.
 
     A delta needs target to hold the message's base version; a keyframe
     overwrites whatever target holds. Target must hold exactly the message's
@@ -411,12 +425,16 @@ def apply(message: WeightMessage, target: Mapping[str, torch.Tensor], *, threads
     of them target is left bit-identical to before (see module docstring).
     Version bookkeeping is the caller's (`WeightReceiver`).
     """
-    _apply(message, target, threads=threads, fresh=False)
+    return _apply(message, target, threads=threads, fresh=False, changes=changes)
 
 
-def _apply(message: WeightMessage, target: Mapping[str, torch.Tensor], *, threads: int, fresh: bool) -> None:
+def _apply(
+    message: WeightMessage, target: Mapping[str, torch.Tensor], *, threads: int, fresh: bool, changes: bool = False
+) -> Changes | None:
     """fresh: target is all zeros and may be left garbage on error, so a
-    keyframe is applied in one pass like a delta against zeros."""
+    keyframe is applied in one pass like a delta against zeros. With `changes`,
+    returns a delta's `Changes` (word positions are element positions: every
+    dtype a snapshot holds has an item size of 1, 2, 4 or 8 bytes)."""
     meta = message.meta
     words, chunks = _plan(message.meta, target)
     if meta.chunk_bytes < _PARALLEL_APPLY_CHUNK and not meta.is_keyframe:
@@ -427,10 +445,19 @@ def _apply(message: WeightMessage, target: Mapping[str, torch.Tensor], *, thread
 
     keyframe = meta.is_keyframe  # a keyframe's chunks overwrite (see decode_xor_into)
 
-    def xor_job(c: _Chunk, *, digest: bool) -> Callable[[Workspace], bytes]:
+    found: list[np.ndarray | None] = [_NONE] * len(chunks)  # changed positions by chunk; None: dense
+
+    def xor_job(c: _Chunk, *, digest: bool, k: int = -1) -> Callable[[Workspace], bytes]:
         def job(ws: Workspace) -> bytes:
             view = words[c.tensor][c.start : c.stop]
-            decode_xor_into(frames[c.frame], view, ws, tensor=name[c.tensor], chunk=c.index, overwrite=keyframe)
+            pos = decode_xor_into(
+                frames[c.frame], view, ws, tensor=name[c.tensor], chunk=c.index, overwrite=keyframe, positions=k >= 0
+            )
+            if k >= 0 and pos is None:  # each job writes only its own slot
+                found[k] = None
+            elif k >= 0:
+                found[k] = pos.astype(_index_dtype(words[c.tensor].size))
+                found[k] += c.start
             return hasher(view) if digest else b""
 
         return job
@@ -450,13 +477,33 @@ def _apply(message: WeightMessage, target: Mapping[str, torch.Tensor], *, thread
             raise error
         _raise_first(_run([xor_job(c, digest=False) for c in chunks], threads))
         return
-    results = _run([xor_job(c, digest=True) for c in chunks], threads)
+    track = changes and not keyframe
+    results = _run([xor_job(c, digest=True, k=k if track else -1) for k, c in enumerate(chunks)], threads)
     error = _verify(meta, chunks, results)
     if error is not None and not fresh:
         applied = [c for c, r in zip(chunks, results, strict=True) if not isinstance(r, DeltaError)]
         _raise_first(_run([xor_job(c, digest=False) for c in applied], threads))
     if error is not None:
         raise error
+    if not track:
+        return None
+    per_tensor: dict[int, list[np.ndarray | None]] = {}
+    for c, pos in zip(chunks, found, strict=True):
+        if pos is None or pos.size:
+            per_tensor.setdefault(c.tensor, []).append(pos)
+    out: Changes = {}
+    for i, ps in per_tensor.items():
+        listed = [p for p in ps if p is not None]
+        whole = len(listed) < len(ps) or sum(p.size for p in listed) * _DENSE_SHARE > words[i].size
+        out[name[i]] = None if whole else listed[0] if len(listed) == 1 else np.concatenate(listed)
+    return out
+
+
+_NONE = np.empty(0, np.int64)  # a chunk with no change (or not tracked)
+
+
+def _index_dtype(size: int) -> np.dtype:
+    return np.dtype(np.int32) if size <= np.iinfo(np.int32).max else np.dtype(np.int64)
 
 
 def _raise_first(results: list[bytes | DeltaError]) -> None:
