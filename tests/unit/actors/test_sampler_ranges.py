@@ -2,15 +2,17 @@
 `WeightReceiver` and handed to ``DecoderEngine.load`` as the receiver's
 ``last_changed``, leaves the compute weights bit-identical to a full reload of the
 same snapshot (tied and untied embeddings, q/k/v bias on and off, q/k norm, and FP8
-wire tensors, which keep the whole-tensor path), and the logits equal."""
+wire tensors, which keep the whole-tensor path), and the logits equal; through the
+sampler actor too."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import trio
 
 from actors.models import build_model, default_model_config, model_weights
-from actors.sampler import DecoderEngine
+from actors.sampler import DecoderEngine, SamplerActor
 from actors.tiny import family_config
 from orchestrator.weightsync import WeightPublisher, WeightReceiver
 
@@ -138,3 +140,33 @@ def test_bad_indices_are_refused_by_name() -> None:
     name = "model.norm.weight"
     with pytest.raises(ValueError, match="model.norm.weight"):
         engine.load(rx.snapshot, {name: [0, rx.snapshot[name].numel()]})
+
+
+async def test_the_sampler_actor_loads_deltas_by_elements() -> None:
+    """Through `SamplerActor.apply_weights` (in process, its real backend loop running):
+    deltas land in the engine's existing compute tensors (the same objects, updated in
+    place), which end bit-identical to a full reload; a keyframe replaces them."""
+    cfg = CONFIGS["qwen2-bias"]
+    master = model_weights(build_model(cfg, seed=0))
+    pub = WeightPublisher(keyframe_interval=3, chunk_bytes=4096, helper_processes=False)
+    (kf,) = pub.publish(0, master)
+    actor = SamplerActor("p", "bf16", cfg, "cpu", initial_weights=kf.to_bytes(), max_batch=2)
+    gen = torch.Generator().manual_seed(5)
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            await actor.on_start(nursery)
+            engine = actor._backend.engine  # type: ignore[attr-defined]
+            blocks = _compute(engine)
+            for version in (1, 2):
+                _step(master, gen)
+                msgs = pub.publish(version, master)
+                assert await actor.apply_weights(msgs[0].to_frames()) == version
+            after = _compute(engine)
+            assert all(after[k] is blocks[k] for k in blocks if k.split(".")[-1] != "qk_norm")
+            _assert_same(engine, _full(cfg, actor._receiver.snapshot))
+            _step(master, gen)
+            _, key = pub.publish(3, master)  # a keyframe is due: sent alone, loaded whole
+            assert key.is_keyframe and await actor.apply_weights(key.to_frames()) == 3
+            assert _compute(engine)["0.qkv"] is not blocks["0.qkv"]
+            _assert_same(engine, _full(cfg, actor._receiver.snapshot))
+            nursery.cancel_scope.cancel()
