@@ -29,7 +29,8 @@ Imports torch; `orchestrator/__init__` does not import this package.
 """
 
 from ._auth import meta_digest, seal, verify, verify_meta
-from ._codec import Changes, Snapshot, apply, decode_keyframe, encode_delta, encode_keyframe, snapshot_bytes
+from ._changes import Changes
+from ._codec import Snapshot, apply, decode_keyframe, encode_delta, encode_keyframe, snapshot_bytes
 from ._device import DeviceDeltas
 from ._errors import (
     AuthenticationError,

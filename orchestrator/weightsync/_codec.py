@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from ._auth import seal
+from ._changes import NO_CHANGE, Changes, chunk_positions, gather_changes
 from ._chunks import (
     HASHERS,
     Workspace,
@@ -49,7 +50,7 @@ from ._errors import DeltaError, HashMismatchError, MalformedMessageError, Struc
 from ._message import MessageMeta, Precision, TensorMeta, WeightMessage
 from ._shared import Job, encode_on_helpers, locate
 
-__all__ = ["Changes", "Snapshot", "apply", "decode_keyframe", "encode_delta", "encode_keyframe", "snapshot_bytes"]
+__all__ = ["Snapshot", "apply", "decode_keyframe", "encode_delta", "encode_keyframe", "snapshot_bytes"]
 
 Snapshot = dict[str, torch.Tensor]
 T = TypeVar("T")
@@ -398,16 +399,6 @@ def _verify(meta: MessageMeta, chunks: list[_Chunk], results: list[bytes | Delta
     return None
 
 
-Changes = dict[str, np.ndarray | None]
-"""What a delta changed, per tensor it touched: the ascending flat indices (int32, or
-int64 for tensors of 2**31 elements or more) of exactly the elements whose value
-changed, or None where that is not worth listing (a chunk of it was sent dense, or more
-than 1/_DENSE_SHARE of its elements changed): then any element may have. A tensor the
-delta left alone is absent. Its memory is at most 2 bytes per element of the tensors listed."""
-
-_DENSE_SHARE = 4
-
-
 def apply(
     message: WeightMessage, target: Mapping[str, torch.Tensor], *, threads: int = 2, changes: bool = False
 ) -> Changes | None:
@@ -445,7 +436,7 @@ def _apply(
 
     keyframe = meta.is_keyframe  # a keyframe's chunks overwrite (see decode_xor_into)
 
-    found: list[np.ndarray | None] = [_NONE] * len(chunks)  # changed positions by chunk; None: dense
+    found: list[np.ndarray | None] = [NO_CHANGE] * len(chunks)  # changed positions by chunk; None: dense
 
     def xor_job(c: _Chunk, *, digest: bool, k: int = -1) -> Callable[[Workspace], bytes]:
         def job(ws: Workspace) -> bytes:
@@ -453,11 +444,8 @@ def _apply(
             pos = decode_xor_into(
                 frames[c.frame], view, ws, tensor=name[c.tensor], chunk=c.index, overwrite=keyframe, positions=k >= 0
             )
-            if k >= 0 and pos is None:  # each job writes only its own slot
-                found[k] = None
-            elif k >= 0:
-                found[k] = pos.astype(_index_dtype(words[c.tensor].size))
-                found[k] += c.start
+            if k >= 0:  # each job writes its own slot only
+                found[k] = chunk_positions(pos, view.size, c.start, words[c.tensor].size)
             return hasher(view) if digest else b""
 
         return job
@@ -487,23 +475,7 @@ def _apply(
         raise error
     if not track:
         return None
-    per_tensor: dict[int, list[np.ndarray | None]] = {}
-    for c, pos in zip(chunks, found, strict=True):
-        if pos is None or pos.size:
-            per_tensor.setdefault(c.tensor, []).append(pos)
-    out: Changes = {}
-    for i, ps in per_tensor.items():
-        listed = [p for p in ps if p is not None]
-        whole = len(listed) < len(ps) or sum(p.size for p in listed) * _DENSE_SHARE > words[i].size
-        out[name[i]] = None if whole else listed[0] if len(listed) == 1 else np.concatenate(listed)
-    return out
-
-
-_NONE = np.empty(0, np.int64)  # a chunk with no change (or not tracked)
-
-
-def _index_dtype(size: int) -> np.dtype:
-    return np.dtype(np.int32) if size <= np.iinfo(np.int32).max else np.dtype(np.int64)
+    return gather_changes(name, [w.size for w in words], [c.tensor for c in chunks], found)
 
 
 def _raise_first(results: list[bytes | DeltaError]) -> None:

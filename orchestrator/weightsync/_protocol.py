@@ -24,9 +24,9 @@ import torch
 from typing_extensions import Buffer
 
 from ._auth import verify, verify_meta
+from ._changes import Changes
 from ._codec import (
     DEFAULT_CHUNK_BYTES,
-    Changes,
     Snapshot,
     _dtype,
     apply,
