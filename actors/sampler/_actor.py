@@ -256,11 +256,17 @@ class SamplerActor(Actor):
     async def _load(self, snapshot: Any, version: int, meta: Any, *, diff: bool) -> None:
         """Hand the receiver's snapshot at ``version`` to the backend. With ``diff``, and the
         same tensors as the weights in use, only those whose hash changed are named as
-        changed; otherwise the backend loads everything."""
+        changed; otherwise the backend loads everything. When the message was a delta
+        applied to the weights in use (the backend held its base version), each changed
+        name maps to the element indices the receiver reports it changed
+        (``WeightReceiver.last_changed``), so the backend can update just those."""
         new_hashes = {t.name: t.hash for t in meta.tensors}
-        changed = None
+        changed: Any = None
         if diff and new_hashes.keys() == self._hashes.keys():
             changed = [n for n, h in new_hashes.items() if self._hashes[n] != h]
+            elements = self._receiver.last_changed
+            if elements is not None and meta.base_version == self._backend.version:
+                changed = {n: elements.get(n) for n in changed}
         self._hashes = {}  # until the backend holds these weights: next load is a full one
         await self._backend.update_weights(snapshot, version, changed)
         self._hashes = new_hashes

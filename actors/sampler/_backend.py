@@ -8,7 +8,8 @@ A backend owns the model on its device, batches requests itself, and exposes:
   generated token's support row (ids + log q) and policy version;
 * ``update_weights(snapshot, version, changed)`` -- the new wire snapshot (bf16,
   or float8_e4m3fn + ``<name>_scale_inv`` 128x128 block scales) after the
-  weight sync applied a message; ``changed`` names the tensors that differ;
+  weight sync applied a message; ``changed`` names the tensors that differ (or maps
+  each to the flat element indices that differ, ``DecoderEngine.load``; None: all);
 * ``abort(request_id)``, ``version``, ``counters()``.
 
 The shape follows what SGLang offers, so an SGLang server fits behind it:

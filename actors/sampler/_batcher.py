@@ -256,6 +256,7 @@ class ContinuousBatcher:
         self, snapshot: Mapping[str, torch.Tensor], version: int, changed: Collection[str] | None = None
     ) -> None:
         """Load (changed tensors of) a wire snapshot; later tokens carry ``version``.
+        ``changed``: as ``DecoderEngine.load``'s ``names`` (names, or name -> element indices).
 
         Runs between ticks, so running sequences keep their KV cache and simply
         continue under the new weights (in-flight update)."""

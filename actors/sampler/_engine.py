@@ -45,7 +45,7 @@ from actors.models import load_model_config
 
 from ._emulate import EMULATED_FORMATS, emulate_quant
 from ._fp8mm import Fp8Weight, fp8_matmul_available, linear
-from ._weights import LINEAR_BLOCKS, layer_parts, rope_frequencies, wire_to_compute
+from ._weights import LINEAR_BLOCKS, layer_parts, patch_in_place, rope_frequencies, wire_to_compute
 
 __all__ = ["DecoderEngine", "Qwen3Engine", "first_outside_vocab"]
 
@@ -187,10 +187,19 @@ class DecoderEngine:
 
         ``names``: the snapshot entries that changed (``<name>_scale_inv`` counts
         as its weight); None rebuilds everything.  Only the touched fused blocks
-        are rebuilt, so a sparse delta costs little.  Raises KeyError/ValueError
-        naming a missing or malformed tensor; the previous weights then stay in
-        use only for the blocks not yet rebuilt, so the caller must treat a
-        failed load as fatal for the snapshot (reload it whole).
+        are rebuilt, so a sparse delta costs little.  A mapping ``name -> element
+        indices`` (``WeightReceiver.last_changed`` narrowed to those names; None for
+        a whole tensor) says more: the snapshot differs from the weights loaded last
+        only at those flat elements, and they are written into the existing compute
+        tensors in place (``patch_in_place``), so an update costs what changed, not
+        the model.  The whole-tensor path stays for FP8 wire tensors (with
+        ``_scale_inv``), FP8 matmul blocks and the linear blocks of an ``emulate``
+        format (it rounds whole weights); the derived ``qk_norm`` block is rebuilt
+        from ``q_norm``/``k_norm`` either way.
+
+        Raises KeyError/ValueError naming a missing or malformed tensor; the
+        previous weights then stay in use only for the blocks not yet rebuilt, so
+        the caller must treat a failed load as fatal for the snapshot (reload it whole).
         """
         expected = {name: None for name in self.weight_names()}
         if names is None or not self._loaded:
@@ -201,34 +210,42 @@ class DecoderEngine:
             missing = [n for n in expected if n not in snapshot]
             if missing:
                 raise KeyError(f"weight snapshot lacks {len(missing)} tensors, first {missing[0]!r}")
+        elements = names if isinstance(names, Mapping) and self._loaded else None
 
         def get(name: str) -> torch.Tensor:
             return wire_to_compute(snapshot, name, self.dtype, self.device)
 
-        for name, key in (("model.embed_tokens.weight", "embed"), ("model.norm.weight", "norm")):
-            if name in touched:
-                self._top[key] = get(name)
+        def patched(current: Any, full: list[str]) -> bool:
+            if elements is None or not isinstance(current, torch.Tensor):
+                return False
+            return patch_in_place(current, snapshot, full, {n: elements[n] for n in full if n in elements})
+
         lm = "model.embed_tokens.weight" if self.tied else "lm_head.weight"
-        if lm in touched:
-            self._top["lm_head"] = get(lm)
+        for name, key in (("model.embed_tokens.weight", "embed"), ("model.norm.weight", "norm"), (lm, "lm_head")):
+            if name in touched and not patched(self._top.get(key), [name]):
+                self._top[key] = get(name)
         for i, layer in enumerate(self._layers):
             prefix = f"model.layers.{i}."
             for key, parts in self._parts.items():
                 full = [prefix + p for p in parts]
-                if any(n in touched for n in full):
-                    if self.fp8_matmul and key in LINEAR_BLOCKS and snapshot[full[0]].dtype == torch.float8_e4m3fn:
-                        layer[key] = Fp8Weight.cat(
-                            [Fp8Weight.from_wire(snapshot[n], snapshot[n + "_scale_inv"], self.device) for n in full]
-                        )
-                        continue
+                if not any(n in touched for n in full):
+                    continue
+                emulated = self.emulate is not None and key in LINEAR_BLOCKS
+                if not emulated and patched(layer.get(key), full):
+                    pass
+                elif self.fp8_matmul and key in LINEAR_BLOCKS and snapshot[full[0]].dtype == torch.float8_e4m3fn:
+                    layer[key] = Fp8Weight.cat(
+                        [Fp8Weight.from_wire(snapshot[n], snapshot[n + "_scale_inv"], self.device) for n in full]
+                    )
+                else:
                     tensors = [get(n) for n in full]
-                    if self.emulate is not None and key in LINEAR_BLOCKS:
-                        tensors = [emulate_quant(t, self.emulate) for t in tensors]
+                    if emulated:
+                        tensors = [emulate_quant(t, self.emulate) for t in tensors]  # type: ignore[arg-type]
                     layer[key] = tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0).contiguous()
-                    if key in ("q_norm", "k_norm") and "q_norm" in layer and "k_norm" in layer:
-                        layer["qk_norm"] = torch.cat(
-                            (layer["q_norm"].expand(self.n_heads, -1), layer["k_norm"].expand(self.n_kv, -1))
-                        )
+                if key in ("q_norm", "k_norm") and "q_norm" in layer and "k_norm" in layer:
+                    layer["qk_norm"] = torch.cat(
+                        (layer["q_norm"].expand(self.n_heads, -1), layer["k_norm"].expand(self.n_kv, -1))
+                    )
         self._check_shapes()
         self._loaded = True
 

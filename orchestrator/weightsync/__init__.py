@@ -29,6 +29,7 @@ Imports torch; `orchestrator/__init__` does not import this package.
 """
 
 from ._auth import meta_digest, seal, verify, verify_meta
+from ._changes import Changes
 from ._codec import Snapshot, apply, decode_keyframe, encode_delta, encode_keyframe, snapshot_bytes
 from ._device import DeviceDeltas
 from ._errors import (
@@ -63,6 +64,7 @@ __all__ = [
     "FP8_BLOCK",
     "FP8_MAX",
     "AuthenticationError",
+    "Changes",
     "CorruptPayloadError",
     "DeltaError",
     "DeviceDeltas",

@@ -326,11 +326,22 @@ def encode_changes(pos: np.ndarray, vals: np.ndarray, m: int, ws: Workspace) -> 
 
 
 def decode_xor_into(
-    frame, target: np.ndarray, ws: Workspace, *, tensor: str, chunk: int, overwrite: bool = False
-) -> None:
+    frame,
+    target: np.ndarray,
+    ws: Workspace,
+    *,
+    tensor: str,
+    chunk: int,
+    overwrite: bool = False,
+    positions: bool = False,
+) -> np.ndarray | None:
     """target ^= the change words carried by `frame` (target: word array); with
     `overwrite`, target = those words (a keyframe chunk over whatever target held:
     a dense body is assembled straight into target, in half the passes of an XOR).
+
+    With `positions`, returns the ascending int64 positions (within the chunk) of the
+    words the frame marks as changed (exactly the words whose value changed), or None
+    for a dense body (any word may have changed). Without it, always None.
 
     Decompresses and validates the whole body before writing, so on any
     CorruptPayloadError (bad frame, wrong size, positions out of range)
@@ -359,7 +370,7 @@ def decode_xor_into(
             _write_planes_into(body[1:], target)
         else:
             _xor_planes_into(body[1:], target, ws.buf("words", m * w, target.dtype))
-        return
+        return None
     if mode not in (_GAPS, _BITMAP) or body.size < 5:
         raise bad(f"unknown chunk layout {mode}")
     nnz = int(body[1:5].view("<u4")[0])
@@ -369,7 +380,7 @@ def decode_xor_into(
     if nnz == 0:
         if overwrite:
             target.fill(0)
-        return
+        return np.empty(0, np.int64) if positions else None
     vals = _from_planes(body[5 + index_bytes :], target.dtype, nnz)
     if mode == _GAPS:
         gaps = _from_planes(body[5 : 5 + index_bytes], np.dtype("<u4"), nnz)
@@ -380,7 +391,7 @@ def decode_xor_into(
         if overwrite:
             target.fill(0)
         target[pos] ^= vals
-        return
+        return pos if positions else None
     bits = body[5 : 5 + nbits]
     changed = np.unpackbits(bits, count=m, bitorder="little").view(bool)
     if int(np.count_nonzero(changed)) != nnz or np.count_nonzero(np.unpackbits(bits)) != nnz:
@@ -388,8 +399,12 @@ def decode_xor_into(
     if overwrite:
         target.fill(0)
     done = 0
+    found: list[np.ndarray] = []
     for start in range(0, m, _BLOCK):  # blockwise, so positions stay O(_BLOCK)
         pos = np.flatnonzero(changed[start : start + _BLOCK])
         pos += start
         target[pos] ^= vals[done : done + pos.size]
         done += pos.size
+        if positions:
+            found.append(pos)
+    return np.concatenate(found).astype(np.int64, copy=False) if positions else None

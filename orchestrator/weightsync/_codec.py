@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from ._auth import seal
+from ._changes import NO_CHANGE, Changes, chunk_positions, gather_changes
 from ._chunks import (
     HASHERS,
     Workspace,
@@ -398,8 +399,12 @@ def _verify(meta: MessageMeta, chunks: list[_Chunk], results: list[bytes | Delta
     return None
 
 
-def apply(message: WeightMessage, target: Mapping[str, torch.Tensor], *, threads: int = 2) -> None:
+def apply(
+    message: WeightMessage, target: Mapping[str, torch.Tensor], *, threads: int = 2, changes: bool = False
+) -> Changes | None:
     """Apply `message` to `target` in place, exactly, verifying every tensor's hash.
+    With `changes`, returns for a delta what it changed (`Changes`); otherwise, and for
+    a keyframe, None.
 
     A delta needs target to hold the message's base version; a keyframe
     overwrites whatever target holds. Target must hold exactly the message's
@@ -411,12 +416,16 @@ def apply(message: WeightMessage, target: Mapping[str, torch.Tensor], *, threads
     of them target is left bit-identical to before (see module docstring).
     Version bookkeeping is the caller's (`WeightReceiver`).
     """
-    _apply(message, target, threads=threads, fresh=False)
+    return _apply(message, target, threads=threads, fresh=False, changes=changes)
 
 
-def _apply(message: WeightMessage, target: Mapping[str, torch.Tensor], *, threads: int, fresh: bool) -> None:
+def _apply(
+    message: WeightMessage, target: Mapping[str, torch.Tensor], *, threads: int, fresh: bool, changes: bool = False
+) -> Changes | None:
     """fresh: target is all zeros and may be left garbage on error, so a
-    keyframe is applied in one pass like a delta against zeros."""
+    keyframe is applied in one pass like a delta against zeros. With `changes`,
+    returns a delta's `Changes` (word positions are element positions: every
+    dtype a snapshot holds has an item size of 1, 2, 4 or 8 bytes)."""
     meta = message.meta
     words, chunks = _plan(message.meta, target)
     if meta.chunk_bytes < _PARALLEL_APPLY_CHUNK and not meta.is_keyframe:
@@ -427,10 +436,16 @@ def _apply(message: WeightMessage, target: Mapping[str, torch.Tensor], *, thread
 
     keyframe = meta.is_keyframe  # a keyframe's chunks overwrite (see decode_xor_into)
 
-    def xor_job(c: _Chunk, *, digest: bool) -> Callable[[Workspace], bytes]:
+    found: list[np.ndarray | None] = [NO_CHANGE] * len(chunks)  # changed positions by chunk; None: dense
+
+    def xor_job(c: _Chunk, *, digest: bool, k: int = -1) -> Callable[[Workspace], bytes]:
         def job(ws: Workspace) -> bytes:
             view = words[c.tensor][c.start : c.stop]
-            decode_xor_into(frames[c.frame], view, ws, tensor=name[c.tensor], chunk=c.index, overwrite=keyframe)
+            pos = decode_xor_into(
+                frames[c.frame], view, ws, tensor=name[c.tensor], chunk=c.index, overwrite=keyframe, positions=k >= 0
+            )
+            if k >= 0:  # each job writes its own slot only
+                found[k] = chunk_positions(pos, view.size, c.start, words[c.tensor].size)
             return hasher(view) if digest else b""
 
         return job
@@ -450,13 +465,17 @@ def _apply(message: WeightMessage, target: Mapping[str, torch.Tensor], *, thread
             raise error
         _raise_first(_run([xor_job(c, digest=False) for c in chunks], threads))
         return
-    results = _run([xor_job(c, digest=True) for c in chunks], threads)
+    track = changes and not keyframe
+    results = _run([xor_job(c, digest=True, k=k if track else -1) for k, c in enumerate(chunks)], threads)
     error = _verify(meta, chunks, results)
     if error is not None and not fresh:
         applied = [c for c, r in zip(chunks, results, strict=True) if not isinstance(r, DeltaError)]
         _raise_first(_run([xor_job(c, digest=False) for c in applied], threads))
     if error is not None:
         raise error
+    if not track:
+        return None
+    return gather_changes(name, [w.size for w in words], [c.tensor for c in chunks], found)
 
 
 def _raise_first(results: list[bytes | DeltaError]) -> None:

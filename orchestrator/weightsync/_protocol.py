@@ -24,6 +24,7 @@ import torch
 from typing_extensions import Buffer
 
 from ._auth import verify, verify_meta
+from ._changes import Changes
 from ._codec import (
     DEFAULT_CHUNK_BYTES,
     Snapshot,
@@ -338,6 +339,7 @@ class WeightReceiver:
         self._key = auth_key
         self._staged: tuple[Snapshot, int] | None = None
         self._incoming: tuple[PartAssembler, Snapshot] | None = None
+        self._changed: Changes | None = None
         self.needs_keyframe = snapshot is None
 
     @property
@@ -357,6 +359,16 @@ class WeightReceiver:
     def staged_version(self) -> int | None:
         """Version of a keyframe path being built below the held version, if any."""
         return None if self._staged is None else self._staged[1]
+
+    @property
+    def last_changed(self) -> Changes | None:
+        """What the last apply changed in `snapshot`, when that is known exactly: after a
+        delta applied to the held weights (the same snapshot object as before it), per
+        tensor it changed the ascending flat indices of the elements whose value changed,
+        or None for "any element may have" (see `Changes`; tensors it left alone are
+        absent). None after a keyframe, a staged message, a streamed part, a failed
+        apply, and before any apply: then a copy of the weights must be refreshed whole."""
+        return self._changed
 
     @property
     def have_version(self) -> int | None:
@@ -381,6 +393,7 @@ class WeightReceiver:
 
     def _guarded(self, get: Callable[[], WeightMessage]) -> int | None:
         self._incoming = None  # a whole message ends any unfinished stream
+        self._changed = None
         try:
             message = get()
             self._apply(message)
@@ -409,6 +422,7 @@ class WeightReceiver:
         is dropped, `needs_keyframe` is set and `version` is still the last good one -- the
         version of the weights a sampler's engine, which holds its own copy, goes on using.
         """
+        self._changed = None
         try:
             if header.get("seq") == 0:
                 self._start_stream(header)
@@ -491,8 +505,9 @@ class WeightReceiver:
                 kind = "gap" if message.base_version > held else "out-of-order delta"  # type: ignore[operator]
                 raise VersionError(f"{kind}: delta {message.base_version}->{message.version}, receiver at {held}")
             self._staged = None
-            apply(message, snap, threads=self._threads)
+            changed = apply(message, snap, threads=self._threads, changes=True)
             self._version = message.version
+            self._changed = changed
             return
         staged, version = self._staged
         if held is not None and version >= held:  # the path caught up: verified, not older
