@@ -33,6 +33,7 @@ import trio
 from actors.trainer import StepResult
 from actors.types import SamplingParams, TaskSpec, Trajectory
 from hardware import PoolConfig
+from orchestrator.controller.meshes import MeshTrainer
 from orchestrator.runtime import Actor, ActorDied, Mesh, endpoint
 from policies.metrics import PoolMetrics
 
@@ -157,6 +158,10 @@ class FleetSampler(Actor):
         self.held.pop(rank, None)
 
     @endpoint
+    async def have(self, rank: int) -> int | None:
+        return self.held.get(rank)
+
+    @endpoint
     async def stats(self, rank: int) -> dict[str, Any]:
         return {"tokens_generated": 0, "busy_seconds": 0.0, "requests_finished": 0, "prefill_batches": 0}
 
@@ -210,35 +215,17 @@ class FleetEnv(Actor):
         )
 
 
-class FleetTrainerLink:
-    """The trainer link over a one-rank `FleetTrainer` mesh; counts the bytes it sends."""
+class FleetTrainerLink(MeshTrainer):
+    """The run's trainer link over a one-rank `FleetTrainer` mesh; counts the bytes it sends."""
 
     def __init__(self, mesh: Mesh[Any], meter: DataMeter) -> None:
-        self.mesh = mesh
+        super().__init__(mesh)
         self.meter = meter
-        self._actor = mesh[0]
-
-    async def version(self) -> int:
-        return await self._actor.version.call_one()
 
     async def train_step(self, batch: list[Trajectory]) -> StepResult:
         self.meter.bytes_out += sum(trajectory_bytes(t) for t in batch)
         self.meter.trained += len(batch)
-        return await self._actor.train_step.call_one(batch)
-
-    async def update_path(self, receiver: str, have: int, precision: str, part_bytes: int) -> dict[str, Any]:
-        return await self._actor.update_path.call_one(receiver, have, precision, part_bytes)
-
-    async def keyframe_part(
-        self, precision: str, version: int, seq: int, part_bytes: int
-    ) -> tuple[dict[str, Any], list[bytes]]:
-        return await self._actor.keyframe_part.call_one(precision, version, seq, part_bytes)
-
-    async def ack(self, receiver: str, version: int) -> None:
-        await self._actor.ack.call_one(receiver, version)
-
-    async def save_checkpoint(self, directory: str) -> str:
-        return await self._actor.save_checkpoint.call_one(directory)
+        return await super().train_step(batch)
 
     async def restart(self) -> int:
         raise RuntimeError("the fleet benchmark's trainer is not restarted")
@@ -300,6 +287,15 @@ class FleetPool:
 
     def respawn(self, rank: int) -> None:
         self.mesh.respawn(rank % self.mesh.size)
+
+    async def have_version(self, rank: int) -> int | None:
+        return await self._proc(rank).have.call_one(rank)
+
+    def host_of(self, rank: int) -> str | None:
+        return None  # every fake rank runs on this machine
+
+    def left(self, rank: int) -> bool:
+        return False
 
 
 class FleetEnvs:
