@@ -64,7 +64,8 @@ class RunResult:
     """Why the run stopped before its last step (episodes kept failing), or None."""
 
 
-def _actor_env(cfg: RunConfig, cpus: list[int] | None) -> dict[str, str]:
+def actor_env(cfg: RunConfig, cpus: list[int] | None) -> dict[str, str]:
+    """The environment of an actor process of this run (thread counts, its CPUs)."""
     threads = str(cfg.placement.threads_per_actor)
     env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false"}
     if cpus:
@@ -72,7 +73,8 @@ def _actor_env(cfg: RunConfig, cpus: list[int] | None) -> dict[str, str]:
     return env
 
 
-def _model_config(cfg: RunConfig) -> dict[str, Any] | str:
+def run_model_config(cfg: RunConfig) -> dict[str, Any] | str:
+    """The model the run's actors build: the config's checkpoint path, or the built-in tiny model's config."""
     from actors.models import default_model_config
     from actors.tokenizer import VOCAB_SIZE
 
@@ -213,12 +215,12 @@ async def _run_async(
     if cfg.placement.sampler_cpus:  # the controller works alongside the samplers
         os.sched_setaffinity(0, set(cfg.placement.sampler_cpus))
 
-    model_cfg = _model_config(cfg)
+    model_cfg = run_model_config(cfg)
     precisions = sorted({p.precision for p in cfg.pools})
     trainer_cfg = cfg.trainer.model_copy(
         update={"recipe": cfg.recipe, "seed": cfg.model.seed, "model": model_cfg, "precisions": precisions}
     )
-    env = _actor_env(cfg, cfg.placement.sampler_cpus)
+    env = actor_env(cfg, cfg.placement.sampler_cpus)
     scheduler = Scheduler(cfg.pools, ThroughputModel(cfg.pools, _model_spec(checked.params)))
     # Emulated pools are billed their measured busy seconds at the labelled GPU's price
     # (no throughput model given to the ledger), so the report reflects the run that happened.
@@ -248,7 +250,7 @@ async def _run_async(
             not resume,
             weights_key=weights_key,
             name="trainer",
-            env=_actor_env(cfg, cfg.placement.trainer_cpus),
+            env=actor_env(cfg, cfg.placement.trainer_cpus),
         ),
         "env": open_mesh(
             EnvActor,

@@ -111,7 +111,7 @@ async def sft_async(cfg: RunConfig, *, source: str = "<config>", quiet: bool = F
     """Run `cfg`'s `[sft]` (see the module docstring)."""
     from actors.chat import HFChatFormat
     from actors.trainer import open_trainer
-    from orchestrator.entry.runner import _actor_env, _model_config
+    from orchestrator.entry.runner import actor_env, run_model_config
 
     t0 = time.monotonic()
     data, fmt = _prepare(cfg, source)
@@ -123,14 +123,14 @@ async def sft_async(cfg: RunConfig, *, source: str = "<config>", quiet: bool = F
     steps = sft.steps if sft.steps is not None else sft.epochs * math.ceil(len(data) / sft.batch_size)
     plan = _batches(len(data), sft.batch_size, steps, cfg.seed)
     trainer_cfg = cfg.trainer.model_copy(
-        update={"recipe": cfg.recipe, "seed": cfg.model.seed, "model": _model_config(cfg), "precisions": ["bf16"]}
+        update={"recipe": cfg.recipe, "seed": cfg.model.seed, "model": run_model_config(cfg), "precisions": ["bf16"]}
     )
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(cfg.resolved_json())
     say = (lambda _m: None) if quiet else (lambda m: print(m, file=sys.stderr, flush=True))
     say(f"flotilla sft: {len(data)} sequences, {steps} steps at lr {lr:g} → {out}")
     chunk = max(sft.batch_size, 64)
-    async with open_trainer(trainer_cfg, name="sft-trainer", env=_actor_env(cfg, cfg.placement.trainer_cpus)) as tr:
+    async with open_trainer(trainer_cfg, name="sft-trainer", env=actor_env(cfg, cfg.placement.trainer_cpus)) as tr:
         initial = await _mean_loss(tr, data, chunk)
         say(f"flotilla sft: initial loss {initial:.4f}")
         log = MetricsLog(out / "metrics.jsonl")
