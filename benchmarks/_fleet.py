@@ -237,7 +237,32 @@ class FleetTrainerLink(MeshTrainer):
         await self._actor.runtime_stats.call_one()
 
 
-class FleetPool:
+class _Multiplexed:
+    """`size` logical ranks over the processes of one mesh (rank r runs in process
+    r % mesh.size): their liveness and respawns, as the controller's links need them."""
+
+    mesh: Mesh[Any]
+    _size: int
+
+    def _proc(self, rank: int) -> Any:
+        return self.mesh[rank % self.mesh.size]
+
+    async def ping(self, rank: int) -> None:
+        await self._proc(rank).runtime_stats.call_one()
+
+    def dead_ranks(self) -> list[int]:
+        dead = self.mesh.dead_ranks
+        return [r for r in range(self._size) if r % self.mesh.size in dead] if dead else []
+
+    def starting_ranks(self) -> list[int]:
+        starting = self.mesh.starting_ranks
+        return [r for r in range(self._size) if r % self.mesh.size in starting] if starting else []
+
+    def respawn(self, rank: int) -> None:
+        self.mesh.respawn(rank % self.mesh.size)
+
+
+class FleetPool(_Multiplexed):
     """`size` logical sampler ranks over the processes of one `FleetSampler` mesh."""
 
     def __init__(self, config: PoolConfig, mesh: Mesh[Any], size: int) -> None:
@@ -249,9 +274,6 @@ class FleetPool:
     @property
     def size(self) -> int:
         return self._size
-
-    def _proc(self, rank: int) -> Any:
-        return self.mesh[rank % self.mesh.size]
 
     def sampler(self, rank: int) -> Any:
         return self._proc(rank)
@@ -274,20 +296,6 @@ class FleetPool:
         except ActorDied:
             return None
 
-    async def ping(self, rank: int) -> None:
-        await self._proc(rank).runtime_stats.call_one()
-
-    def dead_ranks(self) -> list[int]:
-        dead = self.mesh.dead_ranks
-        return [r for r in range(self._size) if r % self.mesh.size in dead] if dead else []
-
-    def starting_ranks(self) -> list[int]:
-        starting = self.mesh.starting_ranks
-        return [r for r in range(self._size) if r % self.mesh.size in starting] if starting else []
-
-    def respawn(self, rank: int) -> None:
-        self.mesh.respawn(rank % self.mesh.size)
-
     async def have_version(self, rank: int) -> int | None:
         return await self._proc(rank).have.call_one(rank)
 
@@ -298,7 +306,7 @@ class FleetPool:
         return False
 
 
-class FleetEnvs:
+class FleetEnvs(_Multiplexed):
     """`size` logical environment ranks over the processes of one `FleetEnv` mesh; counts
     the trajectory bytes that arrive."""
 
@@ -321,17 +329,3 @@ class FleetEnvs:
         self.meter.traj_bytes += n
         self.meter.rollouts += 1
         return traj
-
-    async def ping(self, rank: int) -> None:
-        await self.mesh[rank % self.mesh.size].runtime_stats.call_one()
-
-    def dead_ranks(self) -> list[int]:
-        dead = self.mesh.dead_ranks
-        return [r for r in range(self._size) if r % self.mesh.size in dead] if dead else []
-
-    def starting_ranks(self) -> list[int]:
-        starting = self.mesh.starting_ranks
-        return [r for r in range(self._size) if r % self.mesh.size in starting] if starting else []
-
-    def respawn(self, rank: int) -> None:
-        self.mesh.respawn(rank % self.mesh.size)

@@ -26,7 +26,7 @@ import statistics
 import sys
 import time
 
-from wan import LARGE  # the script's folder is on sys.path, as for wan.py's own imports
+from wan import LARGE  # wan.py sits beside this script
 
 
 def main() -> None:
