@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["SamplingParams", "TaskSpec", "Trajectory"]
+__all__ = ["MissingTrajectories", "SamplingParams", "TaskSpec", "Trajectory", "TrajectoryRef"]
 
 
 class TaskSpec(BaseModel):
@@ -175,3 +175,87 @@ class Trajectory(BaseModel):
     def staleness(self, trainer_version: int) -> int:
         """``trainer_version`` − the oldest version among the generated tokens."""
         return trainer_version - self.oldest_version
+
+
+class TrajectoryRef(BaseModel):
+    """A finished trajectory that its environment actor holds: everything the controller
+    decides on (admission, staleness, batching, accounting) without the tensors.
+
+    The trainer fetches the tensors from the holder (``actors.held``); a failed episode
+    holds nothing (``key`` is empty: it is never trained). ``holder`` is the rank, in the
+    environment mesh, of the actor that holds it; the controller's link sets it.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    key: str
+    """The holder's name for it (empty: nothing held)."""
+    holder: int = -1
+    """Rank of the holding actor in the environment mesh."""
+    task: str
+    prompt_id: str
+    group_id: str
+    pool: str
+    reward: float
+    failed: bool = False
+    error: str | None = None
+    error_traceback: str | None = None
+    sampler_lost: bool = False
+    turns: int
+    segments: int = 1
+    seconds: float
+    num_generated: int
+    """Sampler-generated tokens (``Trajectory.num_generated``)."""
+    num_tokens: int
+    """All tokens of the sequence."""
+    oldest_version: int
+    newest_version: int
+    nbytes: int
+    """Bytes of the held tensors."""
+
+    @classmethod
+    def of(cls, traj: Trajectory, key: str) -> TrajectoryRef:
+        fields = {k: getattr(traj, k) for k in _META}
+        return cls(
+            key=key,
+            **fields,
+            num_generated=traj.num_generated,
+            num_tokens=traj.tokens.numel(),
+            oldest_version=traj.oldest_version,
+            newest_version=traj.newest_version,
+            nbytes=sum(getattr(traj, k).numel() * getattr(traj, k).element_size() for k in TENSOR_FIELDS),
+        )
+
+    def staleness(self, trainer_version: int) -> int:
+        """``trainer_version`` − the oldest version among the generated tokens."""
+        return trainer_version - self.oldest_version
+
+
+class MissingTrajectories(BaseModel):
+    """What a trainer answers instead of a step when it could not fetch every trajectory
+    of a batch (its holder died, restarted or did not answer): nothing was trained."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    keys: list[str]
+    """The ``TrajectoryRef.key`` of every trajectory it could not fetch."""
+    reason: str
+    """What went wrong, one line per holder."""
+
+
+TENSOR_FIELDS = ("tokens", "loss_mask", "support_ids", "support_offsets", "support_logq", "versions")
+"""The tensors of a `Trajectory`."""
+_META = (
+    "task",
+    "prompt_id",
+    "group_id",
+    "pool",
+    "reward",
+    "failed",
+    "error",
+    "error_traceback",
+    "sampler_lost",
+    "turns",
+    "segments",
+    "seconds",
+)

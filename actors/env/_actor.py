@@ -23,8 +23,9 @@ from actors.env._interface import registered_tasks
 from actors.env._modules import import_task_modules
 from actors.env._threads import EnvThreads
 from actors.env._watchdog import LoopWatchdog
+from actors.held import TrajectoryStore
 from actors.sampler import GenerateRequest, GenerateResult
-from actors.types import SamplingParams, TaskSpec, Trajectory
+from actors.types import SamplingParams, TaskSpec, Trajectory, TrajectoryRef
 from orchestrator.runtime import Actor, ActorRef, Mesh, endpoint, span
 
 __all__ = ["EnvActor", "EnvConfig"]
@@ -65,6 +66,10 @@ class EnvConfig(BaseModel):
     gateway: bool = False
     """Serve the gateway without a harness: ``verifiers:<env>`` tasks (``actors.env.libs``)
     run their environment's own rollout against a session of it."""
+    max_held: int = Field(65_536, ge=1)
+    """Finished trajectories the actor holds for the trainer (``run_episode(hold=True)``)
+    at most; past it the oldest is evicted (counted in ``stats``; its fetch finds it
+    missing and the controller replays the rollout)."""
 
 
 class EnvActor(Actor):
@@ -92,6 +97,7 @@ class EnvActor(Actor):
         self.episodes = 0
         self.failed = 0
         self.running = 0
+        self.held = TrajectoryStore(self.config.max_held)
         self.gateway: Any = None
         self.asyncio_loop: Any = None
         if self.config.harness is not None:
@@ -116,12 +122,18 @@ class EnvActor(Actor):
 
     @endpoint
     async def run_episode(
-        self, sampler: ActorRef | Mesh, task: TaskSpec, sampling: SamplingParams, min_version: int = 0
-    ) -> Trajectory:
+        self,
+        sampler: ActorRef | Mesh,
+        task: TaskSpec,
+        sampling: SamplingParams,
+        min_version: int = 0,
+        hold: bool = False,
+    ) -> Trajectory | TrajectoryRef:
         """Play ``task`` with ``sampler`` (one actor: ``call_one``; a mesh: ``choose``).
 
         Every generate request carries ``min_version``, so a sampler whose weights
-        lag does not start it until it has caught up.
+        lag does not start it until it has caught up. ``hold``: keep the trajectory here
+        and answer its ``TrajectoryRef`` (the trainer fetches it with ``fetch_held``).
         """
         if isinstance(sampler, Mesh):
 
@@ -155,7 +167,17 @@ class EnvActor(Actor):
             self.running -= 1
         self.episodes += 1
         self.failed += traj.failed
-        return traj
+        return self.held.put(traj) if hold else traj
+
+    @endpoint
+    def fetch_held(self, keys: list[str]) -> list[Trajectory | None]:
+        """The held trajectories of ``keys`` (None for one not held); they stay held."""
+        return self.held.get(keys)
+
+    @endpoint
+    def release_held(self, keys: list[str]) -> int:
+        """Forget the held trajectories of ``keys`` (trained or dropped); how many were held."""
+        return self.held.release(keys)
 
     async def _harness_episode(
         self, sampler: ActorRef | Mesh, generate: Any, task: TaskSpec, sampling: SamplingParams, min_version: int
@@ -258,6 +280,7 @@ class EnvActor(Actor):
             "loop_stalls": self.watchdog.stalls,
             "loop_stall_longest_s": round(self.watchdog.longest_s, 3),
             "loop_stall_last": self.watchdog.last_blocker,
+            **self.held.stats(),
         }
         if self.gateway is not None:
             out.update(

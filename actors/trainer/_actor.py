@@ -27,14 +27,15 @@ from typing import Any
 
 import trio
 
+from actors.held import fetch_held
 from actors.trainer._checkpoint import is_complete
 from actors.trainer._config import StepResult, TrainerConfig
 from actors.trainer._core import Trainer
 from actors.trainer._dist import World, init_group
 from actors.trainer._memory import size_report
 from actors.trainer._sft import SftResult, SftSequence
-from actors.types import Trajectory
-from orchestrator.runtime import Actor, current_rank, endpoint, span
+from actors.types import MissingTrajectories, Trajectory, TrajectoryRef
+from orchestrator.runtime import Actor, Mesh, current_rank, endpoint, span
 from orchestrator.weightsync import (
     DEFAULT_PART_BYTES,
     Precision,
@@ -131,14 +132,27 @@ class TrainerActor(Actor):
         return time.perf_counter() - t0, wire
 
     @endpoint
-    async def train_step(self, batch: list[Trajectory]) -> StepResult:
+    async def train_step(
+        self, batch: list[Trajectory | TrajectoryRef], envs: Mesh | None = None
+    ) -> StepResult | MissingTrajectories:
         """One optimizer step on ``batch``, then publish the new version.
+
+        A ``TrajectoryRef`` in ``batch`` is fetched first from its holder in the environment
+        mesh ``envs`` (``actors.held``); if any cannot be, nothing is trained and the answer
+        is ``MissingTrajectories`` naming them.
 
         Errors: ValueError (as ActorError at the caller) for a batch without
         generated tokens or with a malformed support record; the weights are then
         unchanged. Cancellation: once started, the step runs to completion (the
         update is all-or-nothing); a cancelled caller only loses the result.
         """
+        if any(isinstance(t, TrajectoryRef) for t in batch):
+            with span("trajectories.fetch", batch=len(batch)) as sp:
+                fetched = await fetch_held(batch, envs)
+                sp.set_attribute("missing", len(fetched.keys) if isinstance(fetched, MissingTrajectories) else 0)
+            if isinstance(fetched, MissingTrajectories):
+                return fetched
+            batch = fetched
         async with self._lock:
             oldest = min((t.oldest_version for t in batch if t.num_generated), default=None)
             with span(

@@ -28,7 +28,7 @@ from actors.trainer._actor import TrainerActor
 from actors.trainer._config import StepResult, TrainerConfig
 from actors.trainer._dist import rendezvous_address
 from actors.trainer._sft import SftResult, SftSequence
-from actors.types import Trajectory
+from actors.types import MissingTrajectories, Trajectory, TrajectoryRef
 from orchestrator.runtime import ActorDied, ActorError, Mesh, open_mesh
 from policies import RecipeConfig
 
@@ -96,8 +96,9 @@ class TrainerGroup:
     """The trainer link over a trainer mesh (see the module docstring); the controller's
     ``TrainerLink`` protocol plus the other endpoints tests and tools use."""
 
-    def __init__(self, mesh: Mesh[TrainerActor]) -> None:
+    def __init__(self, mesh: Mesh[TrainerActor], envs: Mesh[Any] | None = None) -> None:
         self.mesh = mesh
+        self.envs = envs  # holds the trajectories a batch of refs names
         self.size = len(mesh)
         self._main = mesh[0]
 
@@ -108,8 +109,9 @@ class TrainerGroup:
         return await _AllRanks(self.mesh, name).call_one(*args)
 
     # -- collectives: every rank, rank 0's answer
-    async def train_step(self, batch: list[Trajectory]) -> StepResult:
-        return await self._all("train_step", batch)
+    async def train_step(self, batch: list[Trajectory | TrajectoryRef]) -> StepResult | MissingTrajectories:
+        """Every rank fetches the held trajectories of ``batch`` itself (``actors.held``)."""
+        return await self._all("train_step", batch, self.envs)
 
     async def evaluate(self, batch: list[Trajectory], recipe: RecipeConfig | None = None) -> StepResult:
         return await self._all("evaluate", batch, recipe)

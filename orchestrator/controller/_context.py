@@ -9,7 +9,7 @@ from typing import Any
 
 import trio
 
-from actors.types import SamplingParams, TaskSpec
+from actors.types import SamplingParams, TaskSpec, TrajectoryRef
 from hardware import CostLedger, Scheduler
 from orchestrator.controller._liveness import Health, respawn_due
 from orchestrator.controller.links import Checkpointer, Links, PoolLink
@@ -238,6 +238,23 @@ class RunContext:
             self.trainer_death = death
             self.notify()
 
+    # -- held trajectories (actors.held) ---------------------------------------------
+    def release(self, trained: list[Any] | None = None) -> None:
+        """In the background, let the environment actors forget `trained` and whatever the
+        buffer let go untrained since the last call (held trajectories only)."""
+        refs = [t for t in [*(trained or ()), *self.buffer.take_discarded()] if isinstance(t, TrajectoryRef) and t.key]
+        if refs and self.nursery is not None:
+            self.nursery.start_soon(self.links.envs.release, refs)
+
+    def drop_lost(self, lost: Any, why: str) -> None:
+        """Re-queue the rollouts of buffered trajectories for which `lost(traj)` holds: their
+        holder no longer has them (`why`)."""
+        drops = self.buffer.drop_lost(lost)
+        if drops:
+            self.trace_drops(drops)
+            self.progress.message(f"{len(drops)} finished rollout(s) lost before training ({why}); replaying them")
+            self.notify()
+
     # -- wake-ups --------------------------------------------------------------------
     def notify(self) -> None:
         """Something the producer or trainer loop waits on changed."""
@@ -352,6 +369,7 @@ class RunContext:
                 if not self.retire_if_lost(pool, rank) and respawn_due(self, pool.health[rank]):
                     self.respawn_sampler(pool, rank)
         for rank in self.links.envs.dead_ranks():
+            self.drop_lost(lambda t, rank=rank: isinstance(t, TrajectoryRef) and t.holder == rank, f"env[{rank}] died")
             if respawn_due(self, self.env_health[rank]):
                 self.links.envs.respawn(rank)
 

@@ -168,7 +168,9 @@ async def _rollout(
                 precision=pool.link.config.precision,
             ) as s,
         ):
-            traj = await ctx.links.envs.run_episode(pool.link, rank, task, ctx.sampling, min_version, env_rank=env)
+            traj = await ctx.links.envs.run_episode(
+                pool.link, rank, task, ctx.sampling, min_version, env_rank=env, hold=ctx.cfg.rollout.hold_trajectories
+            )
             s.set_attribute("policy_version", traj.oldest_version)
             s.set_attribute("policy_version_max", traj.newest_version)
             s.set_attribute("staleness", ctx.version - traj.oldest_version)
@@ -204,6 +206,7 @@ async def _rollout(
             if drop is not None and drop.reason == "zero_variance":
                 ctx.due.pop(slot.group_id, None)  # gone untrained; the producer tops up
             if drop is not None:
+                ctx.release()  # a zero-variance group's held trajectories
                 ctx.trace_drops([drop])
                 if drop.error:
                     ctx.progress.failure(f"episode {slot.prompt_id}#{slot.index} failed ({drop.reason}): {drop.error}")

@@ -24,7 +24,7 @@ from typing import Any
 import trio
 
 from actors.trainer import StepResult, memory_line
-from actors.types import Trajectory
+from actors.types import MissingTrajectories, Trajectory, TrajectoryRef
 from orchestrator.controller._context import Backoff, RunContext
 from orchestrator.controller._liveness import refresh_stats
 from orchestrator.runtime import ActorDied, span
@@ -45,6 +45,8 @@ async def train_loop(ctx: RunContext) -> None:
             continue
         groups, drops = ctx.buffer.take_batch(n, ctx.version, ctx.budget)
         ctx.trace_drops(drops)
+        if drops:
+            ctx.release()  # stale ones the environment actors hold
         if drops:  # their slots are queued again: the producer has work it did not see
             ctx.notify()
         if not groups:
@@ -66,15 +68,25 @@ async def _train_on(ctx: RunContext, groups: list[Group]) -> None:
             staleness_max=max(stale),
         ) as s:
             result = await ctx.links.trainer.train_step(trajs)
-            s.set_attribute("loss", result.loss)
-            s.set_attribute("grad_norm", result.grad_norm)
-            s.set_attribute("mismatch_kl", result.overall.mismatch_kl)
-            s.set_attribute("masked_fraction", result.overall.masked_fraction)
-            s.set_attribute("applied", result.applied)
+            if isinstance(result, MissingTrajectories):
+                s.set_attribute("missing", len(result.keys))
+            else:
+                s.set_attribute("loss", result.loss)
+                s.set_attribute("grad_norm", result.grad_norm)
+                s.set_attribute("mismatch_kl", result.overall.mismatch_kl)
+                s.set_attribute("masked_fraction", result.overall.masked_fraction)
+                s.set_attribute("applied", result.applied)
     except ActorDied as e:
         ctx.train_started = None
         ctx.buffer.put_back(groups)
         await restart_trainer(ctx, e)
+        return
+    if isinstance(result, MissingTrajectories):  # nothing trained; a holder lost them
+        ctx.train_started = None
+        ctx.buffer.put_back(groups)
+        lost = set(result.keys)
+        ctx.drop_lost(lambda t: isinstance(t, TrajectoryRef) and t.key in lost, result.reason)
+        ctx.respawn_dead()
         return
     took = ctx.now() - ctx.train_started
     ctx.train_s_ewma = took if ctx.train_s_ewma == 0 else 0.7 * ctx.train_s_ewma + 0.3 * took
@@ -85,6 +97,7 @@ async def _train_on(ctx: RunContext, groups: list[Group]) -> None:
     ctx.state.step += 1
     ctx.train_pending = False
     ctx.bump_versions()
+    ctx.release(trajs)
     await _account(ctx, trajs, stale, result)
     ctx.notify()
     if _checkpoint_due(ctx):

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from actors.trainer import StepResult
-from actors.types import SamplingParams, TaskSpec, Trajectory
+from actors.types import MissingTrajectories, SamplingParams, TaskSpec, Trajectory, TrajectoryRef
 from hardware import PoolConfig
 
 if TYPE_CHECKING:
@@ -30,8 +30,10 @@ class TrainerLink(Protocol):
     async def version(self) -> int:
         """The policy version the trainer holds."""
 
-    async def train_step(self, batch: list[Trajectory]) -> StepResult:
-        """One optimizer step on `batch` (all-or-nothing), then publish the new version."""
+    async def train_step(self, batch: list[Trajectory | TrajectoryRef]) -> StepResult | MissingTrajectories:
+        """One optimizer step on `batch` (all-or-nothing), then publish the new version. The
+        trainer fetches the trajectories of refs from their holders; `MissingTrajectories`
+        (nothing trained) names those it could not get."""
 
     async def update_path(self, receiver: str, have: int, precision: str, part_bytes: int) -> dict[str, Any]:
         """The weight messages that bring `receiver` from `have` (-1: nothing) to the newest,
@@ -129,10 +131,23 @@ class EnvLink(Protocol):
     def size(self) -> int: ...
 
     async def run_episode(
-        self, pool: PoolLink, rank: int, task: TaskSpec, sampling: SamplingParams, min_version: int, env_rank: int
-    ) -> Trajectory:
+        self,
+        pool: PoolLink,
+        rank: int,
+        task: TaskSpec,
+        sampling: SamplingParams,
+        min_version: int,
+        env_rank: int,
+        hold: bool = False,
+    ) -> Trajectory | TrajectoryRef:
         """Play `task` on environment actor `env_rank` with sampler `rank` of `pool`, weights
-        no older than `min_version`."""
+        no older than `min_version`. `hold`: the actor may keep the tensors and answer a
+        `TrajectoryRef` (its `holder` set), which the trainer fetches; a link whose actors
+        hold nothing answers the `Trajectory`."""
+
+    async def release(self, refs: list[TrajectoryRef]) -> None:
+        """Let the holders forget `refs` (trained or dropped); never raises for a holder that
+        is gone."""
 
     async def ping(self, rank: int) -> None:
         """Returns once the rank's process answers a cheap call (liveness); ActorDied if dead."""

@@ -7,28 +7,50 @@ from typing import Any
 import trio
 
 from actors.trainer import StepResult
-from actors.types import SamplingParams, TaskSpec, Trajectory
+from actors.types import MissingTrajectories, SamplingParams, TaskSpec, Trajectory, TrajectoryRef
 from hardware import PoolConfig
 from orchestrator.controller.hosts import probe_host, read_hosts_file
-from orchestrator.runtime import ActorDied, Mesh
+from orchestrator.runtime import ActorDied, ActorError, Mesh
 from orchestrator.runtime.host import HOST_LEFT
 
-__all__ = ["MeshEnvs", "MeshPool", "MeshTrainer"]
+__all__ = ["MeshEnvs", "MeshPool", "MeshTrainer", "release_by_holder"]
+
+
+async def release_by_holder(mesh: Mesh[Any], refs: list[TrajectoryRef], timeout_s: float = 10.0) -> None:
+    """`release_held` on each holder of `refs` at once. A holder that is gone or does not
+    answer in time is skipped: what it held went with it, or its store's bound evicts it."""
+    keys: dict[int, list[str]] = {}
+    for r in refs:
+        if r.key:
+            keys.setdefault(r.holder, []).append(r.key)
+
+    async def one(holder: int, ks: list[str]) -> None:
+        with trio.move_on_after(timeout_s):
+            try:
+                await mesh[holder].release_held.call_one(ks)
+            except (ActorDied, ActorError):
+                pass
+
+    async with trio.open_nursery() as nursery:
+        for holder, ks in keys.items():
+            nursery.start_soon(one, holder, ks)
 
 
 class MeshTrainer:
     """The trainer link over a one-rank `TrainerActor` mesh. Its constructor arguments
-    name the run's checkpoint directory, so a respawned trainer restores from it."""
+    name the run's checkpoint directory, so a respawned trainer restores from it. `envs`:
+    the environment mesh that holds the trajectories a batch of refs names."""
 
-    def __init__(self, mesh: Mesh[Any]) -> None:
+    def __init__(self, mesh: Mesh[Any], envs: Mesh[Any] | None = None) -> None:
         self.mesh = mesh
+        self.envs = envs
         self._actor = mesh[0]
 
     async def version(self) -> int:
         return await self._actor.version.call_one()
 
-    async def train_step(self, batch: list[Trajectory]) -> StepResult:
-        return await self._actor.train_step.call_one(batch)
+    async def train_step(self, batch: list[Trajectory | TrajectoryRef]) -> StepResult | MissingTrajectories:
+        return await self._actor.train_step.call_one(batch, self.envs)
 
     async def update_path(self, receiver: str, have: int, precision: str, part_bytes: int) -> dict[str, Any]:
         return await self._actor.update_path.call_one(receiver, have, precision, part_bytes)
@@ -134,9 +156,22 @@ class MeshEnvs:
         return self.mesh.size
 
     async def run_episode(
-        self, pool: MeshPool, rank: int, task: TaskSpec, sampling: SamplingParams, min_version: int, env_rank: int
-    ) -> Trajectory:
-        return await self.mesh[env_rank].run_episode.call_one(pool.sampler(rank), task, sampling, min_version)
+        self,
+        pool: MeshPool,
+        rank: int,
+        task: TaskSpec,
+        sampling: SamplingParams,
+        min_version: int,
+        env_rank: int,
+        hold: bool = False,
+    ) -> Trajectory | TrajectoryRef:
+        out = await self.mesh[env_rank].run_episode.call_one(pool.sampler(rank), task, sampling, min_version, hold)
+        if isinstance(out, TrajectoryRef):
+            out.holder = env_rank
+        return out
+
+    async def release(self, refs: list[TrajectoryRef]) -> None:
+        await release_by_holder(self.mesh, refs)
 
     async def ping(self, rank: int) -> None:
         await self.mesh[rank].runtime_stats.call_one()

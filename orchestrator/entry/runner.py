@@ -289,7 +289,9 @@ async def _run_async(
             for warning in await gpu_warnings(pc, opened[f"pool:{pc.name}"]):
                 progress.message(f"flotilla: warning: {warning}")
         # Several trainer ranks (FSDP2) are one link too; the controller cannot tell.
-        trainer = MeshTrainer(opened["trainer"]) if opened["trainer"].size == 1 else TrainerGroup(opened["trainer"])
+        # The trainer fetches held trajectories from the environment actors themselves.
+        tmesh, emesh = opened["trainer"], opened["env"]
+        trainer = MeshTrainer(tmesh, emesh) if tmesh.size == 1 else TrainerGroup(tmesh, emesh)
         links = Links(
             trainer=trainer,
             envs=MeshEnvs(opened["env"]),

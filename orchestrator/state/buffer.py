@@ -20,6 +20,11 @@ it is dropped (counted) and the producer samples a new group in its place. At mo
 they are kept and trained as they are, so a task that every reply solves (or every reply
 fails) slows the run down by a bounded factor and never stalls it.
 
+Held trajectories (`actors.types.TrajectoryRef`, with a `key`): the tensors stay with an
+environment actor, which must be told when the buffer lets one go untrained (stale,
+rollback, zero variance, skipped group); `take_discarded` hands those over. `drop_lost`
+re-queues the slots of refs whose holder lost them.
+
 The counters live in one `BufferCounters` model, which the controller's
 checkpointed state owns and hands to the buffer, so a resumed run continues them.
 """
@@ -65,6 +70,9 @@ class BufferCounters(BaseModel):
     zero_variance_kept: int = Field(default=0, ge=0)
     """Zero-variance groups kept and trained because the drop bound between two batches was
     reached."""
+    dropped_lost: int = Field(default=0, ge=0)
+    """Held trajectories lost before they were trained (their environment actor died or
+    restarted, or did not answer the trainer's fetch); retried."""
 
 
 @dataclass(frozen=True)
@@ -97,7 +105,7 @@ class Drop:
 
     slot: Slot
     pool: str
-    reason: str  # "stale" | "failed"
+    reason: str  # "stale" | "failed" | "skipped" | "rollback" | "zero_variance" | "lost"
     staleness: int | None
     error: str | None
 
@@ -131,6 +139,7 @@ class RolloutBuffer:
         self._retry: deque[Slot] = deque()
         self._in_flight: set[tuple[str, int]] = set()
         self._done = 0  # finished trajectories held, over every group
+        self._discarded: list[Any] = []  # held trajectories let go untrained (take_discarded)
 
     # -- producing -------------------------------------------------------------
     def add_group(self, group_id: str, prompt_id: str, task: Any, *, counted: bool = False) -> None:
@@ -171,6 +180,7 @@ class RolloutBuffer:
         self._in_flight.discard((slot.group_id, slot.index))
         group = self._groups.get(slot.group_id)
         if group is None:  # skipped meanwhile
+            self._discard(traj)
             return None
         if traj.failed:
             self.counters.dropped_failed += 1
@@ -189,13 +199,41 @@ class RolloutBuffer:
                 self._zero_variance_since_batch += 1
                 del self._groups[group.group_id]
                 self._done -= len(group.done)
+                for _, t in group.done.values():
+                    self._discard(t)
                 self.counters.groups_zero_variance += 1
                 self.counters.rollouts_zero_variance += group.size
                 return Drop(slot, traj.pool, "zero_variance", None, None)
             self.counters.zero_variance_kept += 1
         return None
 
+    def _discard(self, traj: Any) -> None:
+        if getattr(traj, "key", None):
+            self._discarded.append(traj)
+
+    def take_discarded(self) -> list[Any]:
+        """Held trajectories (those with a `key`) let go untrained since the last call."""
+        out, self._discarded = self._discarded, []
+        return out
+
+    def drop_lost(self, lost: Callable[[Any], bool]) -> list[Drop]:
+        """Drop finished trajectories for which `lost(traj)` holds (their holder no longer
+        has them) and re-queue their slots, as they were (no attempt counted)."""
+        drops = []
+        for group in self._groups.values():
+            for index, (slot, traj) in list(group.done.items()):
+                if lost(traj):
+                    del group.done[index]
+                    group.checked_at = None
+                    self._done -= 1
+                    self.counters.dropped_lost += 1
+                    drops.append(Drop(slot, traj.pool, "lost", None, None))
+                    self._retry.append(Slot(slot.group_id, slot.prompt_id, slot.index, slot.attempt))
+        return drops
+
     def _skip(self, group: Group) -> None:
+        for _, traj in group.done.values():
+            self._discard(traj)
         del self._groups[group.group_id]
         self._done -= len(group.done)
         self._retry = deque(s for s in self._retry if s.group_id != group.group_id)
@@ -211,6 +249,7 @@ class RolloutBuffer:
             for index, (slot, traj) in list(group.done.items()):
                 if traj.newest_version > version:
                     del group.done[index]
+                    self._discard(traj)
                     self._done -= 1
                     self.counters.dropped_rollback += 1
                     drops.append(Drop(slot, traj.pool, "rollback", None, None))
@@ -252,6 +291,7 @@ class RolloutBuffer:
                     staleness = trainer_version - traj.oldest_version
                     if staleness > budget_of(traj.pool):
                         del group.done[index]
+                        self._discard(traj)
                         self._done -= 1
                         self.counters.dropped_stale += 1
                         drops.append(Drop(slot, traj.pool, "stale", staleness, None))

@@ -223,6 +223,11 @@ class RolloutSection(_Section):
     no signal) and sample a new one in its place, so each batch holds P groups with signal
     (DAPO's dynamic sampling). Dropped groups are counted (`zero_variance_groups` in
     metrics.jsonl); their tokens are sampled but not trained."""
+    hold_trajectories: bool = True
+    """Environment actors keep each finished trajectory's tensors and the controller handles
+    only its metadata (`TrajectoryRef`: reward, versions, lengths, pool); the trainer fetches
+    a batch's tensors from the environment actors directly. False: every trajectory travels
+    through the controller's process (environment → controller → trainer)."""
     max_zero_variance_drops: int | None = Field(default=None, ge=0)
     """At most this many groups are dropped between two batches; past it zero-variance groups
     are trained as they are (`zero_variance_kept`), so a task every reply solves, or every

@@ -279,7 +279,14 @@ class FakeEnvs:
     size = 1
 
     async def run_episode(
-        self, pool: FakePool, rank: int, task: TaskSpec, sampling: SamplingParams, min_version: int, env_rank: int
+        self,
+        pool: FakePool,
+        rank: int,
+        task: TaskSpec,
+        sampling: SamplingParams,
+        min_version: int,
+        env_rank: int,
+        hold: bool = False,
     ) -> Trajectory:
         pool._alive(rank)
         epoch = pool.epoch[rank]

@@ -21,10 +21,17 @@ class RecordingEnvs(FakeEnvs):
         self.tasks: list[tuple[TaskSpec, SamplingParams, int]] = []
 
     async def run_episode(
-        self, pool: Any, rank: int, task: TaskSpec, sampling: SamplingParams, min_version: int, env_rank: int
+        self,
+        pool: Any,
+        rank: int,
+        task: TaskSpec,
+        sampling: SamplingParams,
+        min_version: int,
+        env_rank: int,
+        hold: bool = False,
     ) -> Trajectory:
         self.tasks.append((task, sampling, min_version))
-        return await super().run_episode(pool, rank, task, sampling, min_version, env_rank)
+        return await super().run_episode(pool, rank, task, sampling, min_version, env_rank, hold)
 
 
 def _harness(state: ControllerState | None = None, **cfg: Any) -> Harness:

@@ -21,9 +21,9 @@ class TimedEnvs(FakeEnvs):
         super().__init__()
         self.starts: list[tuple[float, str, bool]] = []
 
-    async def run_episode(self, pool, rank, task, sampling, min_version, env_rank):
+    async def run_episode(self, pool, rank, task, sampling, min_version, env_rank, hold=False):
         self.starts.append((trio.current_time(), pool.config.name, rank in pool.frozen))
-        return await super().run_episode(pool, rank, task, sampling, min_version, env_rank)
+        return await super().run_episode(pool, rank, task, sampling, min_version, env_rank, hold)
 
 
 def _console(h: Harness) -> io.StringIO:
