@@ -10,13 +10,16 @@ weight version, liveness watcher and weight-sync worker) and pays for each one's
   `prompt` + `tokens` ids with a support row per generated token (sizes drawn once around
   `support`, so rows vary like a top-p cut does), stamped with the sampler rank's version.
 - `FleetSampler` holds a weight version per logical rank; updates are one small frame.
-- `FleetTrainer.train_step` takes the whole batch over the wire and sleeps
-  `len(batch) / rollouts_per_s` (a trainer consuming at a configured rate); its checkpoint
-  is a file of fixed size.
+  With `hold` (the run's `[rollout] hold_trajectories`) it keeps the trajectory in an
+  `actors.held.TrajectoryStore` and answers its `TrajectoryRef`, as `EnvActor` does.
+- `FleetTrainer.train_step` takes the batch (fetching held trajectories from the
+  environment processes, `actors.held.fetch_held`) and sleeps `len(batch) / rollouts_per_s`
+  (a trainer consuming at a configured rate); its checkpoint is a file of fixed size.
 
 The links count the bytes of trajectory data that pass through the controller process
-(`DataMeter`): each trajectory's tensors arrive once from an environment actor and leave
-once to the trainer.
+(`DataMeter`): each trajectory arrives once from an environment actor and leaves once to
+the trainer, as its tensors, or as a ref (counted as the ref's JSON, about what its wire
+header carries).
 """
 
 from __future__ import annotations
@@ -30,10 +33,11 @@ from typing import Any
 import torch
 import trio
 
+from actors.held import TrajectoryStore, fetch_held
 from actors.trainer import StepResult
-from actors.types import SamplingParams, TaskSpec, Trajectory
+from actors.types import MissingTrajectories, SamplingParams, TaskSpec, Trajectory, TrajectoryRef
 from hardware import PoolConfig
-from orchestrator.controller.meshes import MeshTrainer
+from orchestrator.controller.meshes import MeshTrainer, release_by_holder
 from orchestrator.runtime import Actor, ActorDied, Mesh, endpoint
 from policies.metrics import PoolMetrics
 
@@ -51,12 +55,19 @@ __all__ = [
 _TENSORS = ("tokens", "loss_mask", "support_ids", "support_offsets", "support_logq", "versions")
 
 
-def trajectory_bytes(t: Trajectory) -> int:
+def trajectory_bytes(t: Trajectory | TrajectoryRef) -> int:
     """Bytes of a trajectory's tensors (what its frames carry on the wire), counted once."""
+    if isinstance(t, TrajectoryRef):
+        return t.nbytes
     n = t.__dict__.get("_fleet_bytes")
     if n is None:
         n = t.__dict__["_fleet_bytes"] = sum(getattr(t, k).numel() * getattr(t, k).element_size() for k in _TENSORS)
     return n
+
+
+def path_bytes(t: Trajectory | TrajectoryRef) -> int:
+    """Bytes a trajectory puts through the controller on one hop: its tensors, or a ref's JSON."""
+    return len(t.model_dump_json()) if isinstance(t, TrajectoryRef) else trajectory_bytes(t)
 
 
 @dataclass
@@ -91,7 +102,14 @@ class FleetTrainer(Actor):
         return self.v
 
     @endpoint
-    async def train_step(self, batch: list[Trajectory]) -> StepResult:
+    async def train_step(
+        self, batch: list[Trajectory | TrajectoryRef], envs: Mesh | None = None
+    ) -> StepResult | MissingTrajectories:
+        if any(isinstance(t, TrajectoryRef) for t in batch):
+            fetched = await fetch_held(batch, envs)
+            if isinstance(fetched, MissingTrajectories):
+                return fetched
+            batch = fetched
         await trio.sleep(len(batch) / self.rate)
         self.v += 1
         tokens = sum(t.num_generated for t in batch)
@@ -189,11 +207,14 @@ class FleetEnv(Actor):
         self.n = tokens
         self.episode_s = episode_s
         self.rng = rng
+        self.held = TrajectoryStore()
 
     @endpoint
-    async def run_episode(self, pool: str, version: int, task: TaskSpec, sampling: SamplingParams) -> Trajectory:
+    async def run_episode(
+        self, pool: str, version: int, task: TaskSpec, sampling: SamplingParams, hold: bool = False
+    ) -> Trajectory | TrajectoryRef:
         await trio.sleep(self.episode_s)
-        return Trajectory.model_construct(
+        traj = Trajectory.model_construct(
             task=task.task,
             prompt_id=task.prompt_id,
             group_id=task.group_id,
@@ -213,17 +234,30 @@ class FleetEnv(Actor):
             segments=1,
             seconds=self.episode_s,
         )
+        return self.held.put(traj) if hold else traj
+
+    @endpoint
+    async def fetch_held(self, keys: list[str]) -> list[Trajectory | None]:
+        return self.held.get(keys)
+
+    @endpoint
+    async def release_held(self, keys: list[str]) -> int:
+        return self.held.release(keys)
+
+    @endpoint
+    async def held_count(self) -> int:
+        return len(self.held)
 
 
 class FleetTrainerLink(MeshTrainer):
     """The run's trainer link over a one-rank `FleetTrainer` mesh; counts the bytes it sends."""
 
-    def __init__(self, mesh: Mesh[Any], meter: DataMeter) -> None:
-        super().__init__(mesh)
+    def __init__(self, mesh: Mesh[Any], meter: DataMeter, envs: Mesh[Any] | None = None) -> None:
+        super().__init__(mesh, envs)
         self.meter = meter
 
-    async def train_step(self, batch: list[Trajectory]) -> StepResult:
-        self.meter.bytes_out += sum(trajectory_bytes(t) for t in batch)
+    async def train_step(self, batch: list[Trajectory | TrajectoryRef]) -> StepResult | MissingTrajectories:
+        self.meter.bytes_out += sum(path_bytes(t) for t in batch)
         self.meter.trained += len(batch)
         return await super().train_step(batch)
 
@@ -320,12 +354,23 @@ class FleetEnvs(_Multiplexed):
         return self._size
 
     async def run_episode(
-        self, pool: FleetPool, rank: int, task: TaskSpec, sampling: SamplingParams, min_version: int, env_rank: int
-    ) -> Trajectory:
-        proc = self.mesh[env_rank % self.mesh.size]
-        traj = await proc.run_episode.call_one(pool.config.name, pool.held[rank], task, sampling)
-        n = trajectory_bytes(traj)
-        self.meter.bytes_in += n
-        self.meter.traj_bytes += n
+        self,
+        pool: FleetPool,
+        rank: int,
+        task: TaskSpec,
+        sampling: SamplingParams,
+        min_version: int,
+        env_rank: int,
+        hold: bool = False,
+    ) -> Trajectory | TrajectoryRef:
+        holder = env_rank % self.mesh.size
+        traj = await self.mesh[holder].run_episode.call_one(pool.config.name, pool.held[rank], task, sampling, hold)
+        if isinstance(traj, TrajectoryRef):
+            traj.holder = holder
+        self.meter.bytes_in += path_bytes(traj)
+        self.meter.traj_bytes += trajectory_bytes(traj)
         self.meter.rollouts += 1
         return traj
+
+    async def release(self, refs: list[TrajectoryRef]) -> None:
+        await release_by_holder(self.mesh, refs)

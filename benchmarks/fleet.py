@@ -11,7 +11,8 @@ over `--pools` pools, one environment rank per sampler rank) it measures, after 
 - `rollouts_per_s`, `tokens_per_s`: episodes finished through the controller;
 - `cpu_us_per_rollout`: the controller process's CPU (getrusage, every thread) per rollout;
 - `bytes_per_rollout`, `bytes_ratio`: trajectory data through the controller per rollout
-  (in from environments + out to the trainer), over one trajectory's bytes;
+  (in from environments + out to the trainer; a held trajectory's ref counts as its JSON),
+  over one trajectory's bytes;
 - `cpu_bound_rollouts_per_s`: rollouts per second of controller CPU, the rate one core
   would sustain (on a machine shared with other jobs the controller may not get its core,
   and `rollouts_per_s` then says more about the machine than about the controller);
@@ -30,6 +31,9 @@ checkpoints keep their size bounds.
 
 How: `python benchmarks/fleet.py [--quick] [--tokens 1024] [--support 16] [--ranks 8,256]`,
 `python benchmarks/fleet.py --soak 10000`. The last line of output is one JSON object.
+Unless `--no-compare`, the largest fleet runs a second time with `[rollout] hold_trajectories
+= false` (every trajectory's tensors through the controller, env -> controller -> trainer);
+its figures are `through_controller` beside the held path's headline.
 Targets (issue 30): rollouts_per_s >= 2000 (1k tokens, 256 ranks, one core),
 decision_us_p99 <= 100, controller_bytes_ratio <= 0.05; soak.rss_growth <= 0.05.
 """
@@ -71,13 +75,20 @@ def cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def fleet_config(ranks: int, pools: int, batch: int, group: int, steps: int, per_rank: int) -> RunConfig:
+def fleet_config(
+    ranks: int, pools: int, batch: int, group: int, steps: int, per_rank: int, hold: bool = True
+) -> RunConfig:
     pools = max(1, min(pools, ranks))
     sizes = [ranks // pools + (i < ranks % pools) for i in range(pools)]
     gpus = ["H100-SXM", "H200", "A100-80GB", "L40S", "B200"]
     raw: dict[str, Any] = {
         "steps": steps,
-        "rollout": {"prompts_per_step": batch // group, "group_size": group, "max_buffered_groups": batch // group},
+        "rollout": {
+            "prompts_per_step": batch // group,
+            "group_size": group,
+            "max_buffered_groups": batch // group,
+            "hold_trajectories": hold,
+        },
         "pools": [
             {
                 "name": f"pool{i}",
@@ -140,19 +151,25 @@ async def measure_all(args: argparse.Namespace, sizes: list[int]) -> list[dict[s
         open_mesh(FleetEnv, 128, args.tokens, args.support, args.episode_s, 0, procs=args.procs, name="envs") as emesh,
     ):
         for n in sizes:
-            r = await measure(args, n, tmesh, smesh, emesh)
+            r = await measure(args, n, tmesh, smesh, emesh, hold=not args.through_controller)
+            print(json.dumps(r), flush=True)
+            runs.append(r)
+        if args.compare:  # the largest fleet again, every trajectory through the controller
+            r = await measure(args, sizes[-1], tmesh, smesh, emesh, hold=False)
             print(json.dumps(r), flush=True)
             runs.append(r)
     return runs
 
 
-async def measure(args: argparse.Namespace, ranks: int, tmesh: Any, smesh: Any, emesh: Any) -> dict[str, Any]:
+async def measure(
+    args: argparse.Namespace, ranks: int, tmesh: Any, smesh: Any, emesh: Any, hold: bool
+) -> dict[str, Any]:
     from _fleet import DataMeter, FleetEnvs, FleetPool, FleetTrainerLink
 
-    cfg = fleet_config(ranks, args.pools, args.batch, args.group, 10**9, args.per_rank)
+    cfg = fleet_config(ranks, args.pools, args.batch, args.group, 10**9, args.per_rank, hold)
     meter = DataMeter()
     links = Links(
-        trainer=FleetTrainerLink(tmesh, meter),
+        trainer=FleetTrainerLink(tmesh, meter, emesh),
         pools={pc.name: FleetPool(pc, smesh, pc.count) for pc in cfg.pools},
         envs=FleetEnvs(emesh, ranks, meter),
     )
@@ -209,6 +226,7 @@ async def measure(args: argparse.Namespace, ranks: int, tmesh: Any, smesh: Any, 
     through = (m1[0] - m0[0]) / max(n, 1) + ((m1[1] - m0[1]) / trained if trained else traj_b)
     result = {
         "ranks": ranks,
+        "hold_trajectories": hold,
         "rollouts_per_s": round(n / wall, 1),
         "tokens_per_s": round(n * args.tokens / wall),
         "steps_per_s": round((s1 - s0) / wall, 2),
@@ -246,6 +264,17 @@ def main() -> None:
     ap.add_argument("--core", type=int, default=0, help="core to pin the controller to (-1: none)")
     ap.add_argument("--profile", default=None, help="cProfile of the measured window to FILE.<ranks>")
     ap.add_argument("--soak", type=int, default=0, help="run the soak: this many train steps")
+    ap.add_argument(
+        "--through-controller",
+        action="store_true",
+        help="every fleet size with [rollout] hold_trajectories = false (tensors through the controller)",
+    )
+    ap.add_argument(
+        "--no-compare",
+        dest="compare",
+        action="store_false",
+        help="skip the largest fleet's second run with every trajectory through the controller",
+    )
     args = ap.parse_args()
     if args.core is not None and args.core < 0:
         args.core = None
@@ -265,6 +294,7 @@ def main() -> None:
         sys.exit(f"--ranks: every fleet size must be >= 1, got {args.ranks!r}")
     load0 = load_average()
     runs = trio.run(measure_all, args, sizes)
+    through = runs.pop() if args.compare else None
     big, small = runs[-1], runs[0]
     growth = {
         k: round(big[k] / small[k], 2) if small[k] else None
@@ -287,7 +317,20 @@ def main() -> None:
         "in_flight_mean": big["in_flight_mean"],
         "decision_us_p99": big["decision_us_p99"],
         "growth": growth,
-        "by_ranks": runs,
+        "hold_trajectories": big["hold_trajectories"],
+        "through_controller": None
+        if through is None
+        else {
+            k: through[k]
+            for k in (
+                "rollouts_per_s",
+                "cpu_us_per_rollout",
+                "cpu_bound_rollouts_per_s",
+                "bytes_ratio",
+                "decision_us_p99",
+            )
+        },
+        "by_ranks": runs if through is None else [*runs, through],
         "load_avg": [load0, load_average()],
     }
     print(json.dumps(out))

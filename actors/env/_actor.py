@@ -3,7 +3,8 @@
 The controller hands the actor a sampler handle (one actor, or a mesh to let the
 runtime choose the least-loaded sampler per turn), a task and sampling params; the
 actor builds the prompt, alternates generate calls and environment steps, and
-returns the trajectory. Many episodes run concurrently on one actor (one trio
+returns the trajectory (with `hold`, keeps it and returns its `TrajectoryRef`: the trainer
+fetches it, `actors.held`). Many episodes run concurrently on one actor (one trio
 task per call); environments are fresh instances per episode.
 """
 

@@ -59,3 +59,4 @@ async def test_sampler_env_and_trainer_kills_do_not_end_the_run(small_raw):
     assert c["groups_in"] == c["groups_trained"] + c["groups_buffered"] + c["groups_skipped"]
     spans = read_jsonl(cfg.run_dir / "traces.jsonl")
     assert any(s["name"] == "trainer.restart" for s in spans)
+    assert any(s["name"] == "trajectories.fetch" for s in spans)  # the trainer fetched held trajectories

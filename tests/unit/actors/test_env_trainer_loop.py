@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import signal
+
 import trio
 
 from actors.env import EnvActor, make_task_specs
 from actors.models import default_model_config
 from actors.sampler import SamplerActor
 from actors.tokenizer import VOCAB_SIZE
-from actors.trainer import TrainerActor, TrainerConfig
-from actors.types import SamplingParams, Trajectory
+from actors.trainer import StepResult, TrainerActor, TrainerConfig
+from actors.types import MissingTrajectories, SamplingParams, Trajectory, TrajectoryRef
 from orchestrator.runtime import open_mesh
 
 ENV = {"OMP_NUM_THREADS": "1"}
@@ -58,3 +61,52 @@ async def test_sampler_env_trainer_round_trip() -> None:
                 await trainer[0].ack.call_one("sampler0", 1)
                 again = await env[0].run_episode.call_one(sampler[0], specs[0], sampling, 1)
                 _valid(again, 1)
+
+
+async def test_held_trajectories_go_from_the_env_actor_to_the_trainer() -> None:
+    """`hold`: the env actor answers refs, the trainer fetches the tensors itself, and a
+    holder that died makes the step train nothing and name the missing keys."""
+    model = default_model_config(VOCAB_SIZE)
+    sampling = SamplingParams(temperature=1.0, top_k=64, top_p=0.97)
+    with trio.fail_after(90):
+        async with open_mesh(TrainerActor, TrainerConfig(model=model), procs=1, name="trainer", env=ENV) as trainer:
+            keyframe = await trainer[0].keyframe.call_one("bf16")
+            async with (
+                open_mesh(
+                    SamplerActor, "cpu-bf16", "bf16", model, procs=1, name="sampler", env=ENV, initial_weights=keyframe
+                ) as sampler,
+                open_mesh(EnvActor, procs=2, name="env", env=ENV) as env,
+            ):
+                specs = make_task_specs("guess_number", 2, 2, seed=3)
+                refs: list[TrajectoryRef] = []
+
+                async def play(i: int, spec: object) -> None:
+                    ref = await env[i % 2].run_episode.call_one(sampler[0], spec, sampling, 0, True)
+                    ref.holder = i % 2
+                    refs.append(ref)
+
+                async with trio.open_nursery() as nursery:
+                    for i, spec in enumerate(specs):
+                        nursery.start_soon(play, i, spec)
+                assert all(isinstance(r, TrajectoryRef) and r.key and not r.failed for r in refs)
+                assert {r.holder for r in refs} == {0, 1}
+                held = [await env[i].stats.call_one() for i in range(2)]
+                assert sum(s["held"] for s in held) == 4 and all(s["held_bytes"] > 0 for s in held)
+
+                result = await trainer[0].train_step.call_one(refs, env)
+                assert isinstance(result, StepResult) and result.applied and result.version == 1
+                assert result.tokens == sum(r.num_generated for r in refs)
+                # What was fetched is what was played: each holder served its own refs once.
+                stats = [await env[i].stats.call_one() for i in range(2)]
+                assert [s["held_fetched"] for s in stats] == [sum(r.holder == i for r in refs) for i in range(2)]
+                assert await env[0].release_held.call_one([r.key for r in refs if r.holder == 0]) == 2
+                assert (await env[0].stats.call_one())["held"] == 0
+
+                # Holder 1 dies: its refs are missing and nothing is trained.
+                os.kill(env.pids[1], signal.SIGKILL)
+                while 1 not in env.dead_ranks:
+                    await trio.sleep(0.05)
+                lost = await trainer[0].train_step.call_one(refs, env)
+                assert isinstance(lost, MissingTrajectories)
+                assert sorted(lost.keys) == sorted(r.key for r in refs)  # holder 0 released its own
+                assert await trainer[0].version.call_one() == 1

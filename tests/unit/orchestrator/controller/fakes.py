@@ -353,11 +353,12 @@ class Harness:
         *,
         ranks: int = 1,
         envs: FakeEnvs | None = None,
+        trainer: FakeTrainer | None = None,
         checkpoints: bool = True,
         handle_sigint: bool = False,
     ) -> None:
         self.cfg = cfg
-        self.trainer = FakeTrainer()
+        self.trainer = trainer or FakeTrainer()
         self.pools = {p.name: FakePool(p, ranks) for p in cfg.pools}
         self.envs = envs or FakeEnvs()
         self.metrics = Metrics()

@@ -1,0 +1,145 @@
+"""Trajectories held where they were played, fetched by the trainer that trains them.
+
+The controller decides on metadata alone: an environment actor puts each finished
+trajectory in its ``TrajectoryStore`` and answers with a ``TrajectoryRef`` (rewards,
+versions, lengths, pool; no tensors). When a batch is trained the trainer fetches its
+tensors straight from the holders (``fetch_held``), and the controller releases what was
+trained or dropped. So a trajectory's bytes cross one socket (environment → trainer)
+instead of two through the controller's process.
+
+Failure: a holder that died, restarted or does not answer within ``timeout_s`` makes
+``fetch_held`` return ``MissingTrajectories`` naming every key it could not get; nothing
+is trained, and the controller re-queues those rollouts (docs/architecture.md, Data path).
+A fetched trajectory that does not match its ref (group, prompt, generated tokens) counts
+as missing too. The store's size is bounded (``max_held``, oldest evicted first and
+counted): a controller that loses track of a ref cannot grow an actor without bound, and
+an evicted ref is only ever missing, never wrong.
+"""
+
+from __future__ import annotations
+
+import itertools
+import uuid
+from collections import OrderedDict
+from typing import Any
+
+import trio
+
+from actors.types import MissingTrajectories, Trajectory, TrajectoryRef
+from orchestrator.runtime import ActorDied, ActorError
+
+__all__ = ["FETCH_TIMEOUT_S", "TrajectoryStore", "fetch_held"]
+
+FETCH_TIMEOUT_S = 30.0
+"""How long the trainer waits for one holder's answer before counting its trajectories
+missing (a frozen holder; the controller names it unresponsive long before)."""
+
+
+class TrajectoryStore:
+    """Finished trajectories of one environment actor, by key, until released."""
+
+    def __init__(self, max_held: int = 65_536) -> None:
+        if max_held < 1:
+            raise ValueError(f"max_held must be >= 1, got {max_held}")
+        self.max_held = max_held
+        self._prefix = uuid.uuid4().hex[:12]  # a restarted actor's keys never repeat
+        self._next = itertools.count()
+        self._held: OrderedDict[str, tuple[Trajectory, int]] = OrderedDict()
+        self.held_bytes = 0
+        self.evicted = 0
+        self.fetched = 0
+
+    def put(self, traj: Trajectory) -> TrajectoryRef:
+        """Hold ``traj`` and return its ref; a failed episode is not held (key "")."""
+        if traj.failed:
+            return TrajectoryRef.of(traj, "")
+        ref = TrajectoryRef.of(traj, f"{self._prefix}-{next(self._next)}")
+        self._held[ref.key] = (traj, ref.nbytes)
+        self.held_bytes += ref.nbytes
+        while len(self._held) > self.max_held:
+            _, (_, n) = self._held.popitem(last=False)
+            self.held_bytes -= n
+            self.evicted += 1
+        return ref
+
+    def get(self, keys: list[str]) -> list[Trajectory | None]:
+        """The held trajectories of ``keys``, in order; None for a key not held."""
+        out = [self._held[k][0] if k in self._held else None for k in keys]
+        self.fetched += sum(t is not None for t in out)
+        return out
+
+    def release(self, keys: list[str]) -> int:
+        """Forget ``keys`` (unknown ones are ignored); how many were held."""
+        n = 0
+        for k in keys:
+            item = self._held.pop(k, None)
+            if item is not None:
+                self.held_bytes -= item[1]
+                n += 1
+        return n
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "held": len(self._held),
+            "held_bytes": self.held_bytes,
+            "held_evicted": self.evicted,
+            "held_fetched": self.fetched,
+        }
+
+
+def _matches(t: Trajectory, ref: TrajectoryRef) -> bool:
+    return t.group_id == ref.group_id and t.prompt_id == ref.prompt_id and t.num_generated == ref.num_generated
+
+
+async def fetch_held(
+    batch: list[Trajectory | TrajectoryRef], envs: Any, timeout_s: float = FETCH_TIMEOUT_S
+) -> list[Trajectory] | MissingTrajectories:
+    """``batch`` with every ref replaced by its trajectory, fetched from its holder (rank
+    ``ref.holder`` of the environment mesh ``envs``; one call per holder, all at once);
+    trajectories in ``batch`` stay as they are. ``MissingTrajectories`` if any could not be
+    fetched."""
+    out: list[Any] = list(batch)
+    by_holder: dict[int, list[int]] = {}
+    for i, item in enumerate(batch):
+        if isinstance(item, TrajectoryRef):
+            if not item.key:
+                raise ValueError(f"{item.prompt_id}/{item.group_id}: a failed episode's ref holds nothing to train")
+            by_holder.setdefault(item.holder, []).append(i)
+    if by_holder and envs is None:
+        raise ValueError("a batch of held trajectories needs the environment mesh that holds them")
+    missing: list[str] = []
+    reasons: list[str] = []
+
+    async def one(holder: int, idx: list[int]) -> None:
+        keys = [batch[i].key for i in idx]
+        try:
+            with trio.fail_after(timeout_s):
+                got = await envs[holder].fetch_held.call_one(keys)
+        except (ActorDied, ActorError, trio.TooSlowError, IndexError) as e:
+            missing.extend(keys)
+            reasons.append(f"environment actor {holder}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            return
+        if not isinstance(got, list) or len(got) != len(keys):
+            missing.extend(keys)
+            reasons.append(f"environment actor {holder}: answered {type(got).__name__} for {len(keys)} keys")
+            return
+        lost = 0
+        for i, t in zip(idx, got, strict=True):
+            ref = batch[i]
+            if t is None or not _matches(t, ref):
+                missing.append(ref.key)
+                lost += 1
+            else:
+                out[i] = t
+        if lost:
+            reasons.append(f"environment actor {holder}: {lost} of {len(idx)} trajectories not held")
+
+    async with trio.open_nursery() as nursery:
+        for holder, idx in by_holder.items():
+            nursery.start_soon(one, holder, idx)
+    if missing:
+        return MissingTrajectories(keys=missing, reason="; ".join(reasons))
+    return out
