@@ -284,11 +284,11 @@ class FaultsSection(_Section):
     respawn_backoff_max_s: float = Field(default=10.0, gt=0)
     """Longest wait between two respawn attempts of an actor whose respawn keeps failing
     (an unreachable host): the waits double from 0.5 s up to this."""
-    hedge_after_p90: float | None = Field(default=2.0, ge=1.0)
+    hedge_after_p90: float | None = Field(default=1.5, ge=1.0)
     """A rollout the next batch waits for that has run this many times its pool's p90 rollout
     duration (the recent finished ones) is started again on another sampler, not on its host;
     the first of the two to finish is kept, the other cancelled and discarded. None: never."""
-    hedge_min_s: float = Field(default=1.0, gt=0)
+    hedge_min_s: float = Field(default=0.25, gt=0)
     """No rollout is hedged before it has run this many seconds, however short its pool's
     rollouts are."""
 

@@ -88,8 +88,8 @@ async def test_a_straggler_is_hedged_on_another_pool_and_the_run_goes_on(autojum
     assert last["dear"]["hedges"] > 0 and last["dear"]["hedges_won"] > 0
     assert last["dear"]["hedges_won"] <= last["dear"]["hedges"]
     gaps = [b["wall_s"] - a["wall_s"] for a, b in zip(h.metrics.rows, h.metrics.rows[1:], strict=False)]
-    # A hedge starts once the straggler ran 1 s (`hedge_min_s`) and takes 0.2 s; the
-    # liveness watcher would take 60 s.
+    # A hedge starts once the straggler ran 1.5 x p90 (0.3 s) and takes 0.2 s; the liveness
+    # watcher would take 60 s.
     assert max(gaps) < 10.0, gaps
     _check_accounting(h)
 
@@ -130,8 +130,8 @@ async def test_a_hedge_never_runs_on_the_stragglers_host(autojump_clock):
 
 
 async def test_a_hedge_waits_for_the_rollout_to_pass_its_pools_p90(autojump_clock):
-    """Rollouts of 0.2 s, hedged after 10 x p90 = 2 s (above the 1 s floor): a straggler that
-    takes 1.5 s is never hedged, and one that takes 3 s is."""
+    """Rollouts of 0.2 s, hedged after 10 x p90 = 2 s (above the `hedge_min_s` floor): a
+    straggler that takes 1.5 s is never hedged, and one that takes 3 s is."""
     for slow_s, hedged in ((1.5, False), (3.0, True)):
         envs = StragglerEnvs({("cheap", 0)}, slow_from=trio.current_time() + 0.8)
         envs.slow_s = slow_s
