@@ -141,3 +141,26 @@ async def test_a_hedge_waits_for_the_rollout_to_pass_its_pools_p90(autojump_cloc
         assert h.state.step == 12
         assert (h.metrics.rows[-1]["pools"]["dear"]["hedges"] > 0) is hedged, slow_s
         _check_accounting(h)
+
+
+async def test_a_trainer_restart_with_hedges_in_flight_loses_nothing(autojump_clock):
+    """The restart cancels both attempts of a hedged slot: the first to end leaves the slot to
+    its twin, the last re-queues it, and the run trains every step once more from the
+    checkpoint with its accounting balanced."""
+    envs = StragglerEnvs({("cheap", 0)}, slow_from=trio.current_time() + 0.8)
+    h = Harness(_cfg(), envs=envs)
+    h.trainer.die_at = 7
+    ctx, twins_at_restart = h.controller.ctx, []
+    cancel = ctx.cancel_rollouts
+
+    def cancel_and_note() -> None:
+        twins_at_restart.append(sum(len(a) == 2 for a in ctx.hedger.attempts.values()))
+        cancel()
+
+    ctx.cancel_rollouts = cancel_and_note
+    with trio.fail_after(600):
+        await h.controller.run()
+    assert h.state.step == 12 and h.trainer.restarts == 1
+    assert twins_at_restart and twins_at_restart[0] > 0  # hedged slots were in flight
+    assert h.metrics.rows[-1]["pools"]["dear"]["hedges"] > 0
+    _check_accounting(h)
