@@ -101,10 +101,6 @@ class Hedger:
         if attempt.hedge:
             self.hedges[attempt.pool.name] += 1
 
-    def twins(self, attempt: Attempt) -> int:
-        """Attempts of `attempt`'s slot in flight (itself included)."""
-        return len(self.attempts.get(attempt.key, ()))
-
     def ended(self, attempt: Attempt, finished: bool, seconds: float | None) -> bool:
         """`attempt` ended; whether its outcome is the slot's. `finished`: it returned a
         trajectory (not one lost with its sampler's link); `seconds`: its duration when it
@@ -157,8 +153,9 @@ class Hedger:
         return now >= self.next_check or seen != self._seen
 
     def stragglers(self, awaited: list[tuple[str, int]], now: float, seen: Any) -> list[Attempt]:
-        """The lone attempts of slots in `awaited` that have run past their pool's limit;
-        sets the time of the next look (the next of them to pass it, or RECHECK_S)."""
+        """The lone, not discarded attempts of slots in `awaited` that have run past their
+        pool's limit; sets the time of the next look (the next of them to pass it, or
+        RECHECK_S from now)."""
         self._seen = seen
         out, nxt = [], now + RECHECK_S
         for key in awaited:
@@ -166,6 +163,8 @@ class Hedger:
             if running is None or len(running) != 1:
                 continue
             a = running[0]
+            if a.discarded:  # its twin finished (failed: the slot is queued again); it is ending
+                continue
             limit = self.limit(a.pool.name)
             if limit is None:
                 continue

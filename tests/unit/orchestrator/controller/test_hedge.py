@@ -10,6 +10,9 @@ import math
 
 import trio
 
+from orchestrator.controller._hedge import MIN_DURATIONS, Attempt, Hedger
+from orchestrator.state.buffer import Slot
+
 from .fakes import FakeEnvs, Harness, run_config
 
 MARK = 7.0  # the reward of a trajectory that a cancelled straggler returned anyway
@@ -164,3 +167,57 @@ async def test_a_trainer_restart_with_hedges_in_flight_loses_nothing(autojump_cl
     assert twins_at_restart and twins_at_restart[0] > 0  # hedged slots were in flight
     assert h.metrics.rows[-1]["pools"]["dear"]["hedges"] > 0
     _check_accounting(h)
+
+
+class _Pool:
+    """What a Hedger reads of a pool view: its name."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def _attempt(pool: str, index: int = 0, *, hedge: bool = False) -> Attempt:
+    return Attempt(Slot("g0", "p0", index), _Pool(pool), 0, 0, 0, 0.0, hedge=hedge)
+
+
+async def test_the_limit_is_k_times_the_pools_p90_with_a_floor_and_a_fallback():
+    h = Hedger(1.5, 0.25, ["a", "b"])
+    assert h.limit("a") is None  # nothing finished yet
+    for i in range(1, MIN_DURATIONS + 3):  # 0.1 .. 1.0 s on pool a
+        a = _attempt("a", i)
+        h.started(a)
+        assert h.ended(a, finished=True, seconds=i / 10)
+    assert h.limit("a") == 1.5 * 0.9  # the p90 of ten durations is the ninth
+    assert h.limit("b") == h.limit("a")  # b has none of its own: every pool's
+    fast = Hedger(1.5, 0.25, ["a"])
+    for i in range(MIN_DURATIONS):
+        a = _attempt("a", i)
+        fast.started(a)
+        fast.ended(a, finished=True, seconds=0.01)
+    assert fast.limit("a") == 0.25  # the floor
+    assert Hedger(None, 0.25, ["a"]).limit("a") is None
+
+
+async def test_the_first_to_finish_is_the_slots_and_the_last_unfinished_requeues():
+    h = Hedger(1.5, 0.25, ["a", "b"])
+    first, twin = _attempt("a"), _attempt("b", hedge=True)
+    h.started(first)
+    h.started(twin)
+    assert not h.ended(first, finished=False, seconds=None)  # the twin carries on
+    assert h.ended(twin, finished=True, seconds=0.2)  # kept
+    assert h.stats("b") == {"hedges": 1, "hedges_won": 1} and h.attempts == {}
+
+    first, twin = _attempt("a"), _attempt("b", hedge=True)
+    h.started(first)
+    h.started(twin)
+    assert h.ended(first, finished=True, seconds=0.2)
+    assert twin.discarded and twin.scope.cancel_called  # cancelled, and its result goes nowhere
+    assert not h.ended(twin, finished=True, seconds=0.2)
+    assert h.stats("b") == {"hedges": 2, "hedges_won": 1}
+
+    first, twin = _attempt("a"), _attempt("b", hedge=True)
+    h.started(first)
+    h.started(twin)
+    assert not h.ended(twin, finished=False, seconds=None)
+    assert h.ended(first, finished=False, seconds=None)  # the last one out: re-queue the slot
+    assert h.attempts == {}
