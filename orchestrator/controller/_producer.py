@@ -22,7 +22,7 @@ import time
 
 import trio
 
-from actors.types import TaskSpec
+from actors.types import TaskSpec, Trajectory
 from orchestrator.controller._context import PoolView, RunContext
 from orchestrator.controller._hedge import Attempt
 from orchestrator.controller._liveness import bind
@@ -212,7 +212,7 @@ async def _notify_after(ctx: RunContext, seconds: float) -> None:
 
 
 async def _rollout(ctx: RunContext, a: Attempt, task: TaskSpec) -> None:
-    slot, pool, rank, env, scope = a.slot, a.pool, a.rank, a.env, a.scope
+    slot, pool, rank, min_version, env, scope = a.slot, a.pool, a.rank, a.min_version, a.env, a.scope
     traj = None
     try:
         # Abandoned (re-queued) when the trainer restarts or its sampler or env actor freezes;
@@ -233,7 +233,7 @@ async def _rollout(ctx: RunContext, a: Attempt, task: TaskSpec) -> None:
                 hedge=a.hedge,
             ) as s,
         ):
-            traj = await ctx.links.envs.run_episode(pool.link, rank, task, ctx.sampling, a.min_version, env_rank=env)
+            traj = await ctx.links.envs.run_episode(pool.link, rank, task, ctx.sampling, min_version, env_rank=env)
             s.set_attribute("policy_version", traj.oldest_version)
             s.set_attribute("policy_version_max", traj.newest_version)
             s.set_attribute("staleness", ctx.version - traj.oldest_version)
@@ -249,28 +249,17 @@ async def _rollout(ctx: RunContext, a: Attempt, task: TaskSpec) -> None:
         pool.in_flight[rank] -= 1
         ctx.env_in_flight[env] -= 1
         lost = traj is not None and traj.sampler_lost
-        finished = traj is not None and not lost
-        succeeded = finished and not traj.failed
-        mine = ctx.hedger.ended(a, finished, ctx.now() - a.started if succeeded else None)
-        if lost:
-            # A sampler that lost its link gets nothing for a ping interval, so retries go
-            # elsewhere before the watcher names it.
-            pool.health[rank].avoid(ctx.now() + ctx.cfg.faults.ping_every_s)
-            ctx.update_scheduler()
-            if ctx.nursery is not None:
-                ctx.nursery.start_soon(_notify_after, ctx, ctx.cfg.faults.ping_every_s)
-        if not mine:
-            # Its twin finished first, or runs on: this attempt only frees what it held.
-            if finished:
-                ctx.scheduler.complete(pool.name, traj.num_generated)
-            else:
-                ctx.scheduler.release(pool.name)
-        elif not finished:
+        if not _ended(ctx, a, traj, lost):
+            pass  # its twin finished first, or runs on: this attempt only freed what it held
+        elif traj is None or lost:
             # Died, cancelled (trainer restart, unresponsive actor) or failed with its sampler's
             # link: it never finished, and it is retried as it was (no attempt counted, so a
-            # partition costs no prompt).
+            # partition costs no prompt). A sampler that lost its link gets nothing for a
+            # ping interval, so retries go elsewhere before the watcher names it.
             ctx.scheduler.release(pool.name)
             ctx.buffer.requeue(slot)
+            if lost:
+                _avoid(ctx, pool, rank)
         else:
             ctx.scheduler.complete(pool.name, traj.num_generated)
             ctx.episode_ended(
@@ -284,3 +273,28 @@ async def _rollout(ctx: RunContext, a: Attempt, task: TaskSpec) -> None:
                 if drop.error:
                     ctx.progress.failure(f"episode {slot.prompt_id}#{slot.index} failed ({drop.reason}): {drop.error}")
         ctx.notify()
+
+
+def _ended(ctx: RunContext, a: Attempt, traj: Trajectory | None, lost: bool) -> bool:
+    """Tell the hedger that `a` ended; whether its outcome is its slot's. If not (its twin
+    finished first, or runs on), free its scheduler slot here (`complete` if it returned a
+    trajectory, `release` if not), and avoid its sampler if it lost its link."""
+    finished = traj is not None and not lost
+    seconds = ctx.now() - a.started if finished and not traj.failed else None
+    if ctx.hedger.ended(a, finished, seconds):
+        return True
+    if finished:
+        ctx.scheduler.complete(a.pool.name, traj.num_generated)
+    else:
+        ctx.scheduler.release(a.pool.name)
+        if lost:
+            _avoid(ctx, a.pool, a.rank)
+    return False
+
+
+def _avoid(ctx: RunContext, pool: PoolView, rank: int) -> None:
+    """No new rollout on sampler `rank` of `pool` for a ping interval (it lost its link)."""
+    pool.health[rank].avoid(ctx.now() + ctx.cfg.faults.ping_every_s)
+    ctx.update_scheduler()
+    if ctx.nursery is not None:
+        ctx.nursery.start_soon(_notify_after, ctx, ctx.cfg.faults.ping_every_s)
