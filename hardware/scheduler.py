@@ -326,6 +326,16 @@ class Scheduler:
             self._top_up(j, n - r + S, n + math.ceil(now - _EPS) + self._extra(j))
         return self._take(k)
 
+    def take(self, pool: str) -> bool:
+        """Take a slot on `pool` chosen by the caller, not by the rule (a duplicate of a
+        straggling rollout): True if it had room and is eligible (the slot is then taken and
+        `complete` or `release` frees it), else False and nothing changes."""
+        i = self._idx(pool)
+        if not self._eligible(i) or self._inflight[i] >= self._cap[i]:
+            return False
+        self._inflight[i] += 1
+        return True
+
     def _top_up(self, j: int, replica_full: int, enough: int) -> None:
         self._fill_to[j] = min(replica_full, enough)
         self._fill_from[j] = self._inflight[j]

@@ -11,6 +11,7 @@ import trio
 
 from actors.types import SamplingParams, TaskSpec, TrajectoryRef
 from hardware import CostLedger, Scheduler
+from orchestrator.controller._hedge import Hedger
 from orchestrator.controller._liveness import Health, respawn_due
 from orchestrator.controller.links import Checkpointer, Links, PoolLink
 from orchestrator.controller.state import ControllerState
@@ -206,6 +207,7 @@ class RunContext:
         self.dataset: Any = None  # actors.env.TaskDataset of `[task] dataset`, or None
         self.eval_dataset: Any = None  # held-out rows of `[task] eval_dataset`, or None
         self.rollout_scopes: set[trio.CancelScope] = set()
+        self.hedger = Hedger(cfg.faults.hedge_after_p90, cfg.faults.hedge_min_s, self.pools)
         # Nanoseconds (wall) of the producer's latest placement decisions (slot -> pool,
         # rank, env rank): a bounded window for benchmarks and diagnostics.
         self.decision_ns: deque[int] = deque(maxlen=DECISIONS_KEPT)
@@ -374,14 +376,15 @@ class RunContext:
                 self.links.envs.respawn(rank)
 
     def host_stats(self, name: str, now: float) -> dict[str, Any]:
-        """A pool's `up`, `hosts`, `outages` and `outage_s` for this step's metrics; records
-        in the cost ledger the time each of its hosts was present since the last call."""
+        """A pool's `up`, `hosts`, `outages`, `outage_s`, `hedges` and `hedges_won` for this
+        step's metrics; records in the cost ledger the time each of its hosts was present
+        since the last call."""
         pool = self.pools[name]
         dt = max(0.0, now - self.host_mark.get(name, self.t_start))
         self.host_mark[name] = now
         for host in pool.present_hosts():
             self.ledger.record_presence(name, host, dt)
-        return pool.outage_stats(now)
+        return {**pool.outage_stats(now), **self.hedger.stats(name)}
 
     def retire_if_lost(self, pool: PoolView, rank: int) -> bool:
         """Whether sampler `rank` of `pool` is given up: its host left the run (SIGTERM), or it

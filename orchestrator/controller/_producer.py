@@ -11,7 +11,9 @@ Cancellation: leaving the nursery abandons the rollouts in flight; their slots s
 counted as buffered. A sampler or env process that dies mid-rollout is respawned and
 the rollout re-queued; the trainer's restart cancels every rollout in flight (their
 weights are gone) and re-queues them; so does a sampler or env actor that stops answering
-(`_liveness`), and no rollout starts on one until it answers again.
+(`_liveness`), and no rollout starts on one until it answers again. A straggler the next
+batch waits for is hedged first (`_hedge`): a duplicate starts on another host, and the
+first of the two to finish is the slot's.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ import time
 
 import trio
 
-from actors.types import TaskSpec
+from actors.types import TaskSpec, Trajectory
 from orchestrator.controller._context import PoolView, RunContext
+from orchestrator.controller._hedge import Attempt
 from orchestrator.controller._liveness import bind
 from orchestrator.runtime import ActorDied, span
 from orchestrator.state.buffer import Slot
@@ -96,14 +99,17 @@ def _put_back(ctx: RunContext, waiting: list[Slot], *slots: Slot) -> None:
 
 
 async def _wait(ctx: RunContext, waiting: list[Slot], *slots: Slot) -> None:
+    """Until something changes, or a rollout in flight may have become a straggler."""
     _put_back(ctx, waiting, *slots)
-    await ctx.wait_change()
+    with trio.move_on_at(ctx.hedger.wake_at()):
+        await ctx.wait_change()
 
 
 async def produce(ctx: RunContext, nursery: trio.Nursery) -> None:
     waiting: list[Slot] = []  # held back for newer weights; work behind them may start now
     try:
         while not ctx.stopping:
+            _start_hedges(ctx, nursery)
             _top_up(ctx)
             slot = ctx.buffer.next_slot()
             if slot is None:
@@ -130,12 +136,72 @@ async def produce(ctx: RunContext, nursery: trio.Nursery) -> None:
                 ctx.scheduler.release(pool)  # held back: undone, not a finished rollout
                 await _wait(ctx, waiting, slot)
                 continue
-            view.in_flight[rank] += 1
-            ctx.env_in_flight[env] += 1
             ctx.decision_ns.append(time.perf_counter_ns() - t0)
-            nursery.start_soon(_rollout, ctx, slot, task, view, rank, min_version, env)
+            _launch(ctx, nursery, Attempt(slot, view, rank, env, min_version, ctx.now()), task)
     finally:
         _put_back(ctx, waiting)
+
+
+def _launch(ctx: RunContext, nursery: trio.Nursery, a: Attempt, task: TaskSpec) -> None:
+    """Start attempt `a` (its scheduler slot already taken), counted in flight from now."""
+    a.pool.in_flight[a.rank] += 1
+    ctx.env_in_flight[a.env] += 1
+    ctx.rollout_scopes.add(a.scope)  # from now: a trainer restart or a twin may cancel it
+    ctx.hedger.started(a)
+    nursery.start_soon(_rollout, ctx, a, task)
+
+
+def _start_hedges(ctx: RunContext, nursery: trio.Nursery) -> None:
+    """Start a duplicate of each straggler the next batch waits for (`_hedge`), on a rank of
+    another host with a free scheduler slot; one without such a rank waits for the next look."""
+    now, buffer = ctx.now(), ctx.buffer
+    seen = (ctx.version, buffer.groups_buffered, buffer.done_rollouts())
+    if not ctx.hedger.due(now, seen):
+        return
+    late = ctx.hedger.stragglers(buffer.awaited(ctx.cfg.rollout.prompts_per_step), now, seen)
+    if not late or not ctx.trainer_alive.is_set():
+        return
+    ctx.update_scheduler()
+    for a in late:
+        task = buffer.task_of(a.slot)
+        target = _hedge_target(ctx, a)
+        env = ctx.pick_env()
+        if task is None or target is None or env is None or not ctx.scheduler.take(target[0].name):
+            continue
+        view, rank, min_version = target
+        with span(
+            "rollout.hedge",
+            group_id=a.slot.group_id,
+            sample=a.slot.index,
+            pool=view.name,
+            straggler_pool=a.pool.name,
+            straggler_rank=a.rank,
+            running_s=round(now - a.started, 3),
+        ):
+            pass
+        _launch(ctx, nursery, Attempt(a.slot, view, rank, env, min_version, now, hedge=True), task)
+
+
+def _hedge_target(ctx: RunContext, a: Attempt) -> tuple[PoolView, int, int] | None:
+    """(pool, rank, min_version) for a duplicate of `a`: the cheapest pool with a free slot
+    that has a usable rank other than `a`'s, not on `a`'s host, with weights no older than
+    `a` asked for nor that pool's budget allows; its least loaded such rank."""
+    host = a.pool.health[a.rank].host
+    for name in ctx.scheduler.ranking():
+        if ctx.scheduler.in_flight(name) >= ctx.scheduler.capacity(name):
+            continue
+        view = ctx.pools[name]
+        need = max(a.min_version, _need_version(ctx, a.slot, name))
+        ranks = [
+            r
+            for r in view.usable()
+            if view.versions[r] >= need
+            and not (view is a.pool and r == a.rank)
+            and (host is None or view.health[r].host != host)
+        ]
+        if ranks:
+            return view, min(ranks, key=view.in_flight.__getitem__), need
+    return None
 
 
 async def _notify_after(ctx: RunContext, seconds: float) -> None:
@@ -145,14 +211,12 @@ async def _notify_after(ctx: RunContext, seconds: float) -> None:
     ctx.notify()
 
 
-async def _rollout(
-    ctx: RunContext, slot: Slot, task: TaskSpec, pool: PoolView, rank: int, min_version: int, env: int
-) -> None:
+async def _rollout(ctx: RunContext, a: Attempt, task: TaskSpec) -> None:
+    slot, pool, rank, min_version, env, scope = a.slot, a.pool, a.rank, a.min_version, a.env, a.scope
     traj = None
-    scope = trio.CancelScope()
-    ctx.rollout_scopes.add(scope)
     try:
-        # Abandoned (re-queued) when the trainer restarts or its sampler or env actor freezes.
+        # Abandoned (re-queued) when the trainer restarts or its sampler or env actor freezes;
+        # cancelled when its twin (`_start_hedges`) finishes first.
         with (
             bind(scope, pool.health[rank], ctx.env_health[env]),
             scope,
@@ -166,6 +230,7 @@ async def _rollout(
                 pool=pool.name,
                 gpu=pool.link.config.gpu,
                 precision=pool.link.config.precision,
+                hedge=a.hedge,
             ) as s,
         ):
             traj = await ctx.links.envs.run_episode(
@@ -178,14 +243,17 @@ async def _rollout(
             s.set_attribute("reward", float(traj.reward))
             s.set_attribute("failed", bool(traj.failed))
     except ActorDied as e:
-        ctx.progress.failure(f"rollout on {pool.receiver(rank)} lost: {e}")
+        if not a.discarded:
+            ctx.progress.failure(f"rollout on {pool.receiver(rank)} lost: {e}")
         ctx.respawn_dead()
     finally:
         ctx.rollout_scopes.discard(scope)
         pool.in_flight[rank] -= 1
         ctx.env_in_flight[env] -= 1
         lost = traj is not None and traj.sampler_lost
-        if traj is None or lost:
+        if not _ended(ctx, a, traj, lost):
+            pass  # its twin finished first, or runs on: this attempt only freed what it held
+        elif traj is None or lost:
             # Died, cancelled (trainer restart, unresponsive actor) or failed with its sampler's
             # link: it never finished, and it is retried as it was (no attempt counted, so a
             # partition costs no prompt). A sampler that lost its link gets nothing for a
@@ -193,10 +261,7 @@ async def _rollout(
             ctx.scheduler.release(pool.name)
             ctx.buffer.requeue(slot)
             if lost:
-                pool.health[rank].avoid(ctx.now() + ctx.cfg.faults.ping_every_s)
-                ctx.update_scheduler()
-                if ctx.nursery is not None:
-                    ctx.nursery.start_soon(_notify_after, ctx, ctx.cfg.faults.ping_every_s)
+                _avoid(ctx, pool, rank)
         else:
             ctx.scheduler.complete(pool.name, traj.num_generated)
             ctx.episode_ended(
@@ -211,3 +276,29 @@ async def _rollout(
                 if drop.error:
                     ctx.progress.failure(f"episode {slot.prompt_id}#{slot.index} failed ({drop.reason}): {drop.error}")
         ctx.notify()
+
+
+def _ended(ctx: RunContext, a: Attempt, traj: Trajectory | None, lost: bool) -> bool:
+    """Tell the hedger that `a` ended; whether its outcome is its slot's. If not (its twin
+    finished first, or runs on), free its scheduler slot here (`complete` if it returned a
+    trajectory, `release` if not), and avoid its sampler if it lost its link."""
+    finished = traj is not None and not lost
+    seconds = ctx.now() - a.started if finished and not traj.failed else None
+    if ctx.hedger.ended(a, finished, seconds):
+        return True
+    if finished:
+        ctx.scheduler.complete(a.pool.name, traj.num_generated)
+        ctx.release([traj])  # not trained: its holder may forget it
+    else:
+        ctx.scheduler.release(a.pool.name)
+        if lost:
+            _avoid(ctx, a.pool, a.rank)
+    return False
+
+
+def _avoid(ctx: RunContext, pool: PoolView, rank: int) -> None:
+    """No new rollout on sampler `rank` of `pool` for a ping interval (it lost its link)."""
+    pool.health[rank].avoid(ctx.now() + ctx.cfg.faults.ping_every_s)
+    ctx.update_scheduler()
+    if ctx.nursery is not None:
+        ctx.nursery.start_soon(_notify_after, ctx, ctx.cfg.faults.ping_every_s)

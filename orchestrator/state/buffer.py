@@ -105,7 +105,7 @@ class Drop:
 
     slot: Slot
     pool: str
-    reason: str  # "stale" | "failed" | "skipped" | "rollback" | "zero_variance" | "lost"
+    reason: str  # "stale" | "failed" | "skipped" | "rollback" | "zero_variance" | "lost" | "duplicate"
     staleness: int | None
     error: str | None
 
@@ -176,9 +176,13 @@ class RolloutBuffer:
     def complete(self, slot: Slot, traj: Any) -> Drop | None:
         """Record a finished rollout. A failed one is retried (or abandons its group); the
         last one of a zero-variance group drops the group (reason "zero_variance") when
-        filtering is on and the bound allows."""
-        self._in_flight.discard((slot.group_id, slot.index))
+        filtering is on and the bound allows. A slot holds exactly one trajectory: a second
+        one for a slot already done is not recorded (reason "duplicate", nothing counted)."""
         group = self._groups.get(slot.group_id)
+        if group is not None and slot.index in group.done:
+            self._discard(traj)
+            return Drop(slot, traj.pool, "duplicate", None, None)
+        self._in_flight.discard((slot.group_id, slot.index))
         if group is None:  # skipped meanwhile
             self._discard(traj)
             return None
@@ -326,6 +330,20 @@ class RolloutBuffer:
     def done_rollouts(self) -> int:
         """Finished trajectories waiting to be trained (in complete and incomplete groups)."""
         return self._done
+
+    def awaited(self, n_groups: int) -> list[tuple[str, int]]:
+        """(group id, index) of every rollout not done yet in the groups a batch of `n_groups`
+        waits for: the oldest incomplete groups, as many as complete ones are missing (none
+        when `n_groups` complete groups are here)."""
+        complete, incomplete = 0, []
+        for g in self._groups.values():
+            if g.complete:
+                complete += 1
+            else:
+                incomplete.append(g)
+        return [
+            (g.group_id, i) for g in incomplete[: max(0, n_groups - complete)] for i in range(g.size) if i not in g.done
+        ]
 
     def complete_groups(self) -> int:
         return sum(g.complete for g in self._groups.values())

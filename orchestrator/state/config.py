@@ -264,7 +264,8 @@ class CheckpointSection(_Section):
 
 class FaultsSection(_Section):
     """How the controller tells a frozen or unreachable actor from a busy one, and what it
-    does then (orchestrator.controller._liveness)."""
+    does then (orchestrator.controller._liveness); and when it hedges a straggling rollout
+    (orchestrator.controller._hedge)."""
 
     ping_every_s: float = Field(default=1.0, gt=0)
     """Seconds between liveness pings of each sampler and environment actor (a cheap call
@@ -288,6 +289,13 @@ class FaultsSection(_Section):
     respawn_backoff_max_s: float = Field(default=10.0, gt=0)
     """Longest wait between two respawn attempts of an actor whose respawn keeps failing
     (an unreachable host): the waits double from 0.5 s up to this."""
+    hedge_after_p90: float | None = Field(default=1.5, ge=1.0)
+    """A rollout the next batch waits for that has run this many times its pool's p90 rollout
+    duration (the recent finished ones) is started again on another sampler, not on its host;
+    the first of the two to finish is kept, the other cancelled and discarded. None: never."""
+    hedge_min_s: float = Field(default=0.25, gt=0)
+    """No rollout is hedged before it has run this many seconds, however short its pool's
+    rollouts are."""
 
     @model_validator(mode="after")
     def _ordered(self) -> FaultsSection:
@@ -360,7 +368,7 @@ class RunConfig(_Section):
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     """Periodic checkpoints and trainer restarts."""
     faults: FaultsSection = Field(default_factory=FaultsSection)
-    """Liveness pings, unresponsive actors and respawn back-off."""
+    """Liveness pings, unresponsive actors, respawn back-off and hedged stragglers."""
     eval: EvalConfig = Field(default_factory=EvalConfig)
     """Held-out evaluation during training (orchestrator.controller.evaluation.EvalConfig)."""
     pools: PoolList = Field(min_length=1)

@@ -119,7 +119,9 @@ def measure_partition(tmp: Path, rig: Any, *, cut_s: float, warm_steps: int = 5,
     trained again. Returns `partition_prompts_lost` (prompts skipped, plus any the run never
     trained), `partition_train_stall_s` (longest gap between train steps during the cut),
     `normal_step_s` (median step time before the cut), `rejoin_s` (link restored -> end of
-    the first step with a rollout from the host), the console lines and the last metrics row."""
+    the first step with a rollout from the host), `partition_hedges` and `partition_hedges_won`
+    (straggling rollouts duplicated on another host, and duplicates kept, over the whole run),
+    the console lines and the last metrics row."""
     host = rig.add_host("p")
     cfg = remote_run_config(tmp, "partition", {"hosts": [host.address], "keys": str(rig.keys)}, **raw)
     run = Run(cfg, tmp / "runs" / "partition")
@@ -153,6 +155,8 @@ def measure_partition(tmp: Path, rig: Any, *, cut_s: float, warm_steps: int = 5,
         "rejoin_s": round(times[first_back["version"]] - t_restore, 3),
         "cut_s": cut_s,
         "steps_during_cut": sum(1 for t in times.values() if t_cut <= t <= t_restore),
+        "partition_hedges": sum(p.get("hedges", 0) for p in rows[-1]["pools"].values()),
+        "partition_hedges_won": sum(p.get("hedges_won", 0) for p in rows[-1]["pools"].values()),
         "console": run.err.read_text(),
         "last": rows[-1],
         "spans": run.spans("sampler.outage"),
@@ -184,24 +188,40 @@ def measure_join(tmp: Path, rig: Any, **raw: Any) -> dict[str, Any]:
 
 
 def main() -> None:
-    """`python -m tests.integration.netruns [--cut-s S]` (root, iproute2): one partition run
-    and one join run in the network rig; prints one JSON line with partition_prompts_lost,
-    partition_train_stall_s, normal_step_s, rejoin_s and elastic_join_s."""
+    """`python -m tests.integration.netruns [--cut-s S] [--keep DIR]` (root, iproute2): one
+    partition run and one join run in the network rig; prints one JSON line with
+    partition_prompts_lost, partition_train_stall_s, normal_step_s, rejoin_s,
+    partition_hedges, partition_hedges_won and elastic_join_s."""
     import argparse
+    import contextlib
     import tempfile
 
     from tests.netrig import NetRig, netrig_unavailable
 
     p = argparse.ArgumentParser(prog="python -m tests.integration.netruns")
     p.add_argument("--cut-s", type=float, default=30.0, help="seconds the link stays cut")
+    p.add_argument("--keep", type=Path, help="put the runs in this (new) folder and keep them")
     args = p.parse_args()
     reason = netrig_unavailable()
     if reason:
         raise SystemExit(f"netruns: {reason}")
-    with tempfile.TemporaryDirectory() as d, NetRig() as rig:
+    if args.keep is not None:
+        args.keep.mkdir(parents=True)
+    with (
+        contextlib.nullcontext(str(args.keep)) if args.keep else tempfile.TemporaryDirectory() as d,
+        NetRig() as rig,
+    ):
         part = measure_partition(Path(d), rig, cut_s=args.cut_s)
         join = measure_join(Path(d), rig)
-    keys = ("partition_prompts_lost", "partition_train_stall_s", "normal_step_s", "rejoin_s", "cut_s")
+    keys = (
+        "partition_prompts_lost",
+        "partition_train_stall_s",
+        "normal_step_s",
+        "rejoin_s",
+        "cut_s",
+        "partition_hedges",
+        "partition_hedges_won",
+    )
     print(json.dumps({**{k: part[k] for k in keys}, "elastic_join_s": join["elastic_join_s"]}))
 
 

@@ -302,3 +302,19 @@ def test_an_unavailable_pool_gets_nothing_and_its_supply_is_not_counted():
     s2.set_trainer(0, demand=0)
     s2.set_available("a", False)
     assert fill(s2, 2) == ["b", None]
+
+
+def test_take_claims_a_chosen_pools_slot_only_when_it_has_room_and_is_eligible():
+    s = make([a100("cheap", 1.0, cap=2, budget=1), a100("dear", 2.0, cap=2)])
+    s.set_trainer(0, demand=100)
+    assert s.take("dear") and s.take("dear")  # a caller's choice: not the cheapest pool
+    assert not s.take("dear") and s.in_flight("dear") == 2  # full: nothing changes
+    s.set_trainer(2, demand=100)  # cheap holds version 0: lag 2 > budget 1
+    assert not s.take("cheap") and s.in_flight("cheap") == 0
+    s.set_available("dear", False)
+    s.release("dear")
+    assert not s.take("dear") and s.in_flight("dear") == 1
+    s.complete("dear", tokens=1000)
+    assert s.in_flight("dear") == 0
+    with pytest.raises(KeyError, match="pools: cheap, dear"):
+        s.take("nowhere")

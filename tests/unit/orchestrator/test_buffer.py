@@ -154,3 +154,32 @@ def test_without_the_switch_zero_variance_groups_are_trained():
     assert _fill(buf, "g0", [0.0, 0.0]) == [None, None]
     groups, _ = buf.take_batch(1, trainer_version=0, budget_of=lambda pool: 1)
     assert [g.group_id for g in groups] == ["g0"] and buf.counters.groups_zero_variance == 0
+
+
+def test_a_slot_holds_one_trajectory_and_a_second_is_refused_uncounted():
+    buf = RolloutBuffer(group_size=2)
+    buf.add_group("g0", "p0", task="t")
+    first, second = buf.next_slot(), buf.next_slot()
+    assert buf.complete(first, _T("a", version=0)) is None
+    before = buf.counts()
+    for twin in (_T("b", version=0), _T("b", version=0, failed=True)):  # a hedge that lost the race
+        drop = buf.complete(first, twin)
+        assert drop is not None and drop.reason == "duplicate" and drop.pool == "b"
+    assert buf.counts() == before and buf.done_rollouts() == 1
+    assert buf.in_flight == 1  # the other slot still runs
+    buf.complete(second, _T("a", version=0))
+    groups, _ = buf.take_batch(1, trainer_version=0, budget_of=lambda pool: 1)
+    assert [t.pool for _, t in sorted(groups[0].done.values(), key=lambda st: st[0].index)] == ["a", "a"]
+
+
+def test_awaited_names_the_unfinished_slots_of_the_groups_a_batch_waits_for():
+    buf = RolloutBuffer(group_size=2)
+    for g in ("g0", "g1", "g2"):
+        buf.add_group(g, g.replace("g", "p"), task="t")
+    slots = [buf.next_slot() for _ in range(6)]
+    assert buf.awaited(2) == [("g0", 0), ("g0", 1), ("g1", 0), ("g1", 1)]
+    buf.complete(slots[0], _T("a", version=0))
+    buf.complete(slots[4], _T("a", version=0))
+    buf.complete(slots[5], _T("a", version=0))  # g2 complete: a batch of 2 needs one of g0, g1
+    assert buf.awaited(2) == [("g0", 1)]
+    assert buf.awaited(1) == []  # g2 alone makes a batch of 1

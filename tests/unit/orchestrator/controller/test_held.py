@@ -6,11 +6,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import trio
+
 from actors.held import TrajectoryStore
 from actors.types import MissingTrajectories, Trajectory, TrajectoryRef
 from orchestrator.state.buffer import RolloutBuffer, Slot
 
 from .fakes import FakeEnvs, FakeTrainer, Harness, run_config
+from .test_hedge import MARK, StragglerEnvs
+from .test_hedge import _cfg as hedge_config
 
 
 class HoldingEnvs(FakeEnvs):
@@ -129,3 +133,19 @@ def test_the_buffer_hands_over_held_trajectories_it_lets_go_untrained():
     drops = buf.drop_lost(lambda t: t.key == "k1")
     assert [d.reason for d in drops] == ["lost"] and buf.counters.dropped_lost == 1
     assert buf.done_rollouts() == 0 and buf.queued == 2
+
+
+class HoldingStragglers(HoldingEnvs, StragglerEnvs):
+    """Stragglers whose cancelled episodes return anyway, each result held as a ref."""
+
+
+async def test_a_hedged_twins_held_trajectory_is_released_not_trained(autojump_clock):
+    envs = HoldingStragglers(slow={("cheap", 0)}, slow_from=trio.current_time() + 0.8, finish_cancelled=True)
+    h = Harness(hedge_config(), envs=envs, trainer=ResolvingTrainer(envs))
+    with trio.fail_after(600):
+        await h.controller.run()
+    assert h.state.step == 12 and envs.returned_anyway > 0
+    assert MARK not in {float(t.reward) for t in h.trained()}
+    # Every ref the controller got is trained, released or still buffered: the losers' too.
+    assert len(envs.store) == h.controller.ctx.buffer.done_rollouts()
+    assert envs.released + len(envs.store) == envs.refs

@@ -48,6 +48,8 @@ async def test_a_frozen_sampler_is_named_once_avoided_and_rejoins(autojump_clock
             cheap.freeze(0)
             frozen_at, step_at_freeze = trio.current_time(), h.state.step
             await _until(h, step_at_freeze + 10)  # trains on the other pool meanwhile
+            # Hedged rollouts keep the steps going faster than the watcher names it.
+            await trio.sleep_until(frozen_at + h.cfg.faults.unresponsive_after_s + 2 * h.cfg.faults.ping_every_s)
             thawed_at = trio.current_time()
             cheap.thaw(0)
     lines = out.getvalue().splitlines()
