@@ -30,7 +30,7 @@ from orchestrator.runtime import ActorDied, ActorError
 
 __all__ = ["FETCH_TIMEOUT_S", "TrajectoryStore", "fetch_held"]
 
-FETCH_TIMEOUT_S = 30.0
+FETCH_TIMEOUT_S = 10.0
 """How long the trainer waits for one holder's answer before counting its trajectories
 missing (a frozen holder; the controller names it unresponsive long before)."""
 

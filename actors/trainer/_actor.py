@@ -27,11 +27,11 @@ from typing import Any
 
 import trio
 
-from actors.held import fetch_held
+from actors.held import FETCH_TIMEOUT_S, fetch_held
 from actors.trainer._checkpoint import is_complete
 from actors.trainer._config import StepResult, TrainerConfig
 from actors.trainer._core import Trainer
-from actors.trainer._dist import World, init_group
+from actors.trainer._dist import World, gather_json, init_group
 from actors.trainer._memory import size_report
 from actors.trainer._sft import SftResult, SftSequence
 from actors.types import MissingTrajectories, Trajectory, TrajectoryRef
@@ -131,29 +131,51 @@ class TrainerActor(Actor):
             sp.set_attribute("keyframe", any(m.is_keyframe for m in msgs))
         return time.perf_counter() - t0, wire
 
+    async def _fetch(
+        self, batch: list[Trajectory | TrajectoryRef], envs: Mesh | None, timeout_s: float
+    ) -> list[Trajectory] | MissingTrajectories:
+        with span("trajectories.fetch", batch=len(batch)) as sp:
+            fetched = await fetch_held(batch, envs, timeout_s)
+            if self.world.size > 1:  # a step is a collective: every rank trains, or none
+                mine = fetched.keys if isinstance(fetched, MissingTrajectories) else []
+                ranks = await trio.to_thread.run_sync(gather_json, mine, self.world, self.trainer.device)
+                missing = sorted({k for keys in ranks for k in keys})
+                if missing:
+                    why = (
+                        fetched.reason
+                        if isinstance(fetched, MissingTrajectories)
+                        else "another trainer rank missed them"
+                    )
+                    fetched = MissingTrajectories(keys=missing, reason=why)
+            sp.set_attribute("missing", len(fetched.keys) if isinstance(fetched, MissingTrajectories) else 0)
+        return fetched
+
     @endpoint
     async def train_step(
-        self, batch: list[Trajectory | TrajectoryRef], envs: Mesh | None = None
+        self,
+        batch: list[Trajectory | TrajectoryRef],
+        envs: Mesh | None = None,
+        fetch_timeout_s: float = FETCH_TIMEOUT_S,
     ) -> StepResult | MissingTrajectories:
         """One optimizer step on ``batch``, then publish the new version.
 
         A ``TrajectoryRef`` in ``batch`` is fetched first from its holder in the environment
-        mesh ``envs`` (``actors.held``); if any cannot be, nothing is trained and the answer
-        is ``MissingTrajectories`` naming them.
+        mesh ``envs`` (``actors.held``, waiting at most ``fetch_timeout_s`` per holder); if
+        any cannot be, nothing is trained and the answer is ``MissingTrajectories`` naming
+        them. In a trainer group every rank fetches the batch itself, and the ranks agree
+        before the step: if one rank misses a trajectory, none trains.
 
         Errors: ValueError (as ActorError at the caller) for a batch without
         generated tokens or with a malformed support record; the weights are then
         unchanged. Cancellation: once started, the step runs to completion (the
         update is all-or-nothing); a cancelled caller only loses the result.
         """
-        if any(isinstance(t, TrajectoryRef) for t in batch):
-            with span("trajectories.fetch", batch=len(batch)) as sp:
-                fetched = await fetch_held(batch, envs)
-                sp.set_attribute("missing", len(fetched.keys) if isinstance(fetched, MissingTrajectories) else 0)
-            if isinstance(fetched, MissingTrajectories):
-                return fetched
-            batch = fetched
         async with self._lock:
+            if any(isinstance(t, TrajectoryRef) for t in batch):
+                fetched = await self._fetch(batch, envs, fetch_timeout_s)
+                if isinstance(fetched, MissingTrajectories):
+                    return fetched
+                batch = fetched
             oldest = min((t.oldest_version for t in batch if t.num_generated), default=None)
             with span(
                 "train_step", batch=len(batch), staleness_max=-1 if oldest is None else self.trainer.version - oldest

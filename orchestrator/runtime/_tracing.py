@@ -52,8 +52,18 @@ def _tracer() -> Any:
 def span(name: str, **attributes: Any) -> Iterator[Any]:
     """Open a span (child of the current one, which may live in the calling process).
 
-    Exceptions propagate unchanged and are recorded on the span.
+    Exceptions propagate unchanged and are recorded on the span. Under a trace outside the
+    sample, a span that is neither an ``always`` nor a ``tail`` name would be dropped by the
+    sampler: it is not created at all (a no-op span stands in; the current span, and what
+    calls propagate, stay the parent's), which spares the SDK's work on most spans.
     """
+    policy = _policy
+    if policy is not None and name not in policy.always and name not in policy.tail:
+        trace = sys.modules["opentelemetry.trace"]  # imported by configure_tracing
+        ctx = trace.get_current_span().get_span_context()
+        if ctx.is_valid and not ctx.trace_flags.sampled:
+            yield trace.NonRecordingSpan(ctx)
+            return
     with _tracer().start_as_current_span(name, attributes=attributes or None) as s:
         yield s
 

@@ -112,3 +112,22 @@ def test_bad_rules_are_refused(tmp_path: Path) -> None:
         configure_tracing(tmp_path / "x.jsonl", "t", sample=1.5)
     with pytest.raises(ValueError, match="at least 1 byte"):
         configure_tracing(tmp_path / "x.jsonl", "t", max_bytes=0)
+
+
+def test_children_of_an_unsampled_trace_are_not_made_but_kept_kinds_are(tmp_path: Path) -> None:
+    from opentelemetry import trace
+
+    path = tmp_path / "spans.jsonl"
+    configure_tracing(path, "unsampled", sample=0.0, always=["publish"], tail=["rollout"])
+    with pytest.raises(ValueError), span("rollout", task="t") as root:  # outside the sample
+        with span("env.step", turn=1) as child:
+            assert not child.is_recording()
+            assert trace.get_current_span() is root  # the parent stays current
+            assert child.get_span_context().trace_id == root.get_span_context().trace_id
+            child.set_attribute("reward", 1.0)  # harmless
+            with span("publish", version=3):  # always kept, even here
+                pass
+        raise ValueError("episode failed")  # a failed tail span outside the sample is kept
+    configure_tracing(tmp_path / "other.jsonl", "unsampled")
+    names = sorted(s["name"] for s in _spans(path))
+    assert names == ["publish", "rollout"]
