@@ -1,8 +1,13 @@
-"""Actor side: one ROUTER socket, one reader task; async calls run on reusable worker tasks.
+"""Actor side: one ROUTER socket read by one task at a time; calls run on reusable tasks.
 
-A plain ``def`` endpoint with nothing queued ahead of it runs inline in the
-reader. Async calls are handed to parked worker tasks (spawned when none is
-idle), started in arrival order; each call can be cancelled on its own.
+A call with nothing queued ahead of it starts inline in the task that holds the
+reader role: a plain ``def`` endpoint runs to its end there, and an ``async def``
+endpoint runs until its first suspension (most fast endpoints never suspend, and
+reply at once). If it suspends, that task keeps running it to its end, with the
+call's own cancel scope, and hands the reader role to a parked task. Calls that
+arrive while earlier ones have not started yet are handed to parked tasks
+(spawned when none is idle) and start in arrival order; each call can be
+cancelled on its own.
 
 Message kinds (header ``"kind"``): ``init`` (constructor arguments, once),
 ``call`` (reply expected), ``send`` (fire-and-forget), ``cancel`` (cancel the
@@ -18,7 +23,10 @@ logged on stderr at most once per second per peer.
 
 from __future__ import annotations
 
+import contextvars
 import traceback
+import types
+from collections.abc import Generator
 from typing import Any
 
 import outcome
@@ -34,7 +42,8 @@ from ._zsock import ZSocket, log
 
 __all__ = ["Server", "exception_info"]
 
-_MAX_IDLE = 32  # idle worker tasks kept for reuse
+_MAX_IDLE = 32  # idle server tasks kept for reuse
+_READ = "read"  # the job of holding the reader role
 
 
 def exception_info(exc: BaseException) -> dict[str, str]:
@@ -61,7 +70,7 @@ class Server:
         self.ready = trio.Event()
         self.running: dict[tuple[bytes, Any], trio.CancelScope] = {}
         # local: bound on ipc://, so every peer shares the machine (large frames via /dev/shm)
-        self.z = ZSocket(sock, self._on_message, copy_parts=2, spin=True, shm=local)
+        self.z = ZSocket(sock, self._on_message, copy_parts=2, spin=True, shm=local, close_on_exit=False)
         self._nursery: trio.Nursery | None = None
         self._next_seq = 0
         self._started = 0
@@ -71,13 +80,22 @@ class Server:
         # and the worker then skips it.
         self._queued: set[tuple[bytes, Any]] = set()
         self._init_spec = _Spec(cls.__init__, f"{cls.__qualname__}.__init__")
+        # The task in the reader role while it reads, and its cancel scope (which becomes
+        # the scope of an async call that suspends in its first step there).
+        self._reader: trio.lowlevel.Task | None = None
+        self._reader_scope: trio.CancelScope | None = None
+        # That call, between its suspension and the end of the reader's drain.
+        self._adopted: _Adopted | None = None
 
     async def serve(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         try:
-            async with trio.open_nursery() as nursery:
-                self._nursery = nursery
-                await nursery.start(self.z.run)
-                task_status.started()
+            try:
+                async with trio.open_nursery() as nursery:
+                    self._nursery = nursery
+                    await nursery.start(self._task, _READ)
+                    task_status.started()
+            finally:
+                self.z.close()
         finally:
             if self.actor is not None:
                 with trio.CancelScope(shield=True), trio.move_on_after(10):
@@ -173,19 +191,27 @@ class Server:
         seq = self._next_seq
         self._next_seq += 1
         tp = header.get("trace")
-        if not ep.is_async and self._started == seq and self.ready.is_set():
-            # Nothing queued ahead of it: run a plain function inline, without a task.
-            self._started += 1
-            with _tracing.remote_parent(tp):
-                self._run_sync(ep, ident, rid, args, kwargs, reply)
-            return
-        job = (seq, ep, ident, rid, args, kwargs, reply, tp)
+        if self._started == seq and self._adopted is None and self.ready.is_set():
+            # Nothing queued ahead of it: start it here, without handing it to a task.
+            if not ep.is_async:
+                self._started += 1
+                with _tracing.remote_parent(tp):
+                    self._run_sync(ep, ident, rid, args, kwargs, reply)
+                return
+            if trio.lowlevel.current_task() is self._reader:
+                self._started += 1
+                self._run_eager(ep, ident, rid, args, kwargs, reply, tp)
+                return
         self._queued.add((ident, rid))
+        self._hand_on((seq, ep, ident, rid, args, kwargs, reply, tp))
+
+    def _hand_on(self, job: Any) -> None:
+        """Give a job (a queued call, or the reader role) to a parked task, or a new one."""
         if self._idle:
             trio.lowlevel.reschedule(self._idle.pop(), outcome.Value(job))
         else:
             assert self._nursery is not None
-            self._nursery.start_soon(self._worker, job)
+            self._nursery.start_soon(self._task, job)
 
     def _decode_args(self, header: dict[str, Any], frames: list[Any]) -> tuple[list[Any], dict[str, Any]]:
         a, w = header.get("args", []), header.get("kwargs", {})
@@ -195,6 +221,60 @@ class Server:
             return a, w
         args, kwargs = decode([a, w], frames)
         return args, kwargs
+
+    def _run_eager(
+        self,
+        ep: EndpointDef[Any, Any],
+        ident: bytes,
+        rid: int,
+        args: list[Any],
+        kwargs: dict[str, Any],
+        reply: bool,
+        tp: Any,
+    ) -> None:
+        """Run an async endpoint's first step now, in the reader task (inside its drain).
+
+        The call runs in a context of its own (a copy of the reader's, as a new task
+        would get), so what it sets there (its trace parent, its spans) stays its own.
+        If the step returns or raises, the call is answered now. If it suspends, the
+        call is adopted: the reader's cancel scope becomes the call's (a cancel message
+        cancels it), and once the drain is over this task hands the reader role on and
+        resumes the call (``_finish``). Between the suspension and the resumption this
+        task neither waits nor runs endpoint code, so to trio it is as if this task had
+        awaited the endpoint.
+        """
+        ctx = contextvars.copy_context()
+        coro = self._call(ep, args, kwargs, tp)
+        try:
+            trap = ctx.run(coro.send, None)
+        except StopIteration as stop:
+            if reply:
+                self._answer(ident, rid, stop.value, ep.spec)
+            return
+        except Exception as exc:
+            self._error(ident, rid, exc, reply, ep.spec.qualname)
+            return
+        key = (ident, rid)
+        assert self._reader_scope is not None
+        self.running[key] = self._reader_scope
+        self._adopted = _Adopted(coro, trap, ctx, key, ep, reply)
+
+    async def _call(self, ep: EndpointDef[Any, Any], args: list[Any], kwargs: dict[str, Any], tp: Any) -> Any:
+        with _tracing.remote_parent(tp):
+            return await ep.fn(self.actor, *args, **kwargs)
+
+    async def _finish(self, call: _Adopted) -> None:
+        """Run an adopted call from its first suspension to its end, and answer it."""
+        (ident, rid), ep = call.key, call.ep
+        try:
+            value = await _resume(call.coro, call.trap, call.ctx)
+        except Exception as exc:
+            self._error(ident, rid, exc, call.reply, ep.spec.qualname)
+        else:
+            if call.reply:
+                self._answer(ident, rid, value, ep.spec)
+        finally:
+            self.running.pop(call.key, None)
 
     def _run_sync(
         self, ep: EndpointDef[Any, Any], ident: bytes, rid: int, args: list[Any], kwargs: dict[str, Any], reply: bool
@@ -222,53 +302,88 @@ class Server:
         if nxt is not None:
             nxt.set()
 
-    async def _worker(self, job: tuple[Any, ...]) -> None:
-        """Run calls, parking between them (reusing a task is cheaper than spawning one).
+    async def _task(self, job: Any, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """A server task: runs jobs, parking between them (reusing a task is cheaper than
+        spawning one).
 
-        The worker's cancel scope is registered under the running call's key, so
-        a cancel message cancels exactly that call; the worker then ends (a new
-        one is spawned when needed). A call cancelled while still queued never
-        starts. At most ``_MAX_IDLE`` workers park.
+        A job is a queued call or the reader role (``_READ``). A reader reads until an
+        async call it started suspends; it then hands the role on and finishes that call.
+        The cancel scope a call runs in is registered under the call's key while it
+        runs, so a cancel message cancels exactly that call; the task then carries on
+        under a fresh scope. A call cancelled while still queued never starts. At most
+        ``_MAX_IDLE`` tasks park; the rest end.
         """
+        task_status.started()
         task = trio.lowlevel.current_task()
+        while True:
+            with trio.CancelScope() as scope:
+                while True:
+                    if job is _READ:
+                        self._reader, self._reader_scope = task, scope
+                        try:
+                            await self.z.read(until=self._has_adopted)
+                        finally:
+                            self._reader = self._reader_scope = None
+                        call, self._adopted = self._adopted, None
+                        assert call is not None
+                        self._hand_on(_READ)
+                        await self._finish(call)
+                        del call
+                    else:
+                        await self._run_job(job, scope)
+                    del job  # nothing of a finished call stays referenced
+                    job = await self._park(task)
+                    if job is None:
+                        return
+            # A cancel message cancelled this task's call (or cancelled it as it ended).
+            job = await self._park(task)
+            if job is None:
+                return
+
+    def _has_adopted(self) -> bool:
+        return self._adopted is not None
+
+    async def _park(self, task: trio.lowlevel.Task) -> Any:
+        """Wait for the next job; None when enough tasks are parked already."""
+        if len(self._idle) >= _MAX_IDLE:
+            return None
 
         def abort(_: Any) -> trio.lowlevel.Abort:
             self._idle.remove(task)
             return trio.lowlevel.Abort.SUCCEEDED
 
-        with trio.CancelScope() as scope:
-            while True:
-                seq, ep, ident, rid, args, kwargs, reply, tp = job
-                key = (ident, rid)
-                value = None
-                try:
-                    if self._started != seq or not self.ready.is_set():
-                        with trio.CancelScope(shield=True):
-                            await self._turn(seq)
+        self._idle.append(task)
+        return await trio.lowlevel.wait_task_rescheduled(abort)
+
+    async def _run_job(self, job: tuple[Any, ...], scope: trio.CancelScope) -> None:
+        """Run one queued call once every earlier call has started (unless it was cancelled)."""
+        seq, ep, ident, rid, args, kwargs, reply, tp = job
+        del job
+        key = (ident, rid)
+        value = None
+        try:
+            if self._started != seq or not self.ready.is_set():
+                with trio.CancelScope(shield=True):
+                    await self._turn(seq)
+            else:
+                self._pass_turn(seq)
+            if key not in self._queued:  # the caller cancelled it before it started
+                reply = False
+            else:
+                self._queued.discard(key)
+                self.running[key] = scope
+                with _tracing.remote_parent(tp):
+                    if ep.is_async:
+                        value = await ep.fn(self.actor, *args, **kwargs)
                     else:
-                        self._pass_turn(seq)
-                    if key not in self._queued:  # the caller cancelled it before it started
-                        reply = False
-                    else:
-                        self._queued.discard(key)
-                        self.running[key] = scope
-                        with _tracing.remote_parent(tp):
-                            if ep.is_async:
-                                value = await ep.fn(self.actor, *args, **kwargs)
-                            else:
-                                value = ep.fn(self.actor, *args, **kwargs)
-                except Exception as exc:
-                    self._error(ident, rid, exc, reply, ep.spec.qualname)
-                else:
-                    if reply:
-                        self._answer(ident, rid, value, ep.spec)
-                finally:
-                    self.running.pop(key, None)
-                del job, args, kwargs, value  # nothing of a finished call stays referenced
-                if len(self._idle) >= _MAX_IDLE:
-                    return
-                self._idle.append(task)
-                job = await trio.lowlevel.wait_task_rescheduled(abort)
+                        value = ep.fn(self.actor, *args, **kwargs)
+        except Exception as exc:
+            self._error(ident, rid, exc, reply, ep.spec.qualname)
+        else:
+            if reply:
+                self._answer(ident, rid, value, ep.spec)
+        finally:
+            self.running.pop(key, None)
 
     async def autostart(self) -> None:
         """Construct the actor with no arguments (for processes nobody sends ``init`` to)."""
@@ -293,6 +408,51 @@ class Server:
         self.actor = actor
         self.ready.set()
         self._reply(ident, {"id": rid, "kind": "ok", "value": None})
+
+
+class _Adopted:
+    """An async call that suspended in its first step, run on by the task that began it."""
+
+    __slots__ = ("coro", "ctx", "ep", "key", "reply", "trap")
+
+    def __init__(
+        self,
+        coro: Any,
+        trap: Any,
+        ctx: contextvars.Context,
+        key: tuple[bytes, int],
+        ep: EndpointDef[Any, Any],
+        reply: bool,
+    ) -> None:
+        self.coro = coro
+        self.trap = trap
+        self.ctx = ctx
+        self.key = key
+        self.ep = ep
+        self.reply = reply
+
+
+@types.coroutine
+def _resume(coro: Any, trap: Any, ctx: contextvars.Context) -> Generator[Any, Any, Any]:
+    """The rest of ``await coro`` after its first step was taken by hand (in ``ctx``) and
+    yielded ``trap``: what the running task's scheduler sends or throws goes on to the
+    coroutine, as ``yield from`` does (PEP 380), each step run in ``ctx``."""
+    while True:
+        try:
+            sent = yield trap
+        except GeneratorExit:
+            ctx.run(coro.close)
+            raise
+        except BaseException as exc:
+            try:
+                trap = ctx.run(coro.throw, exc)
+            except StopIteration as stop:
+                return stop.value
+        else:
+            try:
+                trap = ctx.run(coro.send, sent)
+            except StopIteration as stop:
+                return stop.value
 
 
 def actor_class(path: str) -> type[Actor]:

@@ -126,12 +126,16 @@ class ZSocket:
         if not self._draining and not self.closed:
             self._drain()
 
-    def _drain(self, limit: int = -1) -> bool:
-        """Handle pending messages; False if ``limit`` stopped it with input left."""
+    def _drain(self, limit: int = -1, *, pending: bool = False) -> bool:
+        """Handle pending messages; False if ``limit`` stopped it with input left.
+
+        ``pending``: the caller has just seen ``EVENTS & POLLIN`` (the first check is skipped).
+        """
         sock, handle = self.sock, self._on_message
         self._draining = True
         try:
-            while not self.closed and sock.get(_EVENTS) & _POLLIN:
+            while not self.closed and (pending or sock.get(_EVENTS) & _POLLIN):
+                pending = False
                 if limit == 0:
                     return False
                 limit -= 1
@@ -163,14 +167,31 @@ class ZSocket:
         """Read until cancelled; the socket is closed on exit unless its owner closes it."""
         try:
             task_status.started()
-            while True:
-                if not self._drain(_BATCH):
-                    await trio.lowlevel.checkpoint()  # a flood must not starve other tasks
-                elif not (self._spin and self.gap_ewma < 2 * SPIN_S and await self._spin_wait()):
-                    await trio.lowlevel.wait_readable(self._fd)
+            await self.read()
         finally:
             if self._close_on_exit:
                 self.close()
+
+    async def read(self, until: Callable[[], bool] | None = None) -> None:
+        """The reader loop: drain, then spin or park on the FD, until cancelled.
+
+        With ``until``, it is asked after every drain (before this task waits again) and
+        the loop returns when it says True: a handler has given the reading task other
+        work, and whoever reads next calls ``read`` again (the socket stays open). Only
+        one task may be in ``read`` at a time.
+        """
+        pending = False
+        while True:
+            drained = self._drain(_BATCH, pending=pending)
+            if until is not None and until():
+                return
+            if not drained:
+                pending = False
+                await trio.lowlevel.checkpoint()  # a flood must not starve other tasks
+            else:
+                pending = self._spin and self.gap_ewma < 2 * SPIN_S and await self._spin_wait()
+                if not pending:
+                    await trio.lowlevel.wait_readable(self._fd)
 
     async def _spin_wait(self) -> bool:
         """Poll for input until ``SPIN_S`` after the last arrival; True if some came."""
