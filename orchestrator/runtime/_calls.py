@@ -97,7 +97,7 @@ class EndpointRef(Generic[P, R]):
         header, frames = self._header("call", args, kwargs)
         try:
             conn = self._src.connection_now(rank) or await self._src.connect(rank)
-            p = conn.request(header, frames, reply=True, rank=rank)
+            p = conn.request(header, frames, reply=True, rank=rank, waits_next=True)
         except ActorDied:
             await trio.lowlevel.checkpoint()
             raise
@@ -145,7 +145,7 @@ class EndpointRef(Generic[P, R]):
             # Every candidate is restarting: wait for the first rank to come back.
             return await EndpointRef(self._src, self._ranks[:1], self._name, self._ep).call_one(*args, **kwargs)
         try:
-            p = best[2].request(header, frames, reply=True, rank=best[1])
+            p = best[2].request(header, frames, reply=True, rank=best[1], waits_next=True)
         except ActorDied:
             await trio.lowlevel.checkpoint()
             raise

@@ -82,19 +82,24 @@ class Pending:
             conn.spun_waits += 1
             deadline = self.t0 + SPIN_S
             z = conn.z
+            checkpointed = False
             try:
-                while perf_counter() < deadline:
+                while True:
+                    # The first poll also reads what arrived while the request was sent
+                    # (``Connection.request`` left that check to it).
                     z.poll()
-                    if self.done:
+                    if self.done or perf_counter() >= deadline:
                         break
-                    os.sched_yield()  # let this core's other threads (ZeroMQ's I/O) run
                     await trio.lowlevel.checkpoint()
+                    checkpointed = True
+                    os.sched_yield()  # let this core's other threads (ZeroMQ's I/O) run
             except BaseException:  # cancelled while spinning
                 if not self.done:
                     self.abandon()
                 raise
             if self.done:
-                await trio.lowlevel.checkpoint()
+                if not checkpointed:  # a wait is a checkpoint, once
+                    await trio.lowlevel.checkpoint()
                 return
         self.task = trio.lowlevel.current_task()
 
@@ -168,9 +173,13 @@ class Connection:
         reply: bool,
         sink: Callable[[Pending], None] | None = None,
         rank: int = 0,
+        waits_next: bool = False,
     ) -> Pending | None:
         """Send a request; returns its pending entry (None for fire-and-forget).
 
+        ``waits_next``: the caller waits on this entry right away, without awaiting
+        anything first; if that wait will spin, its first poll reads what arrived
+        during the send (so the send does not look).
         Raises ActorDied at once when the connection is dead.
         """
         if self.dead is not None:
@@ -182,7 +191,9 @@ class Connection:
             p = Pending(self, rid, sink, rank)
             self.pending[rid] = p
         try:
-            self.z.send([dumps(header), *frames])
+            self.z.send(
+                [dumps(header), *frames], check=not (waits_next and sink is None and self.rtt_ewma < 2 * SPIN_S)
+            )
         except zmq.ZMQError as exc:
             self.pending.pop(rid, None)
             raise ActorDied(self.name, self.rank, f"send failed: {exc}") from None

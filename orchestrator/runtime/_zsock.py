@@ -108,8 +108,12 @@ class ZSocket:
         self.gap_ewma = 1.0  # seconds between arrivals, recent average (spinning sockets only)
         self.spins = 0  # times the reader polled instead of parking
 
-    def send(self, frames: list[Any], *, copy: bool = False) -> None:
-        """Queue one multipart message without blocking (large frames are not copied)."""
+    def send(self, frames: list[Any], *, copy: bool = False, check: bool = True) -> None:
+        """Queue one multipart message without blocking (large frames are not copied).
+
+        ``check=False`` skips handling input that became pending during the send: only
+        for a caller that polls (``poll``) before it next waits.
+        """
         if self.closed:
             raise zmq.ZMQError(zmq.ENOTSOCK, "socket closed")
         sock = self.sock
@@ -118,7 +122,7 @@ class ZSocket:
         last = len(frames) - 1
         for i, f in enumerate(frames):
             sock.send(f, _NOBLOCK_MORE if i < last else _NOBLOCK, copy=copy)
-        if not self._draining and sock.get(_EVENTS) & _POLLIN:
+        if check and not self._draining and sock.get(_EVENTS) & _POLLIN:
             self._drain()
 
     def poll(self) -> None:
@@ -199,8 +203,8 @@ class ZSocket:
         sock = self.sock
         self.spins += 1
         while perf_counter() < deadline and not self.closed:
-            os.sched_yield()
             await trio.lowlevel.checkpoint()  # the calls just started run here
+            os.sched_yield()  # let this core's other threads (ZeroMQ's I/O) run
             if sock.get(_EVENTS) & _POLLIN:
                 return True
         return False
