@@ -29,7 +29,7 @@ from zmq.utils.monitor import parse_monitor_message
 from ._errors import ActorDied, ActorError
 from ._ratelimit import clip
 from ._wire import SCALARS, decode, dumps, loads
-from ._zsock import SPIN_S, ZSocket, context, log, log_repeated, tune
+from ._zsock import CHECKPOINT_S, SPIN_S, ZSocket, context, log, log_repeated, tune
 
 __all__ = ["Connection", "ConnectionSource", "Pending", "close_connection", "connection", "reply_value"]
 
@@ -83,15 +83,19 @@ class Pending:
             deadline = self.t0 + SPIN_S
             z = conn.z
             checkpointed = False
+            next_cp = 0.0
             try:
                 while True:
                     # The first poll also reads what arrived while the request was sent
                     # (``Connection.request`` left that check to it).
                     z.poll()
-                    if self.done or perf_counter() >= deadline:
+                    now = perf_counter()
+                    if self.done or now >= deadline:
                         break
-                    await trio.lowlevel.checkpoint()
-                    checkpointed = True
+                    if now >= next_cp:  # other tasks run at least every CHECKPOINT_S
+                        await trio.lowlevel.checkpoint()
+                        checkpointed = True
+                        next_cp = perf_counter() + CHECKPOINT_S
                     os.sched_yield()  # let this core's other threads (ZeroMQ's I/O) run
             except BaseException:  # cancelled while spinning
                 if not self.done:
@@ -207,19 +211,24 @@ class Connection:
                 pass
 
     # -- receiving -------------------------------------------------------------
-    def _on_reply(self, frames: list[Any]) -> None:
+    def _on_reply(self, frames: list[Any]) -> bool:
+        """Complete the call a reply answers; True (end the drain) once no call is
+        pending: anything still queued is then a reply nobody waits for, read by the
+        next request's send check or its wait's first poll."""
         try:
             header = loads(frames[0])
         except ValueError as exc:
             log_repeated("malformed reply", f"{self.name}[{self.rank}]: dropped a malformed reply: {clip(exc)}")
-            return
-        p = self.pending.pop(header.get("id"), None)  # type: ignore[arg-type]
+            return False
+        pending = self.pending
+        p = pending.pop(header.get("id"), None)  # type: ignore[arg-type]
         if p is None:
-            return  # reply to a cancelled call
+            return False  # reply to a cancelled call
         self.rtt_ewma += 0.2 * (perf_counter() - p.t0 - self.rtt_ewma)
         p.header = header
         p.frames = frames
         p._done()
+        return not pending
 
     def _on_event(self, frames: list[Any]) -> None:
         ev = parse_monitor_message(frames)["event"]

@@ -191,17 +191,18 @@ class Server:
         seq = self._next_seq
         self._next_seq += 1
         tp = header.get("trace")
-        if self._started == seq and self._adopted is None and self.ready.is_set():
-            # Nothing queued ahead of it: start it here, without handing it to a task.
-            if not ep.is_async:
-                self._started += 1
-                with _tracing.remote_parent(tp):
-                    self._run_sync(ep, ident, rid, args, kwargs, reply)
-                return
-            if trio.lowlevel.current_task() is self._reader:
-                self._started += 1
-                self._run_eager(ep, ident, rid, args, kwargs, reply, tp)
-                return
+        # Nothing queued ahead of it: start it here, without handing it to a task. A plain
+        # function runs to its end in any task; an async one's first step runs only in the
+        # reader task (which can then run it on, see _run_inline).
+        if (
+            self._started == seq
+            and self._adopted is None
+            and self.ready.is_set()
+            and (not ep.is_async or trio.lowlevel.current_task() is self._reader)
+        ):
+            self._started += 1
+            self._run_inline(ep, ident, rid, args, kwargs, reply, tp)
+            return
         self._queued.add((ident, rid))
         self._hand_on((seq, ep, ident, rid, args, kwargs, reply, tp))
 
@@ -222,7 +223,38 @@ class Server:
         args, kwargs = decode([a, w], frames)
         return args, kwargs
 
-    def _run_eager(
+    def _step(self, ep: EndpointDef[Any, Any], args: list[Any], kwargs: dict[str, Any], tp: Any) -> Any:
+        """Run a call's first step (a plain function: all of it) in a context of its own.
+
+        Returns ``(None, value)`` when the call finished, ``(_Started, None)`` when it
+        suspended (the caller's task must resume it, see ``_resume``); raises what the
+        endpoint raised. The context is a copy of the task's (one a new task would get),
+        so what a call sets there (its trace parent, its spans, context variables) stays
+        its own.
+        """
+        ctx = contextvars.copy_context()
+        if not ep.is_async:
+            if tp is None:
+                return None, ctx.run(ep.fn, self.actor, *args, **kwargs)
+            return None, ctx.run(self._call_sync, ep, args, kwargs, tp)
+        coro = self._call(ep, args, kwargs, tp) if tp is not None else ep.fn(self.actor, *args, **kwargs)
+        if type(coro) is not types.CoroutineType:  # another awaitable: await it in a coroutine
+            coro = _awaiting(coro)
+        try:
+            trap = ctx.run(coro.send, None)
+        except StopIteration as stop:
+            return None, stop.value
+        return _Started(coro, trap, ctx), None
+
+    def _call_sync(self, ep: EndpointDef[Any, Any], args: list[Any], kwargs: dict[str, Any], tp: Any) -> Any:
+        with _tracing.remote_parent(tp):
+            return ep.fn(self.actor, *args, **kwargs)
+
+    async def _call(self, ep: EndpointDef[Any, Any], args: list[Any], kwargs: dict[str, Any], tp: Any) -> Any:
+        with _tracing.remote_parent(tp):
+            return await ep.fn(self.actor, *args, **kwargs)
+
+    def _run_inline(
         self,
         ep: EndpointDef[Any, Any],
         ident: bytes,
@@ -232,42 +264,35 @@ class Server:
         reply: bool,
         tp: Any,
     ) -> None:
-        """Run an async endpoint's first step now, in the reader task (inside its drain).
+        """Start a call where the message was read (inside a drain), without a task hop.
 
-        The call runs in a context of its own (a copy of the reader's, as a new task
-        would get), so what it sets there (its trace parent, its spans) stays its own.
-        If the step returns or raises, the call is answered now. If it suspends, the
-        call is adopted: the reader's cancel scope becomes the call's (a cancel message
+        If it finishes (a plain function always does; most fast async endpoints never
+        suspend), it is answered now. If an async call suspends (only in the reader task),
+        it is adopted: the reader's cancel scope becomes the call's (a cancel message
         cancels it), and once the drain is over this task hands the reader role on and
         resumes the call (``_finish``). Between the suspension and the resumption this
         task neither waits nor runs endpoint code, so to trio it is as if this task had
         awaited the endpoint.
         """
-        ctx = contextvars.copy_context()
-        coro = self._call(ep, args, kwargs, tp)
         try:
-            trap = ctx.run(coro.send, None)
-        except StopIteration as stop:
-            if reply:
-                self._answer(ident, rid, stop.value, ep.spec)
-            return
+            started, value = self._step(ep, args, kwargs, tp)
         except Exception as exc:
             self._error(ident, rid, exc, reply, ep.spec.qualname)
+            return
+        if started is None:
+            if reply:
+                self._answer(ident, rid, value, ep.spec)
             return
         key = (ident, rid)
         assert self._reader_scope is not None
         self.running[key] = self._reader_scope
-        self._adopted = _Adopted(coro, trap, ctx, key, ep, reply)
-
-    async def _call(self, ep: EndpointDef[Any, Any], args: list[Any], kwargs: dict[str, Any], tp: Any) -> Any:
-        with _tracing.remote_parent(tp):
-            return await ep.fn(self.actor, *args, **kwargs)
+        self._adopted = _Adopted(started, key, ep, reply)
 
     async def _finish(self, call: _Adopted) -> None:
         """Run an adopted call from its first suspension to its end, and answer it."""
         (ident, rid), ep = call.key, call.ep
         try:
-            value = await _resume(call.coro, call.trap, call.ctx)
+            value = await _resume(call.started)
         except Exception as exc:
             self._error(ident, rid, exc, call.reply, ep.spec.qualname)
         else:
@@ -275,17 +300,6 @@ class Server:
                 self._answer(ident, rid, value, ep.spec)
         finally:
             self.running.pop(call.key, None)
-
-    def _run_sync(
-        self, ep: EndpointDef[Any, Any], ident: bytes, rid: int, args: list[Any], kwargs: dict[str, Any], reply: bool
-    ) -> None:
-        try:
-            value = ep.fn(self.actor, *args, **kwargs)
-        except Exception as exc:
-            self._error(ident, rid, exc, reply, ep.spec.qualname)
-        else:
-            if reply:
-                self._answer(ident, rid, value, ep.spec)
 
     async def _turn(self, seq: int) -> None:
         """Wait until every earlier call has started (trio does not start tasks in FIFO order)."""
@@ -372,11 +386,9 @@ class Server:
             else:
                 self._queued.discard(key)
                 self.running[key] = scope
-                with _tracing.remote_parent(tp):
-                    if ep.is_async:
-                        value = await ep.fn(self.actor, *args, **kwargs)
-                    else:
-                        value = ep.fn(self.actor, *args, **kwargs)
+                started, value = self._step(ep, args, kwargs, tp)
+                if started is not None:
+                    value = await _resume(started)
         except Exception as exc:
             self._error(ident, rid, exc, reply, ep.spec.qualname)
         else:
@@ -410,33 +422,40 @@ class Server:
         self._reply(ident, {"id": rid, "kind": "ok", "value": None})
 
 
-class _Adopted:
-    """An async call that suspended in its first step, run on by the task that began it."""
+class _Started:
+    """A call whose first step suspended: its coroutine, the trap it yielded, its context."""
 
-    __slots__ = ("coro", "ctx", "ep", "key", "reply", "trap")
+    __slots__ = ("coro", "ctx", "trap")
 
-    def __init__(
-        self,
-        coro: Any,
-        trap: Any,
-        ctx: contextvars.Context,
-        key: tuple[bytes, int],
-        ep: EndpointDef[Any, Any],
-        reply: bool,
-    ) -> None:
+    def __init__(self, coro: Any, trap: Any, ctx: contextvars.Context) -> None:
         self.coro = coro
         self.trap = trap
         self.ctx = ctx
+
+
+class _Adopted:
+    """A call that suspended in its first step in the reader task, run on by that task."""
+
+    __slots__ = ("ep", "key", "reply", "started")
+
+    def __init__(self, started: _Started, key: tuple[bytes, int], ep: EndpointDef[Any, Any], reply: bool) -> None:
+        self.started = started
         self.key = key
         self.ep = ep
         self.reply = reply
 
 
+async def _awaiting(aw: Any) -> Any:
+    return await aw
+
+
 @types.coroutine
-def _resume(coro: Any, trap: Any, ctx: contextvars.Context) -> Generator[Any, Any, Any]:
-    """The rest of ``await coro`` after its first step was taken by hand (in ``ctx``) and
-    yielded ``trap``: what the running task's scheduler sends or throws goes on to the
-    coroutine, as ``yield from`` does (PEP 380), each step run in ``ctx``."""
+def _resume(started: _Started) -> Generator[Any, Any, Any]:
+    """The rest of ``await coro`` after its first step was taken by hand (in its context)
+    and yielded ``trap``: what the running task's scheduler sends or throws goes on to the
+    coroutine, as ``yield from`` does (PEP 380), each step run in the call's context."""
+    coro, trap, ctx = started.coro, started.trap, started.ctx
+    del started
     while True:
         try:
             sent = yield trap

@@ -35,9 +35,10 @@ import zmq
 from . import _shm
 from ._ratelimit import RateLimiter, clip
 
-__all__ = ["SPIN_S", "ZSocket", "context", "tune"]
+__all__ = ["CHECKPOINT_S", "SPIN_S", "ZSocket", "context", "tune"]
 
 SPIN_S = float(os.environ.get("FLOTILLA_SPIN_US", "250")) * 1e-6
+CHECKPOINT_S = 20e-6  # while spinning, the longest stretch between two trio checkpoints
 
 _EVENTS, _POLLIN, _RCVMORE = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.RCVMORE)
 _NOBLOCK, _NOBLOCK_MORE = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE)
@@ -73,7 +74,10 @@ class ZSocket:
 
     ``on_message(frames)`` is called for every message (the first
     ``copy_parts`` frames as ``bytes``, the rest as zero-copy ``zmq.Frame``);
-    it must not block. With ``shm=True`` (both ends on this machine) large data frames
+    it must not block. It may return True to end the drain there, without the
+    check for more input: only when nothing that may still be queued is awaited
+    by anyone, since input left behind is read only when someone next looks
+    (a send's check, a poll, a new edge on the FD). With ``shm=True`` (both ends on this machine) large data frames
     travel through shared memory (``_shm``); the header is frame ``copy_parts - 1``
     both ways. It runs in the
     reader task, or inside ``send`` when the send consumed the FD's edge
@@ -86,7 +90,7 @@ class ZSocket:
     def __init__(
         self,
         sock: zmq.Socket[Any],
-        on_message: Callable[[list[Any]], None],
+        on_message: Callable[[list[Any]], bool | None],
         *,
         close_on_exit: bool = True,
         copy_parts: int = 1,
@@ -160,7 +164,8 @@ class ZSocket:
                     self.gap_ewma += 0.2 * (now - self._last - self.gap_ewma)
                     self._last = now
                 try:
-                    handle(frames)
+                    if handle(frames):
+                        break
                 except Exception as exc:
                     log_repeated("dropped", f"dropped a message: {clip(repr(exc))}")
         finally:
@@ -202,8 +207,11 @@ class ZSocket:
         deadline = self._last + SPIN_S
         sock = self.sock
         self.spins += 1
-        while perf_counter() < deadline and not self.closed:
-            await trio.lowlevel.checkpoint()  # the calls just started run here
+        next_cp = 0.0
+        while (now := perf_counter()) < deadline and not self.closed:
+            if now >= next_cp:  # the calls just started run here, and at least every CHECKPOINT_S
+                await trio.lowlevel.checkpoint()
+                next_cp = perf_counter() + CHECKPOINT_S
             os.sched_yield()  # let this core's other threads (ZeroMQ's I/O) run
             if sock.get(_EVENTS) & _POLLIN:
                 return True

@@ -200,6 +200,16 @@ async def test_a_call_sees_its_own_context_only() -> None:
             for suspend in (False, True, False):
                 assert await mesh[0].set_var.call_one("mine", suspend) == "mine"
                 assert await mesh[0].get_var.call_one() == "unset"
+            got: dict[int, str] = {}
+
+            async def one(i: int) -> None:  # concurrent: most of these start on parked tasks
+                got[i] = await mesh[0].set_var.call_one(f"v{i}", True)
+
+            async with trio.open_nursery() as nursery:
+                for i in range(40):
+                    nursery.start_soon(one, i)
+            assert got == {i: f"v{i}" for i in range(40)}
+            assert [await mesh[0].get_var.call_one() for _ in range(5)] == ["unset"] * 5
 
 
 async def test_trace_parent_reaches_the_call_and_goes_no_further(
