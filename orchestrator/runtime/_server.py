@@ -42,6 +42,7 @@ from ._zsock import ZSocket, log
 
 __all__ = ["Server", "exception_info"]
 
+_SCALAR_TYPES = frozenset(SCALARS)
 _MAX_IDLE = 32  # idle server tasks kept for reuse
 _READ = "read"  # the job of holding the reader role
 
@@ -218,7 +219,7 @@ class Server:
         a, w = header.get("args", []), header.get("kwargs", {})
         if type(a) is not list or type(w) is not dict:
             raise WireError("arguments must be a list and keyword arguments an object")
-        if len(frames) == 1 and not w and all(type(x) in SCALARS for x in a):
+        if len(frames) == 1 and not w and all(type(x) in _SCALAR_TYPES for x in a):
             return a, w
         args, kwargs = decode([a, w], frames)
         return args, kwargs

@@ -105,6 +105,7 @@ class ZSocket:
         self._on_message = on_message
         self._shm = shm and _shm.ENABLED
         self._fd = sock.getsockopt(zmq.FD)
+        self._routed = sock.type == zmq.ROUTER
         self._draining = False
         self.closed = False
         self._spin = spin and SPIN_S > 0
@@ -151,6 +152,8 @@ class ZSocket:
                     frames = [sock.recv(_NOBLOCK)]
                 except zmq.Again:
                     break
+                if self._routed:  # a ROUTER's message: its routing id, then at least one frame
+                    frames.append(sock.recv(_NOBLOCK, copy=self._copy_parts > 1))
                 while sock.get(_RCVMORE):  # the rest of a message is already here
                     frames.append(sock.recv(_NOBLOCK, copy=len(frames) < self._copy_parts))
                 if self._shm and len(frames) > self._copy_parts and frames[self._copy_parts - 1][:1] == b"S":
