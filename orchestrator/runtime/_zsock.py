@@ -79,9 +79,9 @@ class ZSocket:
     it must not block. It may return True to end the drain there, without the
     check for more input: only when nothing that may still be queued is awaited
     by anyone, since input left behind is read only when someone next looks
-    (a send's check, a poll, a new edge on the FD). With ``shm=True`` (both ends on this machine) large data frames
-    travel through shared memory (``_shm``); the header is frame ``copy_parts - 1``
-    both ways. It runs in the
+    (a send's check, a poll, a new edge on the FD). With ``shm=True`` (both ends
+    on this machine) large data frames travel through shared memory (``_shm``);
+    the header is frame ``copy_parts - 1`` both ways. It runs in the
     reader task, or inside ``send`` when the send consumed the FD's edge
     while input was pending (then the sender drains, since the reader would
     not be woken). Cancellation: cancelling ``run`` closes the socket.
