@@ -58,14 +58,14 @@ _decoder = json.JSONDecoder()
 
 def dumps(header: dict[str, Any]) -> bytes:
     try:
-        return to_json(header)
+        return to_json(header, inf_nan_mode="constants")
     except PydanticSerializationError:
         return _encoder.encode(header).encode()
 
 
 def loads(frame: bytes) -> dict[str, Any]:
     try:
-        header = from_json(frame)
+        header = from_json(frame, allow_inf_nan=True)
     except ValueError:
         try:
             header = _decoder.decode(bytes(frame).decode())
