@@ -48,6 +48,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 
+import zmq
+
 from orchestrator.runtime import Actor, endpoint
 
 MB = 1 << 20
@@ -169,10 +171,11 @@ async def _flotilla(quick: bool, rtt_only: bool = False) -> dict[str, float]:
 _BARE_FRAME = b'{"id":12345,"ep":"echo","args":[12345],"kw":{}}'
 
 
-def _pollin(sock: Any) -> bool:
-    import zmq
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # as the runtime reads them (_zsock)
 
-    return bool(sock.get(zmq.EVENTS) & zmq.POLLIN)
+
+def _pollin(sock: Any) -> bool:
+    return bool(sock.get(_EVENTS) & _POLLIN)
 
 
 def _bare_server(address: str) -> None:

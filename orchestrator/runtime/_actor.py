@@ -45,10 +45,11 @@ class Actor:
     stop (SIGTERM from the mesh owner), not after SIGKILL.
 
     Concurrency: calls to one actor run as concurrent trio tasks, started in
-    arrival order; a plain ``def`` endpoint runs to completion before the next
-    message is read. Blocking compute blocks the actor's loop (allowed). Tasks
-    are reused between calls: do not rely on context variables set by an
-    earlier call.
+    arrival order; a plain ``def`` endpoint runs to completion, and an ``async
+    def`` endpoint with no call queued ahead of it runs up to its first
+    suspension, before the next message is read. Blocking compute blocks the
+    actor's loop (allowed). Each call runs in a context of its own: context
+    variables one call sets are not seen by another.
     """
 
     async def on_start(self, nursery: trio.Nursery) -> None:

@@ -49,6 +49,7 @@ class EndpointRef(Generic[P, R]):
         self._ranks = ranks
         self._name = name
         self._ep = ep
+        self._spec = ep.spec if ep is not None else None
         self._qual = ep.spec.qualname if ep is not None else f"{src.name}.{name}"
 
     def __repr__(self) -> str:
@@ -56,8 +57,8 @@ class EndpointRef(Generic[P, R]):
 
     # -- building requests ------------------------------------------------------
     def _header(self, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
-        if self._ep is not None:
-            self._ep.spec.check_call(args, kwargs)
+        if self._spec is not None:
+            self._spec.check_call(args, kwargs)
         frames: list[Any] = []
         a = [
             v if type(v) in SCALARS else encode(v, frames, where=f"{self._qual} argument {i}")
@@ -73,10 +74,10 @@ class EndpointRef(Generic[P, R]):
 
     def _result(self, p: Pending) -> Any:
         value = reply_value(p)
-        if self._ep is None:
+        if self._spec is None:
             return value
         try:
-            return self._ep.spec.validate_return(value)
+            return self._spec.validate_return(value)
         except TypeError:
             raise
         except Exception as exc:
@@ -97,7 +98,7 @@ class EndpointRef(Generic[P, R]):
         header, frames = self._header("call", args, kwargs)
         try:
             conn = self._src.connection_now(rank) or await self._src.connect(rank)
-            p = conn.request(header, frames, reply=True, rank=rank)
+            p = conn.request(header, frames, reply=True, rank=rank, waits_next=True)
         except ActorDied:
             await trio.lowlevel.checkpoint()
             raise
@@ -145,7 +146,7 @@ class EndpointRef(Generic[P, R]):
             # Every candidate is restarting: wait for the first rank to come back.
             return await EndpointRef(self._src, self._ranks[:1], self._name, self._ep).call_one(*args, **kwargs)
         try:
-            p = best[2].request(header, frames, reply=True, rank=best[1])
+            p = best[2].request(header, frames, reply=True, rank=best[1], waits_next=True)
         except ActorDied:
             await trio.lowlevel.checkpoint()
             raise

@@ -29,7 +29,7 @@ from zmq.utils.monitor import parse_monitor_message
 from ._errors import ActorDied, ActorError
 from ._ratelimit import clip
 from ._wire import SCALARS, decode, dumps, loads
-from ._zsock import SPIN_S, ZSocket, context, log, log_repeated, tune
+from ._zsock import CHECKPOINT_S, SPIN_S, ZSocket, context, log, log_repeated, tune
 
 __all__ = ["Connection", "ConnectionSource", "Pending", "close_connection", "connection", "reply_value"]
 
@@ -82,19 +82,28 @@ class Pending:
             conn.spun_waits += 1
             deadline = self.t0 + SPIN_S
             z = conn.z
+            checkpointed = False
+            next_cp = 0.0
             try:
-                while perf_counter() < deadline:
+                while True:
+                    # The first poll also reads what arrived while the request was sent
+                    # (``Connection.request`` left that check to it).
                     z.poll()
-                    if self.done:
+                    now = perf_counter()
+                    if self.done or now >= deadline:
                         break
+                    if now >= next_cp:  # other tasks run at least every CHECKPOINT_S
+                        await trio.lowlevel.checkpoint()
+                        checkpointed = True
+                        next_cp = perf_counter() + CHECKPOINT_S
                     os.sched_yield()  # let this core's other threads (ZeroMQ's I/O) run
-                    await trio.lowlevel.checkpoint()
             except BaseException:  # cancelled while spinning
                 if not self.done:
                     self.abandon()
                 raise
             if self.done:
-                await trio.lowlevel.checkpoint()
+                if not checkpointed:  # a wait is a checkpoint, once
+                    await trio.lowlevel.checkpoint()
                 return
         self.task = trio.lowlevel.current_task()
 
@@ -168,9 +177,13 @@ class Connection:
         reply: bool,
         sink: Callable[[Pending], None] | None = None,
         rank: int = 0,
+        waits_next: bool = False,
     ) -> Pending | None:
         """Send a request; returns its pending entry (None for fire-and-forget).
 
+        ``waits_next``: the caller waits on this entry right away, without awaiting
+        anything first; if that wait will spin, its first poll reads what arrived
+        during the send (so the send does not look).
         Raises ActorDied at once when the connection is dead.
         """
         if self.dead is not None:
@@ -182,7 +195,9 @@ class Connection:
             p = Pending(self, rid, sink, rank)
             self.pending[rid] = p
         try:
-            self.z.send([dumps(header), *frames])
+            self.z.send(
+                [dumps(header), *frames], check=not (waits_next and sink is None and self.rtt_ewma < 2 * SPIN_S)
+            )
         except zmq.ZMQError as exc:
             self.pending.pop(rid, None)
             raise ActorDied(self.name, self.rank, f"send failed: {exc}") from None
@@ -196,19 +211,24 @@ class Connection:
                 pass
 
     # -- receiving -------------------------------------------------------------
-    def _on_reply(self, frames: list[Any]) -> None:
+    def _on_reply(self, frames: list[Any]) -> bool:
+        """Complete the call a reply answers; True (end the drain) once no call is
+        pending: anything still queued is then a reply nobody waits for, read by the
+        next request's send check or its wait's first poll."""
         try:
             header = loads(frames[0])
         except ValueError as exc:
             log_repeated("malformed reply", f"{self.name}[{self.rank}]: dropped a malformed reply: {clip(exc)}")
-            return
-        p = self.pending.pop(header.get("id"), None)  # type: ignore[arg-type]
+            return False
+        pending = self.pending
+        p = pending.pop(header.get("id"), None)  # type: ignore[arg-type]
         if p is None:
-            return  # reply to a cancelled call
+            return False  # reply to a cancelled call
         self.rtt_ewma += 0.2 * (perf_counter() - p.t0 - self.rtt_ewma)
         p.header = header
         p.frames = frames
         p._done()
+        return not pending
 
     def _on_event(self, frames: list[Any]) -> None:
         ev = parse_monitor_message(frames)["event"]

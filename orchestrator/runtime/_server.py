@@ -1,8 +1,13 @@
-"""Actor side: one ROUTER socket, one reader task; async calls run on reusable worker tasks.
+"""Actor side: one ROUTER socket read by one task at a time; calls run on reusable tasks.
 
-A plain ``def`` endpoint with nothing queued ahead of it runs inline in the
-reader. Async calls are handed to parked worker tasks (spawned when none is
-idle), started in arrival order; each call can be cancelled on its own.
+A call with nothing queued ahead of it starts inline in the task that holds the
+reader role: a plain ``def`` endpoint runs to its end there, and an ``async def``
+endpoint runs until its first suspension (most fast endpoints never suspend, and
+reply at once). If it suspends, that task keeps running it to its end, with the
+call's own cancel scope, and hands the reader role to a parked task. Calls that
+arrive while earlier ones have not started yet are handed to parked tasks
+(spawned when none is idle) and start in arrival order; each call can be
+cancelled on its own.
 
 Message kinds (header ``"kind"``): ``init`` (constructor arguments, once),
 ``call`` (reply expected), ``send`` (fire-and-forget), ``cancel`` (cancel the
@@ -18,7 +23,10 @@ logged on stderr at most once per second per peer.
 
 from __future__ import annotations
 
+import contextvars
 import traceback
+import types
+from collections.abc import Generator
 from typing import Any
 
 import outcome
@@ -34,7 +42,9 @@ from ._zsock import ZSocket, log
 
 __all__ = ["Server", "exception_info"]
 
-_MAX_IDLE = 32  # idle worker tasks kept for reuse
+_SCALAR_TYPES = frozenset(SCALARS)
+_MAX_IDLE = 32  # idle server tasks kept for reuse
+_READ = "read"  # the job of holding the reader role
 
 
 def exception_info(exc: BaseException) -> dict[str, str]:
@@ -61,7 +71,7 @@ class Server:
         self.ready = trio.Event()
         self.running: dict[tuple[bytes, Any], trio.CancelScope] = {}
         # local: bound on ipc://, so every peer shares the machine (large frames via /dev/shm)
-        self.z = ZSocket(sock, self._on_message, copy_parts=2, spin=True, shm=local)
+        self.z = ZSocket(sock, self._on_message, copy_parts=2, spin=True, shm=local, close_on_exit=False)
         self._nursery: trio.Nursery | None = None
         self._next_seq = 0
         self._started = 0
@@ -71,13 +81,22 @@ class Server:
         # and the worker then skips it.
         self._queued: set[tuple[bytes, Any]] = set()
         self._init_spec = _Spec(cls.__init__, f"{cls.__qualname__}.__init__")
+        # The task in the reader role while it reads, and its cancel scope (which becomes
+        # the scope of an async call that suspends in its first step there).
+        self._reader: trio.lowlevel.Task | None = None
+        self._reader_scope: trio.CancelScope | None = None
+        # That call, between its suspension and the end of the reader's drain.
+        self._adopted: _Adopted | None = None
 
     async def serve(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         try:
-            async with trio.open_nursery() as nursery:
-                self._nursery = nursery
-                await nursery.start(self.z.run)
-                task_status.started()
+            try:
+                async with trio.open_nursery() as nursery:
+                    self._nursery = nursery
+                    await nursery.start(self._task, _READ)
+                    task_status.started()
+            finally:
+                self.z.close()
         finally:
             if self.actor is not None:
                 with trio.CancelScope(shield=True), trio.move_on_after(10):
@@ -173,39 +192,115 @@ class Server:
         seq = self._next_seq
         self._next_seq += 1
         tp = header.get("trace")
-        if not ep.is_async and self._started == seq and self.ready.is_set():
-            # Nothing queued ahead of it: run a plain function inline, without a task.
+        # Nothing queued ahead of it: start it here, without handing it to a task. A plain
+        # function runs to its end in any task; an async one's first step runs only in the
+        # reader task (which can then run it on, see _run_inline).
+        if (
+            self._started == seq
+            and self._adopted is None
+            and self.ready.is_set()
+            and (not ep.is_async or trio.lowlevel.current_task() is self._reader)
+        ):
             self._started += 1
-            with _tracing.remote_parent(tp):
-                self._run_sync(ep, ident, rid, args, kwargs, reply)
+            self._run_inline(ep, ident, rid, args, kwargs, reply, tp)
             return
-        job = (seq, ep, ident, rid, args, kwargs, reply, tp)
         self._queued.add((ident, rid))
+        self._hand_on((seq, ep, ident, rid, args, kwargs, reply, tp))
+
+    def _hand_on(self, job: Any) -> None:
+        """Give a job (a queued call, or the reader role) to a parked task, or a new one."""
         if self._idle:
             trio.lowlevel.reschedule(self._idle.pop(), outcome.Value(job))
         else:
             assert self._nursery is not None
-            self._nursery.start_soon(self._worker, job)
+            self._nursery.start_soon(self._task, job)
 
     def _decode_args(self, header: dict[str, Any], frames: list[Any]) -> tuple[list[Any], dict[str, Any]]:
         a, w = header.get("args", []), header.get("kwargs", {})
         if type(a) is not list or type(w) is not dict:
             raise WireError("arguments must be a list and keyword arguments an object")
-        if len(frames) == 1 and not w and all(type(x) in SCALARS for x in a):
+        if len(frames) == 1 and not w and all(type(x) in _SCALAR_TYPES for x in a):
             return a, w
         args, kwargs = decode([a, w], frames)
         return args, kwargs
 
-    def _run_sync(
-        self, ep: EndpointDef[Any, Any], ident: bytes, rid: int, args: list[Any], kwargs: dict[str, Any], reply: bool
-    ) -> None:
+    def _step(self, ep: EndpointDef[Any, Any], args: list[Any], kwargs: dict[str, Any], tp: Any) -> Any:
+        """Run a call's first step (a plain function: all of it) in a context of its own.
+
+        Returns ``(None, value)`` when the call finished, ``(_Started, None)`` when it
+        suspended (the caller's task must resume it, see ``_resume``); raises what the
+        endpoint raised. The context is a copy of the task's (one a new task would get),
+        so what a call sets there (its trace parent, its spans, context variables) stays
+        its own.
+        """
+        ctx = contextvars.copy_context()
+        if not ep.is_async:
+            if tp is None:
+                return None, ctx.run(ep.fn, self.actor, *args, **kwargs)
+            return None, ctx.run(self._call_sync, ep, args, kwargs, tp)
+        coro = self._call(ep, args, kwargs, tp) if tp is not None else ep.fn(self.actor, *args, **kwargs)
+        if type(coro) is not types.CoroutineType:  # another awaitable: await it in a coroutine
+            coro = _awaiting(coro)
         try:
-            value = ep.fn(self.actor, *args, **kwargs)
+            trap = ctx.run(coro.send, None)
+        except StopIteration as stop:
+            return None, stop.value
+        return _Started(coro, trap, ctx), None
+
+    def _call_sync(self, ep: EndpointDef[Any, Any], args: list[Any], kwargs: dict[str, Any], tp: Any) -> Any:
+        with _tracing.remote_parent(tp):
+            return ep.fn(self.actor, *args, **kwargs)
+
+    async def _call(self, ep: EndpointDef[Any, Any], args: list[Any], kwargs: dict[str, Any], tp: Any) -> Any:
+        with _tracing.remote_parent(tp):
+            return await ep.fn(self.actor, *args, **kwargs)
+
+    def _run_inline(
+        self,
+        ep: EndpointDef[Any, Any],
+        ident: bytes,
+        rid: int,
+        args: list[Any],
+        kwargs: dict[str, Any],
+        reply: bool,
+        tp: Any,
+    ) -> None:
+        """Start a call where the message was read (inside a drain), without a task hop.
+
+        If it finishes (a plain function always does; most fast async endpoints never
+        suspend), it is answered now. If an async call suspends (only in the reader task),
+        it is adopted: the reader's cancel scope becomes the call's (a cancel message
+        cancels it), and once the drain is over this task hands the reader role on and
+        resumes the call (``_finish``). Between the suspension and the resumption this
+        task neither waits nor runs endpoint code, so to trio it is as if this task had
+        awaited the endpoint.
+        """
+        try:
+            started, value = self._step(ep, args, kwargs, tp)
         except Exception as exc:
             self._error(ident, rid, exc, reply, ep.spec.qualname)
-        else:
+            return
+        if started is None:
             if reply:
                 self._answer(ident, rid, value, ep.spec)
+            return
+        key = (ident, rid)
+        assert self._reader_scope is not None
+        self.running[key] = self._reader_scope
+        self._adopted = _Adopted(started, key, ep, reply)
+
+    async def _finish(self, call: _Adopted) -> None:
+        """Run an adopted call from its first suspension to its end, and answer it."""
+        (ident, rid), ep = call.key, call.ep
+        try:
+            value = await _resume(call.started)
+        except Exception as exc:
+            self._error(ident, rid, exc, call.reply, ep.spec.qualname)
+        else:
+            if call.reply:
+                self._answer(ident, rid, value, ep.spec)
+        finally:
+            self.running.pop(call.key, None)
 
     async def _turn(self, seq: int) -> None:
         """Wait until every earlier call has started (trio does not start tasks in FIFO order)."""
@@ -222,53 +317,86 @@ class Server:
         if nxt is not None:
             nxt.set()
 
-    async def _worker(self, job: tuple[Any, ...]) -> None:
-        """Run calls, parking between them (reusing a task is cheaper than spawning one).
+    async def _task(self, job: Any, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """A server task: runs jobs, parking between them (reusing a task is cheaper than
+        spawning one).
 
-        The worker's cancel scope is registered under the running call's key, so
-        a cancel message cancels exactly that call; the worker then ends (a new
-        one is spawned when needed). A call cancelled while still queued never
-        starts. At most ``_MAX_IDLE`` workers park.
+        A job is a queued call or the reader role (``_READ``). A reader reads until an
+        async call it started suspends; it then hands the role on and finishes that call.
+        The cancel scope a call runs in is registered under the call's key while it
+        runs, so a cancel message cancels exactly that call; the task then carries on
+        under a fresh scope. A call cancelled while still queued never starts. At most
+        ``_MAX_IDLE`` tasks park; the rest end.
         """
+        task_status.started()
         task = trio.lowlevel.current_task()
+        while True:
+            with trio.CancelScope() as scope:
+                while True:
+                    if job is _READ:
+                        self._reader, self._reader_scope = task, scope
+                        try:
+                            await self.z.read(until=self._has_adopted)
+                        finally:
+                            self._reader = self._reader_scope = None
+                        call, self._adopted = self._adopted, None
+                        assert call is not None
+                        self._hand_on(_READ)
+                        await self._finish(call)
+                        del call
+                    else:
+                        await self._run_job(job, scope)
+                    del job  # nothing of a finished call stays referenced
+                    job = await self._park(task)
+                    if job is None:
+                        return
+            # A cancel message cancelled this task's call (or cancelled it as it ended).
+            job = await self._park(task)
+            if job is None:
+                return
+
+    def _has_adopted(self) -> bool:
+        return self._adopted is not None
+
+    async def _park(self, task: trio.lowlevel.Task) -> Any:
+        """Wait for the next job; None when enough tasks are parked already."""
+        if len(self._idle) >= _MAX_IDLE:
+            return None
 
         def abort(_: Any) -> trio.lowlevel.Abort:
             self._idle.remove(task)
             return trio.lowlevel.Abort.SUCCEEDED
 
-        with trio.CancelScope() as scope:
-            while True:
-                seq, ep, ident, rid, args, kwargs, reply, tp = job
-                key = (ident, rid)
-                value = None
-                try:
-                    if self._started != seq or not self.ready.is_set():
-                        with trio.CancelScope(shield=True):
-                            await self._turn(seq)
-                    else:
-                        self._pass_turn(seq)
-                    if key not in self._queued:  # the caller cancelled it before it started
-                        reply = False
-                    else:
-                        self._queued.discard(key)
-                        self.running[key] = scope
-                        with _tracing.remote_parent(tp):
-                            if ep.is_async:
-                                value = await ep.fn(self.actor, *args, **kwargs)
-                            else:
-                                value = ep.fn(self.actor, *args, **kwargs)
-                except Exception as exc:
-                    self._error(ident, rid, exc, reply, ep.spec.qualname)
-                else:
-                    if reply:
-                        self._answer(ident, rid, value, ep.spec)
-                finally:
-                    self.running.pop(key, None)
-                del job, args, kwargs, value  # nothing of a finished call stays referenced
-                if len(self._idle) >= _MAX_IDLE:
-                    return
-                self._idle.append(task)
-                job = await trio.lowlevel.wait_task_rescheduled(abort)
+        self._idle.append(task)
+        return await trio.lowlevel.wait_task_rescheduled(abort)
+
+    async def _run_job(self, job: tuple[Any, ...], scope: trio.CancelScope) -> None:
+        """Run one queued call once every earlier call has started (unless it was cancelled)."""
+        seq, ep, ident, rid, args, kwargs, reply, tp = job
+        del job
+        key = (ident, rid)
+        value = None
+        try:
+            if self._started != seq or not self.ready.is_set():
+                with trio.CancelScope(shield=True):
+                    await self._turn(seq)
+            else:
+                self._pass_turn(seq)
+            if key not in self._queued:  # the caller cancelled it before it started
+                reply = False
+            else:
+                self._queued.discard(key)
+                self.running[key] = scope
+                started, value = self._step(ep, args, kwargs, tp)
+                if started is not None:
+                    value = await _resume(started)
+        except Exception as exc:
+            self._error(ident, rid, exc, reply, ep.spec.qualname)
+        else:
+            if reply:
+                self._answer(ident, rid, value, ep.spec)
+        finally:
+            self.running.pop(key, None)
 
     async def autostart(self) -> None:
         """Construct the actor with no arguments (for processes nobody sends ``init`` to)."""
@@ -293,6 +421,58 @@ class Server:
         self.actor = actor
         self.ready.set()
         self._reply(ident, {"id": rid, "kind": "ok", "value": None})
+
+
+class _Started:
+    """A call whose first step suspended: its coroutine, the trap it yielded, its context."""
+
+    __slots__ = ("coro", "ctx", "trap")
+
+    def __init__(self, coro: Any, trap: Any, ctx: contextvars.Context) -> None:
+        self.coro = coro
+        self.trap = trap
+        self.ctx = ctx
+
+
+class _Adopted:
+    """A call that suspended in its first step in the reader task, run on by that task."""
+
+    __slots__ = ("ep", "key", "reply", "started")
+
+    def __init__(self, started: _Started, key: tuple[bytes, int], ep: EndpointDef[Any, Any], reply: bool) -> None:
+        self.started = started
+        self.key = key
+        self.ep = ep
+        self.reply = reply
+
+
+async def _awaiting(aw: Any) -> Any:
+    return await aw
+
+
+@types.coroutine
+def _resume(started: _Started) -> Generator[Any, Any, Any]:
+    """The rest of ``await coro`` after its first step was taken by hand (in its context)
+    and yielded ``trap``: what the running task's scheduler sends or throws goes on to the
+    coroutine, as ``yield from`` does (PEP 380), each step run in the call's context."""
+    coro, trap, ctx = started.coro, started.trap, started.ctx
+    del started
+    while True:
+        try:
+            sent = yield trap
+        except GeneratorExit:
+            ctx.run(coro.close)
+            raise
+        except BaseException as exc:
+            try:
+                trap = ctx.run(coro.throw, exc)
+            except StopIteration as stop:
+                return stop.value
+        else:
+            try:
+                trap = ctx.run(coro.send, sent)
+            except StopIteration as stop:
+                return stop.value
 
 
 def actor_class(path: str) -> type[Actor]:

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pydantic import BaseModel
+from pydantic_core import PydanticSerializationError, from_json, to_json
 
 from ._errors import WireError
 
@@ -46,21 +47,30 @@ def register_handle_decoder(kind: str, fn: Callable[[dict[str, Any]], Any]) -> N
     _handle_decoders[kind] = fn
 
 
+# Headers are encoded and parsed by pydantic-core's JSON (several times faster than the
+# json module on a small header), with the json module as the reference: a header it
+# cannot write (a lone surrogate in a string) is written by the json module, and a frame
+# it refuses is judged, and the error worded, by the json module. Both write NaN and
+# Infinity as the json module does, and read back the same values.
 _encoder = json.JSONEncoder(separators=(",", ":"), check_circular=False)
+_decoder = json.JSONDecoder()
 
 
 def dumps(header: dict[str, Any]) -> bytes:
-    return _encoder.encode(header).encode()
-
-
-_decoder = json.JSONDecoder()
+    try:
+        return to_json(header, inf_nan_mode="constants")
+    except PydanticSerializationError:
+        return _encoder.encode(header).encode()
 
 
 def loads(frame: bytes) -> dict[str, Any]:
     try:
-        header = _decoder.decode(frame.decode())
-    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
-        raise WireError(f"header is not valid JSON: {exc}") from None
+        header = from_json(frame, allow_inf_nan=True)
+    except ValueError:
+        try:
+            header = _decoder.decode(bytes(frame).decode())
+        except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+            raise WireError(f"header is not valid JSON: {exc}") from None
     if not isinstance(header, dict):
         raise WireError("header must be a JSON object")
     return header

@@ -14,8 +14,10 @@ short poll beats that: a caller whose connection's recent replies came back
 within ``2 * SPIN_S`` polls for its reply for up to ``SPIN_S`` before parking
 (``_conn.Pending.wait``), and an actor whose requests have been arriving within
 ``2 * SPIN_S`` of each other polls for the next one as long after serving one
-(``ZSocket(spin=True)``). Both yield the core (``sched_yield``) and other trio
-tasks between polls, so ZeroMQ's I/O thread and the actor's own work still run.
+(``ZSocket(spin=True)``). Both yield the core (``sched_yield``) between polls and
+let other trio tasks run when they start spinning and at least every
+``CHECKPOINT_S`` after, so ZeroMQ's I/O thread and the actor's own work still run
+(a trio checkpoint costs several times a poll, so not every poll is one).
 Slow endpoints and sparse traffic never spin; an idle process never spins.
 ``FLOTILLA_SPIN_US=0`` turns it off (e.g. when callers share cores with busy
 actors).
@@ -35,9 +37,10 @@ import zmq
 from . import _shm
 from ._ratelimit import RateLimiter, clip
 
-__all__ = ["SPIN_S", "ZSocket", "context", "tune"]
+__all__ = ["CHECKPOINT_S", "SPIN_S", "ZSocket", "context", "tune"]
 
 SPIN_S = float(os.environ.get("FLOTILLA_SPIN_US", "250")) * 1e-6
+CHECKPOINT_S = 50e-6  # while spinning, the longest stretch between two trio checkpoints
 
 _EVENTS, _POLLIN, _RCVMORE = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.RCVMORE)
 _NOBLOCK, _NOBLOCK_MORE = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE)
@@ -73,9 +76,12 @@ class ZSocket:
 
     ``on_message(frames)`` is called for every message (the first
     ``copy_parts`` frames as ``bytes``, the rest as zero-copy ``zmq.Frame``);
-    it must not block. With ``shm=True`` (both ends on this machine) large data frames
-    travel through shared memory (``_shm``); the header is frame ``copy_parts - 1``
-    both ways. It runs in the
+    it must not block. It may return True to end the drain there, without the
+    check for more input: only when nothing that may still be queued is awaited
+    by anyone, since input left behind is read only when someone next looks
+    (a send's check, a poll, a new edge on the FD). With ``shm=True`` (both ends
+    on this machine) large data frames travel through shared memory (``_shm``);
+    the header is frame ``copy_parts - 1`` both ways. It runs in the
     reader task, or inside ``send`` when the send consumed the FD's edge
     while input was pending (then the sender drains, since the reader would
     not be woken). Cancellation: cancelling ``run`` closes the socket.
@@ -86,7 +92,7 @@ class ZSocket:
     def __init__(
         self,
         sock: zmq.Socket[Any],
-        on_message: Callable[[list[Any]], None],
+        on_message: Callable[[list[Any]], bool | None],
         *,
         close_on_exit: bool = True,
         copy_parts: int = 1,
@@ -101,6 +107,7 @@ class ZSocket:
         self._on_message = on_message
         self._shm = shm and _shm.ENABLED
         self._fd = sock.getsockopt(zmq.FD)
+        self._routed = sock.type == zmq.ROUTER
         self._draining = False
         self.closed = False
         self._spin = spin and SPIN_S > 0
@@ -108,8 +115,12 @@ class ZSocket:
         self.gap_ewma = 1.0  # seconds between arrivals, recent average (spinning sockets only)
         self.spins = 0  # times the reader polled instead of parking
 
-    def send(self, frames: list[Any], *, copy: bool = False) -> None:
-        """Queue one multipart message without blocking (large frames are not copied)."""
+    def send(self, frames: list[Any], *, copy: bool = False, check: bool = True) -> None:
+        """Queue one multipart message without blocking (large frames are not copied).
+
+        ``check=False`` skips handling input that became pending during the send: only
+        for a caller that polls (``poll``) before it next waits.
+        """
         if self.closed:
             raise zmq.ZMQError(zmq.ENOTSOCK, "socket closed")
         sock = self.sock
@@ -118,7 +129,7 @@ class ZSocket:
         last = len(frames) - 1
         for i, f in enumerate(frames):
             sock.send(f, _NOBLOCK_MORE if i < last else _NOBLOCK, copy=copy)
-        if not self._draining and sock.get(_EVENTS) & _POLLIN:
+        if check and not self._draining and sock.get(_EVENTS) & _POLLIN:
             self._drain()
 
     def poll(self) -> None:
@@ -126,12 +137,16 @@ class ZSocket:
         if not self._draining and not self.closed:
             self._drain()
 
-    def _drain(self, limit: int = -1) -> bool:
-        """Handle pending messages; False if ``limit`` stopped it with input left."""
+    def _drain(self, limit: int = -1, *, pending: bool = False) -> bool:
+        """Handle pending messages; False if ``limit`` stopped it with input left.
+
+        ``pending``: the caller has just seen ``EVENTS & POLLIN`` (the first check is skipped).
+        """
         sock, handle = self.sock, self._on_message
         self._draining = True
         try:
-            while not self.closed and sock.get(_EVENTS) & _POLLIN:
+            while not self.closed and (pending or sock.get(_EVENTS) & _POLLIN):
+                pending = False
                 if limit == 0:
                     return False
                 limit -= 1
@@ -139,6 +154,8 @@ class ZSocket:
                     frames = [sock.recv(_NOBLOCK)]
                 except zmq.Again:
                     break
+                if self._routed:  # a ROUTER's message: its routing id, then at least one frame
+                    frames.append(sock.recv(_NOBLOCK, copy=self._copy_parts > 1))
                 while sock.get(_RCVMORE):  # the rest of a message is already here
                     frames.append(sock.recv(_NOBLOCK, copy=len(frames) < self._copy_parts))
                 if self._shm and len(frames) > self._copy_parts and frames[self._copy_parts - 1][:1] == b"S":
@@ -152,7 +169,8 @@ class ZSocket:
                     self.gap_ewma += 0.2 * (now - self._last - self.gap_ewma)
                     self._last = now
                 try:
-                    handle(frames)
+                    if handle(frames):
+                        break
                 except Exception as exc:
                     log_repeated("dropped", f"dropped a message: {clip(repr(exc))}")
         finally:
@@ -163,23 +181,43 @@ class ZSocket:
         """Read until cancelled; the socket is closed on exit unless its owner closes it."""
         try:
             task_status.started()
-            while True:
-                if not self._drain(_BATCH):
-                    await trio.lowlevel.checkpoint()  # a flood must not starve other tasks
-                elif not (self._spin and self.gap_ewma < 2 * SPIN_S and await self._spin_wait()):
-                    await trio.lowlevel.wait_readable(self._fd)
+            await self.read()
         finally:
             if self._close_on_exit:
                 self.close()
+
+    async def read(self, until: Callable[[], bool] | None = None) -> None:
+        """The reader loop: drain, then spin or park on the FD, until cancelled.
+
+        With ``until``, it is asked after every drain (before this task waits again) and
+        the loop returns when it says True: a handler has given the reading task other
+        work, and whoever reads next calls ``read`` again (the socket stays open). Only
+        one task may be in ``read`` at a time.
+        """
+        pending = False
+        while True:
+            drained = self._drain(_BATCH, pending=pending)
+            if until is not None and until():
+                return
+            if not drained:
+                pending = False
+                await trio.lowlevel.checkpoint()  # a flood must not starve other tasks
+            else:
+                pending = self._spin and self.gap_ewma < 2 * SPIN_S and await self._spin_wait()
+                if not pending:
+                    await trio.lowlevel.wait_readable(self._fd)
 
     async def _spin_wait(self) -> bool:
         """Poll for input until ``SPIN_S`` after the last arrival; True if some came."""
         deadline = self._last + SPIN_S
         sock = self.sock
         self.spins += 1
-        while perf_counter() < deadline and not self.closed:
-            os.sched_yield()
-            await trio.lowlevel.checkpoint()  # the calls just started run here
+        next_cp = 0.0
+        while (now := perf_counter()) < deadline and not self.closed:
+            if now >= next_cp:  # the calls just started run here, and at least every CHECKPOINT_S
+                await trio.lowlevel.checkpoint()
+                next_cp = perf_counter() + CHECKPOINT_S
+            os.sched_yield()  # let this core's other threads (ZeroMQ's I/O) run
             if sock.get(_EVENTS) & _POLLIN:
                 return True
         return False

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -109,6 +110,53 @@ class Gate(Actor):
     @endpoint
     def pid(self) -> int:
         return os.getpid()
+
+
+class Holder(Actor):
+    """Async endpoints that take task-bound trio state (a lock, a cancel scope, a nursery)
+    before their first suspension and release it after; and what a call sees of the
+    trace context and context variables."""
+
+    def __init__(self) -> None:
+        self.lock = trio.Lock()
+        self.n = 0
+
+    @endpoint
+    async def locked_incr(self) -> int:
+        async with self.lock:  # the lock's owner is the task that acquired it
+            n = self.n + 1
+            await trio.lowlevel.checkpoint()
+            self.n = n
+            return n
+
+    @endpoint
+    async def scoped(self, seconds: float) -> bool:
+        with trio.move_on_after(seconds) as scope:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(trio.sleep_forever)
+        return scope.cancelled_caught
+
+    @endpoint
+    async def trace_seen(self, suspend: bool) -> str | None:
+        from orchestrator.runtime._tracing import current_traceparent
+
+        if suspend:
+            await trio.lowlevel.checkpoint()
+        return current_traceparent()
+
+    @endpoint
+    async def set_var(self, value: str, suspend: bool) -> str:
+        _VAR.set(value)
+        if suspend:
+            await trio.lowlevel.checkpoint()
+        return _VAR.get()
+
+    @endpoint
+    async def get_var(self) -> str:
+        return _VAR.get()
+
+
+_VAR: contextvars.ContextVar[str] = contextvars.ContextVar("holder_var", default="unset")
 
 
 class Item(BaseModel):

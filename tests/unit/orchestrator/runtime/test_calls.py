@@ -11,7 +11,7 @@ import trio
 from orchestrator.runtime import ActorError, open_mesh
 from orchestrator.runtime._conn import SPIN_S
 
-from ._actors import Counter, Echo, Gate, Item, Relay
+from ._actors import Counter, Echo, Gate, Holder, Item, Relay
 
 # Would run `touch <path>` if anything unpickled it (protocol 0, built by hand: no pickle import).
 _PWN_MARK = Path("/tmp/flotilla-pwned-marker")
@@ -173,3 +173,62 @@ async def test_actor_calls_actor_through_handles() -> None:
             assert await relay[0].via_actor.call_one(counters[1], 5) == 7
             assert await counters.value.call() == [2, 7]
             assert os.getpid() not in await counters.pid.call()
+
+
+async def test_async_calls_keep_task_state_across_their_first_suspension() -> None:
+    """A call that takes a lock, a cancel scope or a nursery before it first suspends
+    releases them in the same task: concurrent calls all succeed, in turn."""
+    with trio.fail_after(30):
+        async with open_mesh(Holder) as mesh:
+            got: list[int] = []
+
+            async def one() -> None:
+                got.append(await mesh[0].locked_incr.call_one())
+
+            async with trio.open_nursery() as nursery:
+                for _ in range(50):
+                    nursery.start_soon(one)
+            assert sorted(got) == list(range(1, 51))
+            assert await mesh[0].scoped.call_one(0.01) is True
+            assert await mesh[0].locked_incr.call_one() == 51
+
+
+async def test_a_call_sees_its_own_context_only() -> None:
+    """Context variables a call sets, suspended or not, are not seen by the next call."""
+    with trio.fail_after(30):
+        async with open_mesh(Holder) as mesh:
+            for suspend in (False, True, False):
+                assert await mesh[0].set_var.call_one("mine", suspend) == "mine"
+                assert await mesh[0].get_var.call_one() == "unset"
+            got: dict[int, str] = {}
+
+            async def one(i: int) -> None:  # concurrent: most of these start on parked tasks
+                got[i] = await mesh[0].set_var.call_one(f"v{i}", True)
+
+            async with trio.open_nursery() as nursery:
+                for i in range(40):
+                    nursery.start_soon(one, i)
+            assert got == {i: f"v{i}" for i in range(40)}
+            assert [await mesh[0].get_var.call_one() for _ in range(5)] == ["unset"] * 5
+
+
+async def test_trace_parent_reaches_the_call_and_goes_no_further(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The caller's span is the call's parent whether the call suspends or not; a later
+    call made outside any span sees none."""
+    from orchestrator.runtime import configure_tracing, span
+    from orchestrator.runtime._tracing import current_traceparent
+
+    for name in ("FLOTILLA_TRACE_FILE", "FLOTILLA_SERVICE_NAME", "FLOTILLA_TRACE_SAMPLE"):
+        monkeypatch.setenv(name, "")
+    configure_tracing(tmp_path / "spans.jsonl", "test-caller")
+    with trio.fail_after(30):
+        async with open_mesh(Holder) as mesh:
+            for suspend in (False, True):
+                with span("caller.step"):
+                    mine = current_traceparent()
+                    assert mine is not None
+                    assert await mesh[0].trace_seen.call_one(suspend) == mine
+                assert await mesh[0].trace_seen.call_one(suspend) is None
+                assert await mesh[0].trace_seen.call_one(not suspend) is None

@@ -16,7 +16,7 @@ import trio
 import zmq
 
 from orchestrator.runtime import WireError, open_mesh
-from orchestrator.runtime._wire import decode, dumps, encode
+from orchestrator.runtime._wire import decode, dumps, encode, loads
 
 from ._actors import Echo
 
@@ -43,6 +43,32 @@ def _roundtrip(value: Any) -> Any:
     tree = encode(value, frames)
     header = dumps({"v": tree})
     return decode(json.loads(header)["v"], [header, *[bytes(f) for f in frames]])
+
+
+def test_headers_read_back_as_the_json_module_reads_them() -> None:
+    """Whatever writes a header, the json module reads the same values from it, and a
+    header the json module refuses is refused with its reason."""
+    header = {
+        "id": 2**70,
+        "kind": "ok",
+        "value": [float("nan"), float("inf"), -float("inf"), -0.0, 0.1 + 0.2, 5e-324, 1e300],
+        "text": ["é中😀", "\x00\"\\", "\ud800 lone surrogate"],
+        "tree": {"a": [None, True, False, {"b": []}]},
+    }
+    frame = dumps(header)
+    assert repr(json.loads(frame)) == repr(header)
+    assert repr(loads(frame)) == repr(header)
+    for bad, reason in (
+        (b"\xff{}", "can't decode byte"),
+        (b'{"a":', "Expecting value"),
+        (b'{"a":1}{', "Extra data"),
+        (b"{'a':1}", "property name enclosed in double quotes"),
+    ):
+        with pytest.raises(WireError, match=reason):
+            loads(bad)
+    for not_an_object in (b"[1]", b'"x"', b"[" * 300 + b"]" * 300):
+        with pytest.raises(WireError, match="must be a JSON object"):
+            loads(not_an_object)
 
 
 def test_encode_decode_in_process() -> None:
