@@ -11,7 +11,12 @@ Failure: a holder that died, restarted or does not answer within ``timeout_s`` m
 ``fetch_held`` return ``MissingTrajectories`` naming every key it could not get; nothing
 is trained, and the controller re-queues those rollouts (docs/architecture.md, Data path).
 A fetched trajectory that does not match its ref (group, prompt, generated tokens) counts
-as missing too. The store's size is bounded (``max_held``, oldest evicted first and
+as missing too.
+
+A holder answers a fetch as one `HeldBatch`: each tensor field of every trajectory
+concatenated into one tensor, so a batch travels as a few large frames per holder (through
+shared memory when both ends share the machine) instead of six small ones per trajectory;
+the trainer splits them back into views and validates each trajectory. The store's size is bounded (``max_held``, oldest evicted first and
 counted): a controller that loses track of a ref cannot grow an actor without bound, and
 an evicted ref is only ever missing, never wrong.
 """
@@ -23,12 +28,14 @@ import uuid
 from collections import OrderedDict
 from typing import Any
 
+import torch
 import trio
+from pydantic import BaseModel, ConfigDict, ValidationError
 
-from actors.types import MissingTrajectories, Trajectory, TrajectoryRef
+from actors.types import TENSOR_FIELDS, MissingTrajectories, Trajectory, TrajectoryRef
 from orchestrator.runtime import ActorDied, ActorError
 
-__all__ = ["FETCH_TIMEOUT_S", "TrajectoryStore", "fetch_held"]
+__all__ = ["FETCH_TIMEOUT_S", "HeldBatch", "TrajectoryStore", "fetch_held"]
 
 FETCH_TIMEOUT_S = 10.0
 """How long the trainer waits for one holder's answer before counting its trajectories
@@ -90,6 +97,62 @@ class TrajectoryStore:
         }
 
 
+class HeldBatch(BaseModel):
+    """Trajectories of one holder as one message: the fields of each found trajectory but
+    its tensors (`meta`), and each tensor field of all of them concatenated (`tensors`, in
+    `TENSOR_FIELDS` order) with every trajectory's length in each (`lengths`, int64 [n, 6])."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")
+
+    found: list[bool]
+    """Per key asked for: whether it was held."""
+    meta: list[dict[str, Any]]
+    lengths: torch.Tensor
+    tensors: list[torch.Tensor]
+
+    @classmethod
+    def pack(cls, trajs: list[Trajectory | None]) -> HeldBatch:
+        held = [t for t in trajs if t is not None]
+        fields = [[getattr(t, k) for t in held] for k in TENSOR_FIELDS]
+        lengths = torch.tensor([[x.numel() for x in col] for col in fields], dtype=torch.int64).T.reshape(-1, 6)
+        tensors = [
+            torch.cat(col) if col else torch.empty(0, dtype=_DTYPES[k])
+            for k, col in zip(TENSOR_FIELDS, fields, strict=True)
+        ]
+        return cls(
+            found=[t is not None for t in trajs],
+            meta=[t.model_dump(exclude=set(TENSOR_FIELDS)) for t in held],
+            lengths=lengths,
+            tensors=tensors,
+        )
+
+    def unpack(self) -> list[Trajectory | None]:
+        """The trajectories (views into `tensors`), None where not held; ValueError naming
+        the problem for a batch whose parts do not fit together."""
+        n = sum(self.found)
+        if len(self.meta) != n or tuple(self.lengths.shape) != (n, 6) or len(self.tensors) != 6:
+            raise ValueError(f"held batch: {n} found, {len(self.meta)} meta rows, lengths {tuple(self.lengths.shape)}")
+        for k, t, col in zip(TENSOR_FIELDS, self.tensors, self.lengths.T, strict=True):
+            if t.dim() != 1 or t.numel() != int(col.sum()) or bool((col < 0).any()):
+                raise ValueError(f"held batch: {k} holds {t.numel()} values, its lengths sum to {int(col.sum())}")
+        parts = [torch.split(t, col.tolist()) for t, col in zip(self.tensors, self.lengths.T, strict=True)]
+        held = iter(
+            Trajectory(**m, **{k: p[i] for k, p in zip(TENSOR_FIELDS, parts, strict=True)})
+            for i, m in enumerate(self.meta)
+        )
+        return [next(held) if f else None for f in self.found]
+
+
+_DTYPES = {
+    "tokens": torch.int64,
+    "loss_mask": torch.bool,
+    "support_ids": torch.int32,
+    "support_offsets": torch.int32,
+    "support_logq": torch.float32,
+    "versions": torch.int32,
+}
+
+
 def _matches(t: Trajectory, ref: TrajectoryRef) -> bool:
     return t.group_id == ref.group_id and t.prompt_id == ref.prompt_id and t.num_generated == ref.num_generated
 
@@ -117,8 +180,9 @@ async def fetch_held(
         keys = [batch[i].key for i in idx]
         try:
             with trio.fail_after(timeout_s):
-                got = await envs[holder].fetch_held.call_one(keys)
-        except (ActorDied, ActorError, trio.TooSlowError, IndexError) as e:
+                answer = await envs[holder].fetch_held.call_one(keys)
+            got = answer.unpack() if isinstance(answer, HeldBatch) else answer
+        except (ActorDied, ActorError, trio.TooSlowError, IndexError, ValueError, ValidationError) as e:
             missing.extend(keys)
             reasons.append(f"environment actor {holder}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
             return

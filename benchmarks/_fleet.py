@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import trio
 
-from actors.held import TrajectoryStore, fetch_held
+from actors.held import HeldBatch, TrajectoryStore, fetch_held
 from actors.trainer import StepResult
 from actors.types import MissingTrajectories, SamplingParams, TaskSpec, Trajectory, TrajectoryRef
 from hardware import PoolConfig
@@ -237,8 +237,8 @@ class FleetEnv(Actor):
         return self.held.put(traj) if hold else traj
 
     @endpoint
-    async def fetch_held(self, keys: list[str]) -> list[Trajectory | None]:
-        return self.held.get(keys)
+    async def fetch_held(self, keys: list[str]) -> HeldBatch:
+        return HeldBatch.pack(self.held.get(keys))
 
     @endpoint
     async def release_held(self, keys: list[str]) -> int:

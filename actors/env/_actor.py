@@ -24,7 +24,7 @@ from actors.env._interface import registered_tasks
 from actors.env._modules import import_task_modules
 from actors.env._threads import EnvThreads
 from actors.env._watchdog import LoopWatchdog
-from actors.held import TrajectoryStore
+from actors.held import HeldBatch, TrajectoryStore
 from actors.sampler import GenerateRequest, GenerateResult
 from actors.types import SamplingParams, TaskSpec, Trajectory, TrajectoryRef
 from orchestrator.runtime import Actor, ActorRef, Mesh, endpoint, span
@@ -171,9 +171,10 @@ class EnvActor(Actor):
         return self.held.put(traj) if hold else traj
 
     @endpoint
-    def fetch_held(self, keys: list[str]) -> list[Trajectory | None]:
-        """The held trajectories of ``keys`` (None for one not held); they stay held."""
-        return self.held.get(keys)
+    def fetch_held(self, keys: list[str]) -> HeldBatch:
+        """The held trajectories of ``keys``, packed (``HeldBatch``: ``found`` is False for a
+        key not held); they stay held."""
+        return HeldBatch.pack(self.held.get(keys))
 
     @endpoint
     def release_held(self, keys: list[str]) -> int:
