@@ -144,6 +144,9 @@ class JsonlExporter:
                 "service": self.service,
                 "pid": os.getpid(),
             }
+            status = getattr(s, "status", None)
+            if status is not None and status.description:  # what an exception ended it with
+                record["error"] = status.description
             if not sampled:  # kept for failing, outside the sample: its children are not in the file
                 record["sampled"] = False
             data = (json.dumps(record, default=str) + "\n").encode()

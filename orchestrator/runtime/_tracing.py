@@ -17,7 +17,9 @@ import contextlib
 import functools
 import inspect
 import os
+import random
 import sys
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar, overload
 
@@ -52,20 +54,94 @@ def _tracer() -> Any:
 def span(name: str, **attributes: Any) -> Iterator[Any]:
     """Open a span (child of the current one, which may live in the calling process).
 
-    Exceptions propagate unchanged and are recorded on the span. Under a trace outside the
-    sample, a span that is neither an ``always`` nor a ``tail`` name would be dropped by the
-    sampler: it is not created at all (a no-op span stands in; the current span, and what
-    calls propagate, stay the parent's), which spares the SDK's work on most spans.
+    Exceptions propagate unchanged and are recorded on the span. Outside the sample (see
+    ``_traceio``), the SDK is spared: a span that is neither an ``always`` nor a ``tail``
+    kind is not made (a no-op span stands in; the current span, and what calls propagate,
+    stay the parent's); a ``tail`` kind keeps its attributes in a light stand-in
+    (``_Unsampled``), which is turned into a real span only if it ends failed.
     """
     policy = _policy
-    if policy is not None and name not in policy.always and name not in policy.tail:
+    if policy is not None and name not in policy.always:
         trace = sys.modules["opentelemetry.trace"]  # imported by configure_tracing
         ctx = trace.get_current_span().get_span_context()
         if ctx.is_valid and not ctx.trace_flags.sampled:
-            yield trace.NonRecordingSpan(ctx)
+            if name in policy.tail:
+                with _unsampled(trace, name, attributes, ctx.trace_id) as s:
+                    yield s
+            else:
+                yield trace.NonRecordingSpan(ctx)
             return
+        if not ctx.is_valid and name in policy.tail:
+            trace_id = _random.getrandbits(128) or 1
+            if not policy.root_sampled(trace_id):
+                with _unsampled(trace, name, attributes, trace_id) as s:
+                    yield s
+                return
     with _tracer().start_as_current_span(name, attributes=attributes or None) as s:
         yield s
+
+
+_random = random.Random()
+
+
+class _Unsampled:
+    """A ``tail`` span outside the sample: the attributes it is given, and when it began.
+    Its context (flags unsampled) is the current span's while it is open, so its children
+    and remote calls stay unsampled."""
+
+    __slots__ = ("_context", "attributes", "failed", "name", "start_ns")
+
+    def __init__(self, name: str, attributes: dict[str, Any], context: Any) -> None:
+        self.name, self.attributes, self._context = name, dict(attributes), context
+        self.start_ns = time.time_ns()
+        self.failed = False
+
+    def get_span_context(self) -> Any:
+        return self._context
+
+    def is_recording(self) -> bool:
+        return False
+
+    def set_attribute(self, key: str, value: Any) -> None:
+        self.attributes[key] = value
+
+    def set_attributes(self, attributes: dict[str, Any]) -> None:
+        self.attributes.update(attributes)
+
+    def set_status(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def record_exception(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def add_event(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def _unsampled(trace: Any, name: str, attributes: dict[str, Any], trace_id: int) -> Iterator[_Unsampled]:
+    """Run the block under an `_Unsampled` stand-in; if it raised or set ``failed`` true,
+    write it as the SDK span it stood for (its own start time and attributes; the sampler
+    records a failed ``tail`` kind outside the sample, and the processor writes it)."""
+    from opentelemetry import context
+
+    sc = trace.SpanContext(trace_id, _random.getrandbits(64) or 1, is_remote=False, trace_flags=trace.TraceFlags(0))
+    s = _Unsampled(name, attributes, sc)
+    token = context.attach(trace.set_span_in_context(trace.NonRecordingSpan(sc)))
+    error: BaseException | None = None
+    try:
+        yield s
+    except BaseException as e:
+        error = e
+        raise
+    finally:
+        context.detach(token)
+        if error is not None or s.attributes.get("failed") is True:
+            real = _tracer().start_span(name, attributes=s.attributes or None, start_time=s.start_ns)
+            if error is not None:
+                real.record_exception(error)
+                real.set_status(trace.Status(trace.StatusCode.ERROR, f"{type(error).__name__}: {error}"))
+            real.end()
 
 
 @overload

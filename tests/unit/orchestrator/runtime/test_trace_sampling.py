@@ -122,12 +122,19 @@ def test_children_of_an_unsampled_trace_are_not_made_but_kept_kinds_are(tmp_path
     with pytest.raises(ValueError), span("rollout", task="t") as root:  # outside the sample
         with span("env.step", turn=1) as child:
             assert not child.is_recording()
-            assert trace.get_current_span() is root  # the parent stays current
+            assert trace.get_current_span().get_span_context() == root.get_span_context()  # the parent's
             assert child.get_span_context().trace_id == root.get_span_context().trace_id
             child.set_attribute("reward", 1.0)  # harmless
             with span("publish", version=3):  # always kept, even here
                 pass
+        root.set_attribute("reward", 0.0)
         raise ValueError("episode failed")  # a failed tail span outside the sample is kept
+    with span("rollout", task="fine") as ok:
+        ok.set_attribute("failed", False)  # outside the sample and not failed: not written
+    with span("rollout", task="soft") as soft:
+        soft.set_attribute("failed", True)  # failed without raising: written
     configure_tracing(tmp_path / "other.jsonl", "unsampled")
-    names = sorted(s["name"] for s in _spans(path))
-    assert names == ["publish", "rollout"]
+    spans = {(s["name"], s["attributes"].get("task")): s for s in _spans(path)}
+    assert sorted(spans) == [("publish", None), ("rollout", "soft"), ("rollout", "t")]
+    failed = spans[("rollout", "t")]
+    assert failed["attributes"]["reward"] == 0.0 and "episode failed" in json.dumps(failed)
