@@ -77,11 +77,29 @@ def span(name: str, **attributes: Any) -> Iterator[Any]:
                 with _unsampled(trace, name, attributes, trace_id) as s:
                     yield s
                 return
+            if _ids is not None:  # in the sample: the SDK's root takes this trace id
+                _ids.next_trace_id = trace_id
     with _tracer().start_as_current_span(name, attributes=attributes or None) as s:
         yield s
 
 
 _random = random.Random()
+_ids: Any = None  # the provider's id generator (`configure_tracing`)
+
+
+def _id_generator() -> Any:
+    """The SDK's random ids, except that the next root may be given its trace id (a tail
+    kind's root whose sampling `span` decided before asking the SDK)."""
+    from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+
+    class _Ids(RandomIdGenerator):
+        next_trace_id = 0
+
+        def generate_trace_id(self) -> int:
+            given, self.next_trace_id = self.next_trace_id, 0
+            return given or super().generate_trace_id()
+
+    return _Ids()
 
 
 class _Unsampled:
@@ -238,7 +256,7 @@ def configure_tracing(
     provider itself can be installed only once per process). Raises ValueError for a
     ``sample`` outside [0, 1] or a ``max_bytes`` below 1.
     """
-    global _exporter, _policy, _cached_tracer
+    global _exporter, _policy, _cached_tracer, _ids
     from ._traceio import JsonlExporter, SamplingPolicy, make_processor, make_sampler
 
     path = os.fspath(path)
@@ -264,16 +282,18 @@ def configure_tracing(
 
     _exporter = JsonlExporter(path, service_name, max_bytes)
     provider = trace.get_tracer_provider()
+    _ids = _id_generator()
     if not isinstance(provider, TracerProvider):
         provider = TracerProvider(
-            resource=Resource.create({"service.name": service_name}), sampler=make_sampler(_policy)
+            resource=Resource.create({"service.name": service_name}), sampler=make_sampler(_policy), id_generator=_ids
         )
         trace.set_tracer_provider(provider)
     else:  # installed by someone else: its spans follow our rules from now on
         provider.sampler = make_sampler(_policy)
-        # The SDK caches a tracer per scope with the sampler it was made with.
+        provider.id_generator = _ids
+        # The SDK caches a tracer per scope with the sampler and ids it was made with.
         for tracer in getattr(provider, "_tracers", {}).values():
-            tracer.sampler = provider.sampler
+            tracer.sampler, tracer.id_generator = provider.sampler, _ids
     _cached_tracer = None  # a tracer carries the sampler it was made with
     provider.add_span_processor(make_processor(_exporter))
     if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):

@@ -138,3 +138,17 @@ def test_children_of_an_unsampled_trace_are_not_made_but_kept_kinds_are(tmp_path
     assert sorted(spans) == [("publish", None), ("rollout", "soft"), ("rollout", "t")]
     failed = spans[("rollout", "t")]
     assert failed["attributes"]["reward"] == 0.0 and "episode failed" in json.dumps(failed)
+
+
+def test_a_tail_kinds_roots_are_sampled_at_the_configured_rate(tmp_path: Path) -> None:
+    path = tmp_path / "spans.jsonl"
+    configure_tracing(path, "rate", sample=0.5, tail=["rollout"])
+    for i in range(400):
+        with span("rollout", i=i), span("env.step"):  # a sampled root keeps its child too
+            pass
+    configure_tracing(tmp_path / "other.jsonl", "rate")
+    spans = _spans(path)
+    roots = [s for s in spans if s["name"] == "rollout"]
+    assert 140 < len(roots) < 260, len(roots)  # 200 expected; 6 standard deviations either way
+    assert sum(s["name"] == "env.step" for s in spans) == len(roots)
+    assert all("sampled" not in s for s in roots)
