@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -116,6 +117,7 @@ class JsonlExporter:
     def __init__(self, path: str, service: str, max_bytes: int | None = None) -> None:
         self.path, self.service, self.max_bytes = path, service, max_bytes
         self.not_written = 0
+        self._warned = False
         self._fd: int | None = None
         self._counted_at = 0.0
         self._counted = 0
@@ -129,8 +131,15 @@ class JsonlExporter:
         self.not_written = self._counted = 0
 
     def export(self, spans: Sequence[Any], sampled: bool = True) -> None:
+        """Append `spans`; a file that cannot be opened or written (its directory gone, the
+        disk full) loses them, counted, with one line on stderr: tracing never fails the
+        work it traces."""
         if self._fd is None:
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            except OSError as e:
+                self._lost(len(spans), e)
+                return
         for s in spans:
             ctx, parent = s.context, s.parent
             record = {
@@ -156,17 +165,31 @@ class JsonlExporter:
                 if time.monotonic() - self._counted_at >= _COUNT_EVERY_S:
                     self._write_count()
                 continue
-            os.write(self._fd, data)
+            try:
+                os.write(self._fd, data)
+            except OSError as e:
+                self._lost(1, e)
+
+    def _lost(self, n: int, error: OSError) -> None:
+        self.not_written += n
+        if not self._warned:
+            self._warned = True
+            print(
+                f"flotilla: traces: cannot write {self.path} ({error}); spans are counted, not written", file=sys.stderr
+            )
 
     def _write_count(self) -> None:
         if self.not_written == self._counted:
             return
         folder = Path(self.path + ".not_written")
-        folder.mkdir(exist_ok=True)
         name = f"{self.service}.{os.getpid()}".replace(os.sep, "_")
         tmp = folder / f".{name}.tmp"
-        tmp.write_text(str(self.not_written))
-        tmp.replace(folder / name)
+        try:
+            folder.mkdir(exist_ok=True)
+            tmp.write_text(str(self.not_written))
+            tmp.replace(folder / name)
+        except OSError:
+            return  # the trace file's directory is gone: there is nowhere to count
         self._counted, self._counted_at = self.not_written, time.monotonic()
 
     def shutdown(self) -> None:

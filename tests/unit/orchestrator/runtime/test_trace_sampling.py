@@ -152,3 +152,13 @@ def test_a_tail_kinds_roots_are_sampled_at_the_configured_rate(tmp_path: Path) -
     assert 140 < len(roots) < 260, len(roots)  # 200 expected; 6 standard deviations either way
     assert sum(s["name"] == "env.step" for s in spans) == len(roots)
     assert all("sampled" not in s for s in roots)
+
+
+def test_a_trace_file_that_cannot_be_written_never_fails_the_traced_work(tmp_path: Path, capfd) -> None:
+    gone = tmp_path / "gone"
+    configure_tracing(gone / "traces.jsonl", "lost", always=["weights.apply"])  # its directory does not exist
+    for _ in range(3):
+        with span("weights.apply", version=1) as s:  # kept, and unwritable: the block still runs
+            s.set_attribute("ok", True)
+    assert "cannot write" in capfd.readouterr().err
+    assert not gone.exists()
