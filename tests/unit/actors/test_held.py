@@ -32,7 +32,7 @@ def _traj(n: int, i: int, *, failed: bool = False) -> Trajectory:
 def test_a_packed_batch_unpacks_to_the_same_trajectories_in_order():
     trajs = [_traj(3, 0), None, _traj(5, 2), _traj(1, 3)]
     batch = HeldBatch.pack(trajs)
-    assert [t.numel() for t in batch.tensors][0] == (3 + 2) + (5 + 2) + (1 + 2)
+    assert batch.tensors[0].numel() == (3 + 2) + (5 + 2) + (1 + 2)
     out = batch.unpack()
     assert out[1] is None
     for a, b in zip(trajs, out, strict=True):
