@@ -181,14 +181,14 @@ async def fetch_held(
         try:
             with trio.fail_after(timeout_s):
                 answer = await envs[holder].fetch_held.call_one(keys)
-            got = answer.unpack() if isinstance(answer, HeldBatch) else answer
+            got = answer.unpack() if isinstance(answer, HeldBatch) else None
         except (ActorDied, ActorError, trio.TooSlowError, IndexError, ValueError, ValidationError) as e:
             missing.extend(keys)
             reasons.append(f"environment actor {holder}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
             return
-        if not isinstance(got, list) or len(got) != len(keys):
+        if got is None or len(got) != len(keys):
             missing.extend(keys)
-            reasons.append(f"environment actor {holder}: answered {type(got).__name__} for {len(keys)} keys")
+            reasons.append(f"environment actor {holder}: answered {type(answer).__name__} for {len(keys)} keys")
             return
         lost = 0
         for i, t in zip(idx, got, strict=True):

@@ -35,7 +35,7 @@ import trio
 
 from actors.held import HeldBatch, TrajectoryStore, fetch_held
 from actors.trainer import StepResult
-from actors.types import MissingTrajectories, SamplingParams, TaskSpec, Trajectory, TrajectoryRef
+from actors.types import TENSOR_FIELDS, MissingTrajectories, SamplingParams, TaskSpec, Trajectory, TrajectoryRef
 from hardware import PoolConfig
 from orchestrator.controller.meshes import MeshTrainer, release_by_holder
 from orchestrator.runtime import Actor, ActorDied, Mesh, endpoint
@@ -52,8 +52,6 @@ __all__ = [
     "trajectory_bytes",
 ]
 
-_TENSORS = ("tokens", "loss_mask", "support_ids", "support_offsets", "support_logq", "versions")
-
 
 def trajectory_bytes(t: Trajectory | TrajectoryRef) -> int:
     """Bytes of a trajectory's tensors (what its frames carry on the wire), counted once."""
@@ -61,7 +59,9 @@ def trajectory_bytes(t: Trajectory | TrajectoryRef) -> int:
         return t.nbytes
     n = t.__dict__.get("_fleet_bytes")
     if n is None:
-        n = t.__dict__["_fleet_bytes"] = sum(getattr(t, k).numel() * getattr(t, k).element_size() for k in _TENSORS)
+        n = t.__dict__["_fleet_bytes"] = sum(
+            getattr(t, k).numel() * getattr(t, k).element_size() for k in TENSOR_FIELDS
+        )
     return n
 
 
