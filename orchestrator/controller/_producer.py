@@ -91,6 +91,30 @@ def _place(ctx: RunContext) -> str | None:
     return ctx.scheduler.place()
 
 
+def _pick(ctx: RunContext, slot: Slot, pool: str) -> tuple[PoolView, int | None, int]:
+    """(pool, rank, min_version) for `slot`, whose scheduler slot on `pool` is taken. If no
+    rank of `pool` holds the weights the slot needs, the cheapest other pool with room
+    whose ranks do takes it instead (its scheduler slot taken, `pool`'s freed): waiting for
+    `pool` to get newer weights can wait for ever when the trainer's next batch needs this
+    very rollout (a batch put back after its held trajectories were lost lands behind
+    groups due later). Rank None: no pool can run it now."""
+    view = ctx.pools[pool]
+    need = _need_version(ctx, slot, pool)
+    rank = view.pick_rank(need)
+    if rank is not None or view.newest_version() < 0:
+        return view, rank, need  # placed, or the pool is down (not a matter of versions)
+    for name in ctx.scheduler.ranking():
+        other = ctx.pools[name]
+        if other is view:
+            continue
+        need_there = _need_version(ctx, slot, name)
+        alt = other.pick_rank(need_there)
+        if alt is not None and ctx.scheduler.take(name):
+            ctx.scheduler.release(pool)
+            return other, alt, need_there
+    return view, None, need
+
+
 def _put_back(ctx: RunContext, waiting: list[Slot], *slots: Slot) -> None:
     """`waiting`, then `slots`, back at the head of the queue in their order."""
     for s in reversed([*waiting, *slots]):
@@ -129,11 +153,10 @@ async def produce(ctx: RunContext, nursery: trio.Nursery) -> None:
             if pool is None:
                 await _wait(ctx, waiting, slot)
                 continue
-            min_version = _need_version(ctx, slot, pool)
-            view = ctx.pools[pool]
-            rank, env = view.pick_rank(min_version), ctx.pick_env()
+            view, rank, min_version = _pick(ctx, slot, pool)
+            env = ctx.pick_env()
             if not ctx.trainer_alive.is_set() or rank is None or env is None:
-                ctx.scheduler.release(pool)  # held back: undone, not a finished rollout
+                ctx.scheduler.release(view.name)  # held back: undone, not a finished rollout
                 await _wait(ctx, waiting, slot)
                 continue
             ctx.decision_ns.append(time.perf_counter_ns() - t0)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import trio
 
 from actors.held import TrajectoryStore
@@ -99,6 +100,33 @@ async def test_trajectories_a_holder_lost_are_replayed_and_trained_once(autojump
     groups = [g for g, _ in trained]
     assert all(groups.count(g) == cfg.rollout.group_size for g in set(groups)), "a group trained twice or partly"
     assert counts["groups_in"] == counts["groups_trained"] + counts["groups_buffered"] + counts["groups_skipped"]
+
+
+@pytest.mark.parametrize("lose_at", [2, 3, 4, 5])
+async def test_a_lost_batch_replayed_behind_later_groups_does_not_stall_the_run(autojump_clock, lose_at):
+    # The lost batch's groups go back behind groups due a version later; the cheap pool (budget
+    # 0) cannot run those on the weights it has, and only the lost batch would bring newer
+    # ones: the dear pool (budget 1) must take them, or the run waits for ever.
+    cfg = run_config(
+        steps=8,
+        pools=[
+            {"name": "cheap", "gpu": "cpu", "staleness_budget": 0, "max_concurrent_rollouts": 4},
+            {
+                "name": "dear",
+                "gpu": "cpu",
+                "price_per_gpu_hour": 2.0,
+                "staleness_budget": 1,
+                "max_concurrent_rollouts": 4,
+            },
+        ],
+    )
+    h = _harness(cfg)
+    h.trainer.lose_at = lose_at
+    with trio.fail_after(600):  # trio's clock: a stalled run ends the test, not CI
+        await h.controller.run()
+    assert h.state.step == 8 and len(h.trainer.missing) == 1
+    groups = [t.group_id for t in h.trained()]
+    assert all(groups.count(g) == cfg.rollout.group_size for g in set(groups)), "a group trained twice or partly"
 
 
 def test_the_buffer_hands_over_held_trajectories_it_lets_go_untrained():
