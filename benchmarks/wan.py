@@ -21,8 +21,10 @@ shaped with tc tbf (tests/netrig.py): one at 1000 Mbit/s, one at 100 Mbit/s.
 3. A partition (tests/integration/netruns.py's test run: a local pool and a remote one):
    the remote host's link is cut for 30 s after 5 steps, then restored:
    `partition_prompts_lost`, `partition_train_stall_s` (the longest gap between train
-   steps during the cut) against `normal_step_s` (median step before the cut) and
-   `cut_step_s` (median step during it, the local pool alone filling each batch),
+   steps during the cut) against `normal_step_s` (median step over as long before the
+   cut, every link up), `uncut_train_stall_s` (the longest gap over that window: the same
+   statistic without a cut) and `cut_step_s` (median step during the cut, the local pool
+   alone filling each batch),
    `rejoin_s` (link restored -> end of the first step with a rollout from the host).
 4. An elastic pool in the same test run: no host at start, one started and listed in the
    pool's hosts file after 3 steps: `elastic_join_s` (host started -> end of the first step
@@ -292,6 +294,7 @@ def partition_check(work: Path, rig: NetRig, cut_s: float) -> dict[str, Any]:
         "partition_prompts_lost",
         "partition_train_stall_s",
         "normal_step_s",
+        "uncut_train_stall_s",
         "cut_step_s",
         "rejoin_s",
         "steps_during_cut",

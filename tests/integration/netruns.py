@@ -118,8 +118,10 @@ def measure_partition(tmp: Path, rig: Any, *, cut_s: float, warm_steps: int = 5,
     `warm_steps` steps, then restored; the run is stopped once a rollout from the host was
     trained again. Returns `partition_prompts_lost` (prompts skipped, plus any the run never
     trained), `partition_train_stall_s` (longest gap between train steps during the cut),
-    `normal_step_s` (median step time before the cut), `cut_step_s` (median step time during
-    the cut: the local pool alone fills each batch), `rejoin_s` (link restored -> end of
+    `normal_step_s` (median step time over the `cut_s` seconds before the cut, every link
+    up), `uncut_train_stall_s` (the longest gap between train steps over those seconds: the
+    same statistic as the stall, without a cut), `cut_step_s` (median step time during the
+    cut: the local pool alone fills each batch), `rejoin_s` (link restored -> end of
     the first step with a rollout from the host), `partition_hedges` and `partition_hedges_won`
     (straggling rollouts duplicated on another host, and duplicates kept, over the whole run),
     the console lines and the last metrics row."""
@@ -128,6 +130,8 @@ def measure_partition(tmp: Path, rig: Any, *, cut_s: float, warm_steps: int = 5,
     run = Run(cfg, tmp / "runs" / "partition")
     try:
         run.wait(lambda r: len(r) >= warm_steps and r[-1]["pools"]["remote"]["rollouts"] > 0, 300, "warm-up")
+        t_uncut = time.time()  # the control: as long as the cut, every link up
+        time.sleep(cut_s)
         t_cut = time.time()
         host.cut()
         time.sleep(cut_s)
@@ -147,13 +151,14 @@ def measure_partition(tmp: Path, rig: Any, *, cut_s: float, warm_steps: int = 5,
     rows = run.metrics()
     times = step_times(run)
     first_back = next(r for r in rows[n_restore:] if r["pools"]["remote"]["rollouts"] > 0)
-    before = sorted(t for t in times.values() if t < t_cut)
+    before = sorted(t for t in times.values() if t_uncut <= t < t_cut)
     gaps = [b - a for a, b in itertools.pairwise(before)]
     during = sorted(t for t in times.values() if t_cut <= t <= t_restore)
     cut_gaps = sorted(b - a for a, b in itertools.pairwise(during))
     return {
         "partition_prompts_lost": rows[-1]["prompts_skipped"],
         "partition_train_stall_s": round(longest_gap(list(times.values()), t_cut, t_restore), 3),
+        "uncut_train_stall_s": round(longest_gap(list(times.values()), t_uncut, t_cut), 3),
         "normal_step_s": round(sorted(gaps)[len(gaps) // 2], 3) if gaps else None,
         "cut_step_s": round(cut_gaps[len(cut_gaps) // 2], 3) if cut_gaps else None,
         "rejoin_s": round(times[first_back["version"]] - t_restore, 3),
@@ -194,7 +199,8 @@ def measure_join(tmp: Path, rig: Any, **raw: Any) -> dict[str, Any]:
 def main() -> None:
     """`python -m tests.integration.netruns [--cut-s S] [--keep DIR]` (root, iproute2): one
     partition run and one join run in the network rig; prints one JSON line with
-    partition_prompts_lost, partition_train_stall_s, normal_step_s, cut_step_s, rejoin_s,
+    partition_prompts_lost, partition_train_stall_s, normal_step_s, uncut_train_stall_s,
+    cut_step_s, rejoin_s,
     partition_hedges, partition_hedges_won and elastic_join_s."""
     import argparse
     import contextlib
@@ -221,6 +227,7 @@ def main() -> None:
         "partition_prompts_lost",
         "partition_train_stall_s",
         "normal_step_s",
+        "uncut_train_stall_s",
         "cut_step_s",
         "rejoin_s",
         "cut_s",
