@@ -29,7 +29,7 @@ from orchestrator.controller._liveness import bind
 from orchestrator.runtime import ActorDied, span
 from orchestrator.state.buffer import Slot
 
-__all__ = ["produce", "task_for"]
+__all__ = ["pick_target", "produce", "task_for"]
 
 
 def task_for(ctx: RunContext, i: int) -> TaskSpec:
@@ -91,7 +91,7 @@ def _place(ctx: RunContext) -> str | None:
     return ctx.scheduler.place()
 
 
-def _pick(ctx: RunContext, slot: Slot, pool: str) -> tuple[PoolView, int | None, int]:
+def pick_target(ctx: RunContext, slot: Slot, pool: str) -> tuple[PoolView, int | None, int]:
     """(pool, rank, min_version) for `slot`, whose scheduler slot on `pool` is taken. If no
     rank of `pool` holds the weights the slot needs, the cheapest other pool with room
     whose ranks do takes it instead (its scheduler slot taken, `pool`'s freed): waiting for
@@ -153,7 +153,7 @@ async def produce(ctx: RunContext, nursery: trio.Nursery) -> None:
             if pool is None:
                 await _wait(ctx, waiting, slot)
                 continue
-            view, rank, min_version = _pick(ctx, slot, pool)
+            view, rank, min_version = pick_target(ctx, slot, pool)
             env = ctx.pick_env()
             if not ctx.trainer_alive.is_set() or rank is None or env is None:
                 ctx.scheduler.release(view.name)  # held back: undone, not a finished rollout
