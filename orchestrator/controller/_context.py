@@ -222,6 +222,7 @@ class RunContext:
         self.t_start = trio.current_time()
         self.step_t0 = self.t_start
         self.last_checkpoint_t = self.t_start
+        self.progress_t = self.t_start  # when a rollout last finished or a step was trained (`_stall`)
         self.trainer_alive = trio.Event()
         self.trainer_alive.set()
         self.trainer_death: ActorDied | None = None  # seen by a weight-sync call (see report_trainer_death)

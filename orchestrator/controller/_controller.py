@@ -29,6 +29,7 @@ from orchestrator.controller._elastic import elastic_worker
 from orchestrator.controller._liveness import watch
 from orchestrator.controller._producer import produce
 from orchestrator.controller._signals import request_stop, watch_sigint
+from orchestrator.controller._stall import watch_progress
 from orchestrator.controller._training import checkpoint, train_loop
 from orchestrator.controller._weights import sync_worker
 from orchestrator.controller.evaluation import eval_loop
@@ -160,6 +161,8 @@ class Controller:
             if self._handle_sigint:
                 await nursery.start(watch_sigint, ctx, nursery.cancel_scope)
             nursery.start_soon(self._supervise)
+            if ctx.cfg.faults.stall_warn_s is not None:
+                nursery.start_soon(watch_progress, ctx, ctx.cfg.faults.stall_warn_s)
             self._start_watchers(nursery)
             for pool in ctx.pools.values():
                 for rank in range(len(pool.versions)):

@@ -29,7 +29,7 @@ from orchestrator.controller._liveness import bind
 from orchestrator.runtime import ActorDied, span
 from orchestrator.state.buffer import Slot
 
-__all__ = ["pick_target", "produce", "task_for"]
+__all__ = ["need_version", "pick_target", "produce", "task_for"]
 
 
 def task_for(ctx: RunContext, i: int) -> TaskSpec:
@@ -75,7 +75,7 @@ def _top_up(ctx: RunContext) -> None:
             _new_group(ctx)
 
 
-def _need_version(ctx: RunContext, slot: Slot, pool: str) -> int:
+def need_version(ctx: RunContext, slot: Slot, pool: str) -> int:
     """The oldest weights a rollout may start on: its group's due version minus the budget."""
     due = max(ctx.version, ctx.due.get(slot.group_id, 0))
     return max(0, due - ctx.budget(pool))
@@ -99,7 +99,7 @@ def pick_target(ctx: RunContext, slot: Slot, pool: str) -> tuple[PoolView, int |
     very rollout (a batch put back after its held trajectories were lost lands behind
     groups due later). Rank None: no pool can run it now."""
     view = ctx.pools[pool]
-    need = _need_version(ctx, slot, pool)
+    need = need_version(ctx, slot, pool)
     rank = view.pick_rank(need)
     if rank is not None or view.newest_version() < 0:
         return view, rank, need  # placed, or the pool is down (not a matter of versions)
@@ -107,7 +107,7 @@ def pick_target(ctx: RunContext, slot: Slot, pool: str) -> tuple[PoolView, int |
         other = ctx.pools[name]
         if other is view:
             continue
-        need_there = _need_version(ctx, slot, name)
+        need_there = need_version(ctx, slot, name)
         alt = other.pick_rank(need_there)
         if alt is not None and ctx.scheduler.take(name):
             ctx.scheduler.release(pool)
@@ -144,7 +144,7 @@ async def produce(ctx: RunContext, nursery: trio.Nursery) -> None:
             if task is None:  # its group was skipped meanwhile
                 ctx.buffer.requeue(slot)
                 continue
-            if not any(v.newest_version() >= _need_version(ctx, slot, name) for name, v in ctx.pools.items()):
+            if not any(v.newest_version() >= need_version(ctx, slot, name) for name, v in ctx.pools.items()):
                 # Due at a version no pool holds yet: the slots behind it (a group due now) may
                 # be what that version waits for, so look past it.
                 waiting.append(slot)
@@ -214,7 +214,7 @@ def _hedge_target(ctx: RunContext, a: Attempt) -> tuple[PoolView, int, int] | No
         if ctx.scheduler.in_flight(name) >= ctx.scheduler.capacity(name):
             continue
         view = ctx.pools[name]
-        need = max(a.min_version, _need_version(ctx, a.slot, name))
+        need = max(a.min_version, need_version(ctx, a.slot, name))
         ranks = [
             r
             for r in view.usable()
@@ -286,6 +286,7 @@ async def _rollout(ctx: RunContext, a: Attempt, task: TaskSpec) -> None:
             if lost:
                 _avoid(ctx, pool, rank)
         else:
+            ctx.progress_t = ctx.now()
             ctx.scheduler.complete(pool.name, traj.num_generated)
             ctx.episode_ended(
                 f"episode {slot.prompt_id}#{slot.index}: {traj.error or 'failed'}" if traj.failed else None

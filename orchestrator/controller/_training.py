@@ -95,6 +95,7 @@ async def _train_on(ctx: RunContext, groups: list[Group]) -> None:
         ctx.due.pop(g.group_id, None)
     ctx.state.version = result.version
     ctx.state.step += 1
+    ctx.progress_t = ctx.now()
     ctx.train_pending = False
     ctx.bump_versions()
     ctx.release(trajs)

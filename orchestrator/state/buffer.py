@@ -161,6 +161,11 @@ class RolloutBuffer:
         self._in_flight.add((slot.group_id, slot.index))
         return slot
 
+    def head(self) -> Slot | None:
+        """The slot `next_slot` would return, left in the queue."""
+        queue = self._retry if self._retry else self._fresh
+        return queue[0] if queue else None
+
     def requeue(self, slot: Slot) -> None:
         """Put back a slot that was taken but did not finish (no pool had room, its weights
         were not there yet, its sampler died); dropped if its group was skipped meanwhile."""

@@ -289,6 +289,10 @@ class FaultsSection(_Section):
     respawn_backoff_max_s: float = Field(default=10.0, gt=0)
     """Longest wait between two respawn attempts of an actor whose respawn keeps failing
     (an unreachable host): the waits double from 0.5 s up to this."""
+    stall_warn_s: float | None = Field(default=120.0, gt=0)
+    """When no rollout has finished and no step was trained for this many seconds, one line
+    says what the run waits on (rollouts queued and in flight, the trainer, each pool's usable
+    samplers and weights, the environment actors); once per stall. None: never."""
     hedge_after_p90: float | None = Field(default=1.5, ge=1.0)
     """A rollout the next batch waits for that has run this many times its pool's p90 rollout
     duration (the recent finished ones) is started again on another sampler, not on its host;

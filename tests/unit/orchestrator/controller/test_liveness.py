@@ -106,3 +106,22 @@ async def test_a_respawn_that_keeps_failing_backs_off_and_is_said_once(autojump_
     assert text.count("still down") <= 4, text
     assert "sampler cheap/0 is back after" in text, text
     assert h.state.step == 300
+
+
+async def test_a_run_that_makes_no_progress_says_once_what_it_waits_on(autojump_clock):
+    faults = {"stall_warn_s": 20.0, "give_up_after_s": 100.0}
+    h = Harness(run_config(steps=12, faults=faults), envs=FakeEnvs(episode_s=0.5))
+    out = _console(h)
+    with trio.fail_after(3600):
+        async with trio.open_nursery() as n:
+            n.start_soon(h.controller.run)
+            await _until(h, 4)
+            assert "no rollout finished" not in out.getvalue()  # steps every second or so: no stall
+            for pool in h.pools.values():
+                pool.freeze(0)  # every sampler: nothing can finish until they are replaced
+    lines = [ln for ln in out.getvalue().splitlines() if "no rollout finished" in ln]
+    assert len(lines) == 1, out.getvalue()  # once per stall, though it lasted ~100 s
+    (line,) = lines
+    assert "pool cheap: 0 of 1 sampler(s) usable" in line and "pool dear: 0 of 1 sampler(s) usable" in line, line
+    assert "1 of 1 environment actor(s) answering" in line and "trainer up at v" in line, line
+    assert h.state.step == 12  # the replaced samplers trained the rest
