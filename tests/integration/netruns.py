@@ -113,6 +113,12 @@ def longest_gap(times: list[float], start: float, end: float) -> float:
     return max(b - a for a, b in itertools.pairwise(edges))
 
 
+def median_gap(times: list[float]) -> float | None:
+    """The median time between consecutive steps among `times` (sorted); None for fewer than 2."""
+    gaps = sorted(b - a for a, b in itertools.pairwise(times))
+    return round(gaps[len(gaps) // 2], 3) if gaps else None
+
+
 def measure_partition(tmp: Path, rig: Any, *, cut_s: float, warm_steps: int = 5, **raw: Any) -> dict[str, Any]:
     """One run with a remote pool on a rig host whose link is cut for `cut_s` seconds after
     `warm_steps` steps, then restored; the run is stopped once a rollout from the host was
@@ -152,18 +158,16 @@ def measure_partition(tmp: Path, rig: Any, *, cut_s: float, warm_steps: int = 5,
     times = step_times(run)
     first_back = next(r for r in rows[n_restore:] if r["pools"]["remote"]["rollouts"] > 0)
     before = sorted(t for t in times.values() if t_uncut <= t < t_cut)
-    gaps = [b - a for a, b in itertools.pairwise(before)]
     during = sorted(t for t in times.values() if t_cut <= t <= t_restore)
-    cut_gaps = sorted(b - a for a, b in itertools.pairwise(during))
     return {
         "partition_prompts_lost": rows[-1]["prompts_skipped"],
         "partition_train_stall_s": round(longest_gap(list(times.values()), t_cut, t_restore), 3),
         "uncut_train_stall_s": round(longest_gap(list(times.values()), t_uncut, t_cut), 3),
-        "normal_step_s": round(sorted(gaps)[len(gaps) // 2], 3) if gaps else None,
-        "cut_step_s": round(cut_gaps[len(cut_gaps) // 2], 3) if cut_gaps else None,
+        "normal_step_s": median_gap(before),
+        "cut_step_s": median_gap(during),
         "rejoin_s": round(times[first_back["version"]] - t_restore, 3),
         "cut_s": cut_s,
-        "steps_during_cut": sum(1 for t in times.values() if t_cut <= t <= t_restore),
+        "steps_during_cut": len(during),
         "partition_hedges": sum(p.get("hedges", 0) for p in rows[-1]["pools"].values()),
         "partition_hedges_won": sum(p.get("hedges_won", 0) for p in rows[-1]["pools"].values()),
         "console": run.err.read_text(),

@@ -27,21 +27,27 @@ from policies.metrics import PoolMetrics
 TOKENS = 4  # generated tokens per episode
 
 
+def cheap_and_dear(cheap_budget: int = 1, dear_budget: int = 1) -> list[dict[str, Any]]:
+    """The two pools of `run_config`: "cheap" and "dear" (twice its price), 4 rollouts each,
+    with these staleness budgets."""
+    return [
+        {"name": "cheap", "gpu": "cpu", "staleness_budget": cheap_budget, "max_concurrent_rollouts": 4},
+        {
+            "name": "dear",
+            "gpu": "cpu",
+            "price_per_gpu_hour": 2.0,
+            "staleness_budget": dear_budget,
+            "max_concurrent_rollouts": 4,
+        },
+    ]
+
+
 def run_config(**over: Any) -> RunConfig:
     raw: dict[str, Any] = {
         "steps": 6,
         "rollout": {"prompts_per_step": 2, "group_size": 2, "max_buffered_groups": 2},
         "checkpoint": {"every_steps": 2},
-        "pools": [
-            {"name": "cheap", "gpu": "cpu", "staleness_budget": 1, "max_concurrent_rollouts": 4},
-            {
-                "name": "dear",
-                "gpu": "cpu",
-                "price_per_gpu_hour": 2.0,
-                "staleness_budget": 1,
-                "max_concurrent_rollouts": 4,
-            },
-        ],
+        "pools": cheap_and_dear(),
     }
     for k, v in over.items():
         if isinstance(v, dict) and isinstance(raw.get(k), dict):

@@ -12,7 +12,7 @@ import trio
 from orchestrator.controller import ControllerState, TrainerLost
 from orchestrator.runtime import ActorDied
 
-from .fakes import TOKENS, FakeEnvs, FakeTrainer, Harness, run_config
+from .fakes import TOKENS, FakeEnvs, FakeTrainer, Harness, cheap_and_dear, run_config
 
 
 def _balanced(h: Harness) -> None:
@@ -24,16 +24,7 @@ def _balanced(h: Harness) -> None:
 async def test_trained_trajectories_stay_within_each_pools_budget(autojump_clock, budget):
     cfg = run_config(
         steps=8,
-        pools=[
-            {"name": "cheap", "gpu": "cpu", "staleness_budget": budget, "max_concurrent_rollouts": 4},
-            {
-                "name": "dear",
-                "gpu": "cpu",
-                "price_per_gpu_hour": 2.0,
-                "staleness_budget": budget,
-                "max_concurrent_rollouts": 4,
-            },
-        ],
+        pools=cheap_and_dear(budget, budget),
     )
     h = Harness(cfg)
     await h.controller.run()

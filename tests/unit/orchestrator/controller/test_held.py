@@ -13,7 +13,7 @@ from actors.held import TrajectoryStore
 from actors.types import MissingTrajectories, Trajectory, TrajectoryRef
 from orchestrator.state.buffer import RolloutBuffer, Slot
 
-from .fakes import FakeEnvs, FakeTrainer, Harness, run_config
+from .fakes import FakeEnvs, FakeTrainer, Harness, cheap_and_dear, run_config
 from .test_hedge import MARK, StragglerEnvs
 from .test_hedge import _cfg as hedge_config
 
@@ -109,16 +109,7 @@ async def test_a_lost_batch_replayed_behind_later_groups_does_not_stall_the_run(
     # ones: the dear pool (budget 1) must take them, or the run waits for ever.
     cfg = run_config(
         steps=8,
-        pools=[
-            {"name": "cheap", "gpu": "cpu", "staleness_budget": 0, "max_concurrent_rollouts": 4},
-            {
-                "name": "dear",
-                "gpu": "cpu",
-                "price_per_gpu_hour": 2.0,
-                "staleness_budget": 1,
-                "max_concurrent_rollouts": 4,
-            },
-        ],
+        pools=cheap_and_dear(0, 1),
     )
     h = _harness(cfg)
     h.trainer.lose_at = lose_at

@@ -10,7 +10,7 @@ import pytest
 from orchestrator.controller._producer import pick_target
 from orchestrator.state.buffer import Slot
 
-from .fakes import Harness, run_config
+from .fakes import Harness, cheap_and_dear, run_config
 
 
 @pytest.mark.parametrize(
@@ -22,19 +22,7 @@ from .fakes import Harness, run_config
     ],
 )
 async def test_a_rollout_goes_where_its_weights_are(budgets, expected, in_flight):
-    cheap, dear = budgets
-    cfg = run_config(
-        pools=[
-            {"name": "cheap", "gpu": "cpu", "staleness_budget": cheap, "max_concurrent_rollouts": 4},
-            {
-                "name": "dear",
-                "gpu": "cpu",
-                "price_per_gpu_hour": 2.0,
-                "staleness_budget": dear,
-                "max_concurrent_rollouts": 4,
-            },
-        ]
-    )
+    cfg = run_config(pools=cheap_and_dear(*budgets))
     ctx = Harness(cfg).controller.ctx
     ctx.state.version = 3
     for view in ctx.pools.values():
