@@ -292,9 +292,9 @@ class RunContext:
                 return False
         return True
 
-    def pick_env(self) -> int | None:
-        """The environment rank for the next episode: constructed, answering, fewest
-        episodes in flight (ties: the lowest rank); None when none is."""
+    def usable_envs(self) -> list[int]:
+        """Environment ranks that can take an episode now: constructed and answering
+        (recomputed only when one turned (un)responsive, died or started)."""
         envs = self.links.envs
         dead, starting = envs.dead_ranks(), envs.starting_ranks()
         key = (self._env_flips, tuple(dead), tuple(starting))
@@ -302,7 +302,12 @@ class RunContext:
             down = set(dead) | set(starting)
             ok = [r for r, h in enumerate(self.env_health) if h.since is None and r not in down]
             self._env_cache = (key, ok)
-        ok = self._env_cache[1]
+        return self._env_cache[1]
+
+    def pick_env(self) -> int | None:
+        """The environment rank for the next episode: usable, fewest episodes in flight
+        (ties: the lowest rank); None when none is."""
+        ok = self.usable_envs()
         return min(ok, key=self.env_in_flight.__getitem__) if ok else None  # first minimum: lowest rank
 
     def _env_flipped(self) -> None:

@@ -50,8 +50,5 @@ def describe_wait(ctx: RunContext) -> str:
             f"pool {name}: {len(usable)} of {len(view.versions)} sampler(s) usable{state}{held}{needs}, "
             f"{sum(view.in_flight)} rollout(s) running"
         )
-    envs = ctx.links.envs
-    down = set(envs.dead_ranks()) | set(envs.starting_ranks())
-    answering = sum(1 for r, h in enumerate(ctx.env_health) if h.responsive and r not in down)
-    parts.append(f"{answering} of {len(ctx.env_health)} environment actor(s) answering")
+    parts.append(f"{len(ctx.usable_envs())} of {len(ctx.env_health)} environment actor(s) answering")
     return "; ".join(parts)
