@@ -54,7 +54,6 @@ async def _serve(cls: Any, args: argparse.Namespace) -> None:
         else None
     )
     sock = ctx.socket(zmq.ROUTER)
-    drained: list[bool] = []  # set once the actor drained on a signal: flush its last replies
     try:
         tune(sock, tcp=args.bind.startswith("tcp://"))
         if auth is not None and curve is not None:
@@ -66,7 +65,7 @@ async def _serve(cls: Any, args: argparse.Namespace) -> None:
             address = f"tcp://{args.advertise}:{port}"
         server = Server(cls, sock, name=args.name, rank=args.rank, local=args.bind.startswith("ipc://"))
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(_stop_on_signal, nursery.cancel_scope, server, drained)
+            nursery.start_soon(_stop_on_signal, nursery.cancel_scope, server)
             if args.parent_pid is not None:
                 nursery.start_soon(_stop_with_parent, args.parent_pid, nursery.cancel_scope)
             await nursery.start(server.serve)
@@ -78,9 +77,7 @@ async def _serve(cls: Any, args: argparse.Namespace) -> None:
             else:
                 print(f"listening on {address}", flush=True)
     finally:
-        # After a drain the replies it ended with may still be queued: give them a moment
-        # to leave (nothing else is left to block).
-        sock.close(linger=DRAIN_FLUSH_MS if drained else 0)
+        sock.close(linger=0)  # no-op once the server closed it (with its own linger)
         if auth is not None:
             auth.stop()
 
@@ -91,7 +88,7 @@ DRAIN_FLUSH_MS = 2000
 """Longest the socket of a drained actor waits at close for its last replies to leave."""
 
 
-async def _stop_on_signal(scope: trio.CancelScope, server: Any = None, drained: list[bool] | None = None) -> None:
+async def _stop_on_signal(scope: trio.CancelScope, server: Any = None) -> None:
     """The first SIGTERM (or SIGINT, unless ignored) stops gracefully: the actor's
     ``on_signal`` runs first, while calls are still served (at most DRAIN_S), then the
     running calls are cancelled and on_stop runs.
@@ -110,8 +107,9 @@ async def _stop_on_signal(scope: trio.CancelScope, server: Any = None, drained: 
                 if actor is not None:
                     with trio.move_on_after(DRAIN_S):
                         await actor.on_signal()
-                    if drained is not None:
-                        drained.append(True)
+                    # The replies the drain ended with may still be queued: they get a
+                    # moment to leave when the socket closes (nothing else is left to block).
+                    server.linger_ms = DRAIN_FLUSH_MS
                 scope.cancel()
                 return
     finally:
@@ -145,7 +143,12 @@ def main(argv: list[str] | None = None) -> None:
 
         configure_from_env(f"{args.name}[{args.rank}]")
     cls = actor_class(args.cls)
-    trio.run(_serve, cls, args)
+    try:
+        trio.run(_serve, cls, args)
+    finally:
+        # Sockets closed with a linger send what they still hold only while the context
+        # lives: terminate it (it waits at most that linger; the rest closed with none).
+        context().destroy(linger=0)
 
 
 if __name__ == "__main__":

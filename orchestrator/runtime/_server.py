@@ -72,6 +72,7 @@ class Server:
         self.running: dict[tuple[bytes, Any], trio.CancelScope] = {}
         # local: bound on ipc://, so every peer shares the machine (large frames via /dev/shm)
         self.z = ZSocket(sock, self._on_message, copy_parts=2, spin=True, shm=local, close_on_exit=False)
+        self.linger_ms = 0  # how long replies still queued at close get to leave (after a drain)
         self._nursery: trio.Nursery | None = None
         self._next_seq = 0
         self._started = 0
@@ -96,7 +97,7 @@ class Server:
                     await nursery.start(self._task, _READ)
                     task_status.started()
             finally:
-                self.z.close()
+                self.z.close(self.linger_ms)
         finally:
             if self.actor is not None:
                 with trio.CancelScope(shield=True), trio.move_on_after(10):

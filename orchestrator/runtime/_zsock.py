@@ -222,14 +222,16 @@ class ZSocket:
                 return True
         return False
 
-    def close(self) -> None:
+    def close(self, linger_ms: int = 0) -> None:
+        """Close the socket; messages still queued get ``linger_ms`` to leave, provided
+        the process terms its context before it exits (see ``_child``)."""
         if not self.closed:
             self.closed = True
             try:
                 trio.lowlevel.notify_closing(self._fd)
             except RuntimeError:  # outside a trio run (interpreter shutdown)
                 pass
-            self.sock.close(linger=0)
+            self.sock.close(linger=linger_ms)
 
 
 def log(msg: str) -> None:

@@ -255,3 +255,32 @@ class HangsOnRestart(Actor):
     @endpoint
     def pid(self) -> int:
         return os.getpid()
+
+
+class Leaver(Actor):
+    """On SIGTERM, answers its waiting call with ``size`` bytes, then lets the process exit
+    (as a leaving host tells each owner that it left, then stops)."""
+
+    def __init__(self) -> None:
+        self.leave = trio.Event()
+        self.answered = trio.Event()
+        self.waiting = trio.Event()
+
+    @endpoint
+    def pid(self) -> int:
+        return os.getpid()
+
+    @endpoint
+    async def last_word(self, size: int) -> bytes:
+        self.waiting.set()
+        await self.leave.wait()
+        self.answered.set()
+        return b"x" * size
+
+    @endpoint
+    async def wait_waiting(self) -> None:
+        await self.waiting.wait()
+
+    async def on_signal(self) -> None:
+        self.leave.set()
+        await self.answered.wait()

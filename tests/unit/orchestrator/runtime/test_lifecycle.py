@@ -12,9 +12,9 @@ import psutil
 import pytest
 import trio
 
-from orchestrator.runtime import ActorDied, ActorError, open_mesh
+from orchestrator.runtime import ActorDied, ActorError, Curve, open_mesh
 
-from ._actors import BadInit, Counter, Gate, HangsOnRestart, Lifecycle
+from ._actors import BadInit, Counter, Gate, HangsOnRestart, Leaver, Lifecycle
 
 
 def _gone(pids: list[int]) -> bool:
@@ -236,3 +236,24 @@ async def test_a_respawn_that_hangs_is_stopped_and_the_rank_marked_dead(tmp_path
             hang.unlink()
             mesh.respawn(0)  # and a later respawn works
             assert await mesh[0].pid.call_one() not in (first, None)
+
+
+@pytest.mark.parametrize("transport", ["ipc", "tcp"])
+@pytest.mark.parametrize("size", [10, 64 << 20])
+async def test_the_replies_an_actor_drains_with_reach_their_caller(size: int, transport: str) -> None:
+    # A draining actor's last replies are queued as its process stops: they must leave
+    # before the socket closes (a leaving host's "I left" reply was once dropped so).
+    with trio.fail_after(60):
+        curve = Curve.generate() if transport == "tcp" else None
+        async with open_mesh(Leaver, transport=transport, curve=curve) as mesh:
+            pid = await mesh[0].pid.call_one()
+            word: list[bytes] = []
+            async with trio.open_nursery() as nursery:
+
+                async def last_word() -> None:
+                    word.append(await mesh[0].last_word.call_one(size))
+
+                nursery.start_soon(last_word)
+                await mesh[0].wait_waiting.call_one()
+                os.kill(pid, signal.SIGTERM)
+            assert len(word[0]) == size
