@@ -238,6 +238,9 @@ class Connection:
                 self.dead = None
         elif ev == zmq.EVENT_DISCONNECTED:
             self.connected = False
+            # Replies that arrived before the link closed are still queued on the data
+            # socket (its reader may not have run yet): deliver them before failing the rest.
+            self.z.poll()
             self.fail(ActorDied(self.name, self.rank, f"connection to {self.address} lost"))
         elif ev == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
             self.fail(

@@ -82,7 +82,7 @@ def test_a_host_that_leaves_frees_its_place_for_the_next(tmp_path: Path, netrig,
             host.kill(signal.SIGKILL)
         deadline = time.time() + 90
         while "left the run" not in run.err.read_text() and "giving it up" not in run.err.read_text():
-            assert time.time() < deadline, run.tail()
+            assert time.time() < deadline, run.tail() + "\n--- host log ---\n" + host.log.read_text()[-3000:]
             time.sleep(0.5)
         n = len(run.metrics())
         run.wait(lambda r: len(r) >= n + 3, 120, "3 steps without the host")
