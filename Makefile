@@ -25,7 +25,7 @@ demo: $(VENV)/.installed-$(TORCH)
 	$(VENV)/bin/flotilla run $(CONFIG) $(ARGS)
 
 test: $(VENV)/.installed-$(TORCH)-dev
-	$(VENV)/bin/python -m pytest -q
+	$(VENV)/bin/python -m pytest -q --durations=30
 
 # ruff (lint and format) and the import-linter layer contracts of pyproject.toml.
 lint: $(VENV)/.installed-$(TORCH)-dev
