@@ -1,6 +1,7 @@
 # Two commands from a fresh clone:
 #   make demo    set up .venv (CPU torch, then Flotilla) and train the demo
-#   make test    set up .venv with the dev extra and run the test suite
+#   make test    set up .venv with the dev extra and run the test suite (without the long
+#                end-to-end runs marked slow: `make test-slow` runs those; CI runs both)
 # And the docs: `make docs` serves the site at http://127.0.0.1:8000 (mkdocs serve),
 # `make docs-build` builds it strictly into site/ (broken links fail).
 # Variables: PYTHON=python3.11 picks the interpreter; TORCH=cpu|cuda picks the torch
@@ -19,13 +20,17 @@ ifeq ($(filter $(TORCH),cpu cuda),)
 $(error TORCH must be cpu or cuda, not '$(TORCH)')
 endif
 
-.PHONY: demo test test-verifiers lint docs docs-build clean
+.PHONY: demo test test-slow test-verifiers lint docs docs-build clean
 
 demo: $(VENV)/.installed-$(TORCH)
 	$(VENV)/bin/flotilla run $(CONFIG) $(ARGS)
 
 test: $(VENV)/.installed-$(TORCH)-dev
-	$(VENV)/bin/python -m pytest -q --durations=30
+	$(VENV)/bin/python -m pytest -q -m "not slow" --durations=20
+
+# The long end-to-end runs (marked slow): whole training runs, faults, networks, Slurm.
+test-slow: $(VENV)/.installed-$(TORCH)-dev
+	$(VENV)/bin/python -m pytest -q -m slow --durations=20
 
 # ruff (lint and format) and the import-linter layer contracts of pyproject.toml.
 lint: $(VENV)/.installed-$(TORCH)-dev
