@@ -7,6 +7,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -17,6 +18,8 @@ import zmq
 
 from orchestrator.runtime import ActorDied, Curve, HostSpec, open_mesh
 from orchestrator.runtime._conn import Connection
+from orchestrator.runtime._wire import dumps, loads
+from orchestrator.runtime._zsock import context
 
 from ._actors import Counter, Relay
 
@@ -151,28 +154,22 @@ async def test_actor_host_spawns_watches_and_stops_actors(tmp_path: Path) -> Non
 async def test_a_reply_that_arrived_before_the_link_closed_is_delivered_not_failed() -> None:
     # The monitor's "disconnected" and the data socket's last reply become readable
     # together; which reader trio wakes first is not fixed. The reply must win either way
-    # (a leaving host's last reply, "I left", was lost so).
-    import time
-
-    from orchestrator.runtime._wire import dumps, loads
-    from orchestrator.runtime._zsock import context
-
-    for _ in range(3):
-        server = context().socket(zmq.ROUTER)
-        server.bind("tcp://127.0.0.1:*")
-        address = server.getsockopt_string(zmq.LAST_ENDPOINT)
-        conn = Connection(address, name="leaver", rank=0, server_key=None, identity=None, connect_timeout=None)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(conn.run)
-            p = conn.request({"kind": "call", "endpoint": "last_word", "args": []}, [], reply=True)
-            assert p is not None
-            ident, header = await trio.to_thread.run_sync(server.recv_multipart)
-            await trio.sleep(0.1)  # a long call: the connection's readers park meanwhile
-            server.send_multipart([ident, dumps({"id": loads(header)["id"], "kind": "ok"})])
-            server.close(linger=2000)
-            time.sleep(0.3)  # blocking: the reply and the disconnect are both pending now
-            conn._mon.poll()  # the monitor's reader runs first
-            with trio.fail_after(10):
-                await p.wait()
-            assert p.error is None, p.error
-            conn.scope.cancel()
+    # (a leaving host's last reply, "I left", was lost so). Here the monitor's goes first.
+    server = context().socket(zmq.ROUTER)
+    server.bind("tcp://127.0.0.1:*")
+    address = server.getsockopt_string(zmq.LAST_ENDPOINT)
+    conn = Connection(address, name="leaver", rank=0, server_key=None, identity=None, connect_timeout=None)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(conn.run)
+        p = conn.request({"kind": "call", "endpoint": "last_word", "args": []}, [], reply=True)
+        assert p is not None
+        ident, header = await trio.to_thread.run_sync(server.recv_multipart)
+        await trio.sleep(0.1)  # a long call: the connection's readers park meanwhile
+        server.send_multipart([ident, dumps({"id": loads(header)["id"], "kind": "ok"})])
+        server.close(linger=2000)
+        time.sleep(0.3)  # blocking: the reply and the disconnect are both pending now
+        conn._mon.poll()  # the monitor's reader runs first
+        with trio.fail_after(10):
+            await p.wait()
+        assert p.error is None, p.error
+        conn.scope.cancel()
