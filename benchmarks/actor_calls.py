@@ -11,10 +11,17 @@ Why: every controller <-> actor interaction rides this path. Targets (issue 2):
 The floor: a bare pyzmq echo (the runtime's DEALER/ROUTER sockets over ipc, one small
 frame each way, both sides waiting with the runtime's spin-then-park policy, no header
 encoding, dispatch or trio) runs in the same run, its rounds alternating with the
-runtime's; ``rtt_over_bare_zmq`` = ``rtt_p50_us`` / ``bare_zmq_rtt_p50_us`` (issue 30:
-<= 1.3) is what the runtime adds to a round trip over what ZeroMQ itself costs.
+runtime's. Both round trips move with where the scheduler puts each thread, which a
+process keeps for its life, so the round trips are taken over several fresh pairs of
+processes (an actor and a bare echo each; 3 with ``--quick``, 7 without), with this
+process pinned to core 0 and both servers to core 1 where the machine has two cores
+(``--no-pin``: wherever the scheduler puts them).
+``rtt_over_bare_zmq`` is the median over the pairs of each pair's ``rtt_p50`` /
+``bare_rtt_p50`` (issue 30: <= 1.3; every pair's ratio is in
+``rtt_over_bare_zmq_pairs``): what the runtime adds to a round trip over what ZeroMQ
+itself costs. ``rtt_p50_us`` and ``bare_zmq_rtt_p50_us`` pool the pairs' round trips.
 
-How: ``python benchmarks/actor_calls.py [--quick] [--no-peers]``. Each peer runs in
+How: ``python benchmarks/actor_calls.py [--quick] [--no-peers] [--no-pin]``. Each peer runs in
 its own subprocess (``--peer monarch|ray``) and is reported absent when it is
 not installed or fails. The last line of output is one JSON object.
 
@@ -71,6 +78,7 @@ def _pct(samples: list[float], q: float) -> float:
 def _sizes(quick: bool) -> dict[str, int]:
     return {
         "rtt": 3000 if quick else 10000,
+        "rtt_pairs": 3 if quick else 7,
         "conc_rounds": 3 if quick else 7,
         "echo16": 3 if quick else 7,
         "echo256": 1 if quick else 3,
@@ -84,28 +92,44 @@ def _tensor(nbytes: int) -> Any:
 
 
 # -- Flotilla ------------------------------------------------------------------------
-async def _flotilla(quick: bool, rtt_only: bool = False) -> dict[str, float]:
-    import trio
+def _pin(pid: int, cpus: set[int]) -> None:
+    """Pin every thread of ``pid`` (ZeroMQ's I/O thread too) to ``cpus``."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except ProcessLookupError:  # a thread that just ended
+            pass
+
+
+async def _rtt_pair(n: dict[str, int], pin: bool) -> tuple[list[float], list[float], float]:
+    """One fresh actor process and one fresh bare echo, their rounds alternating so both
+    see the same machine. With ``pin``, this process runs on core 0 and both servers on
+    core 1 (each process with its ZeroMQ I/O thread), so the ratio does not depend on
+    where the scheduler happened to put each thread. Returns the call's round trips, the
+    bare echo's, and the caller's CPU seconds over the calls."""
     from actor_calls import EchoActor as Echo  # importable by the actor process (it inherits our import path)
 
     from orchestrator.runtime import open_mesh
 
-    n = _sizes(quick)
-    out: dict[str, float] = {}
+    rtts: list[float] = []
+    bare_rtts: list[float] = []
+    cpu = 0.0
     async with open_mesh(Echo, name="echo", env={"OMP_NUM_THREADS": "1"}) as mesh:
         ep = mesh[0].echo
-        for _ in range(200):
-            await ep.call_one(1)
-        rtts: list[float] = []
-        bare_rtts: list[float] = []
-        cpu = 0.0
-        # Rounds of runtime calls and bare echoes alternate, so both see the same machine.
+        await ep.call_one(0)
         with tempfile.TemporaryDirectory(prefix="flotilla-bare-") as tmp:
-            bare = None if rtt_only else _BareEcho(tmp)
+            bare = _BareEcho(tmp)
+            everywhere = os.sched_getaffinity(0)
             try:
-                if bare is not None:
-                    for _ in range(200):
-                        bare.call()
+                if pin:
+                    pid = mesh.pids[0]
+                    assert pid is not None
+                    _pin(os.getpid(), {0})
+                    _pin(pid, {1})
+                    _pin(bare.proc.pid, {1})
+                for _ in range(200):
+                    await ep.call_one(1)
+                    bare.call()
                 rounds = 5
                 for _ in range(rounds):
                     c0 = time.process_time()
@@ -114,20 +138,70 @@ async def _flotilla(quick: bool, rtt_only: bool = False) -> dict[str, float]:
                         await ep.call_one(i)
                         rtts.append(time.perf_counter() - t)
                     cpu += time.process_time() - c0
-                    if bare is not None:
-                        bare_rtts.extend(bare.call() for _ in range(n["rtt"] // rounds))
+                    bare_rtts.extend(bare.call() for _ in range(n["rtt"] // rounds))
             finally:
-                if bare is not None:
-                    bare.close()
+                if pin:
+                    _pin(os.getpid(), everywhere)
+                bare.close()
+    return rtts, bare_rtts, cpu
+
+
+async def _floor(n: dict[str, int], pin: bool) -> dict[str, Any]:
+    """Round trips of a call and of the bare echo over ``n["rtt_pairs"]`` fresh pairs."""
+    pin = pin and sys.platform == "linux" and {0, 1} <= os.sched_getaffinity(0)
+    rtts: list[float] = []
+    bare_rtts: list[float] = []
+    ratios: list[float] = []
+    cpu = 0.0
+    for _ in range(n["rtt_pairs"]):
+        r, b, c = await _rtt_pair(n, pin)
+        rtts += r
+        bare_rtts += b
+        cpu += c
+        ratios.append(_pct(r, 0.5) / _pct(b, 0.5))
+    return {
         # The caller's CPU per round trip: the price of spinning instead of parking.
-        out["rtt_caller_cpu_us"] = cpu / len(rtts) * 1e6
+        "rtt_caller_cpu_us": cpu / len(rtts) * 1e6,
+        "rtt_p50_us": _pct(rtts, 0.5) * 1e6,
+        "rtt_p99_us": _pct(rtts, 0.99) * 1e6,
+        "bare_zmq_rtt_p50_us": _pct(bare_rtts, 0.5) * 1e6,
+        "bare_zmq_rtt_p99_us": _pct(bare_rtts, 0.99) * 1e6,
+        "rtt_over_bare_zmq": statistics.median(ratios),
+        "rtt_over_bare_zmq_pairs": [round(x, 3) for x in ratios],
+        "rtt_pinned": pin,
+    }
+
+
+async def _flotilla(quick: bool, rtt_only: bool = False, floor: bool = True, pin: bool = True) -> dict[str, Any]:
+    import trio
+    from actor_calls import EchoActor as Echo  # importable by the actor process (it inherits our import path)
+
+    from orchestrator.runtime import open_mesh
+
+    n = _sizes(quick)
+    out: dict[str, Any] = {}
+    if rtt_only:  # one actor, no floor (the caller's CPU and round trip only)
+        async with open_mesh(Echo, name="echo", env={"OMP_NUM_THREADS": "1"}) as mesh:
+            ep = mesh[0].echo
+            for _ in range(200):
+                await ep.call_one(1)
+            c0 = time.process_time()
+            rtts = []
+            for i in range(n["rtt"]):
+                t = time.perf_counter()
+                await ep.call_one(i)
+                rtts.append(time.perf_counter() - t)
+            out["rtt_caller_cpu_us"] = (time.process_time() - c0) / len(rtts) * 1e6
         out["rtt_p50_us"] = _pct(rtts, 0.5) * 1e6
         out["rtt_p99_us"] = _pct(rtts, 0.99) * 1e6
-        if rtt_only:
-            return out
-        out["bare_zmq_rtt_p50_us"] = _pct(bare_rtts, 0.5) * 1e6
-        out["bare_zmq_rtt_p99_us"] = _pct(bare_rtts, 0.99) * 1e6
-        out["rtt_over_bare_zmq"] = out["rtt_p50_us"] / out["bare_zmq_rtt_p50_us"]
+        return out
+    if floor:
+        out.update(await _floor(n, pin))
+
+    async with open_mesh(Echo, name="echo", env={"OMP_NUM_THREADS": "1"}) as mesh:
+        ep = mesh[0].echo
+        for _ in range(200):
+            await ep.call_one(1)
 
         async def one(i: int) -> None:
             assert await ep.call_one(i) == i
@@ -356,6 +430,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer repetitions (< 60 s)")
     p.add_argument("--no-peers", action="store_true", help="measure only this runtime")
+    p.add_argument(
+        "--no-pin", action="store_true", help="leave the round trips' processes where the scheduler puts them"
+    )
     p.add_argument("--peer", choices=["park", "zmq", "monarch", "ray"], help=argparse.SUPPRESS)
     p.add_argument("--bare-server", metavar="ADDRESS", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -372,7 +449,7 @@ def main() -> None:
         print(json.dumps({f"park_{k}": v for k, v in park.items()}))
         return
     if args.peer == "zmq":  # this runtime with large frames through ZeroMQ, not /dev/shm
-        zmq_only = trio.run(_flotilla, args.quick)
+        zmq_only = trio.run(_flotilla, args.quick, False, False)
         print(json.dumps({f"zmq_{k}": v for k, v in zmq_only.items() if k.startswith("echo")}))
         return
     if args.peer:
@@ -380,7 +457,7 @@ def main() -> None:
         print(json.dumps(result))
         return
 
-    result: dict[str, Any] = trio.run(_flotilla, args.quick)
+    result: dict[str, Any] = trio.run(_flotilla, args.quick, False, True, not args.no_pin)
     result.update(_run_peer("park", args.quick))
     result.update(_run_peer("zmq", args.quick))
     print(
