@@ -49,7 +49,9 @@ class PoolView:
     stats_call: list[trio.Event | None]  # set when the rank's outstanding stats call ends
     epochs: list[int]  # bumped when a rank's process is replaced
     flips: int = 0  # liveness changes of any rank (invalidates the usable-ranks cache)
-    _cache: tuple[Any, list[int], int, int, float] | None = None  # key, usable ranks, min, max version, expiry
+    # (version writes, flips, dead ranks, starting ranks) it was computed for, (usable ranks,
+    # oldest, newest version), and when an avoidance it excluded a rank for runs out
+    _cache: tuple[int, int, list[int], list[int], tuple[list[int], int, int], float] | None = None
 
     @classmethod
     def of(cls, link: PoolLink) -> PoolView:
@@ -80,11 +82,19 @@ class PoolView:
         when a rank's version, liveness, death, start, retirement or avoidance changed since
         the last call, or an avoidance it excluded a rank for has run out."""
         dead, starting = self.link.dead_ranks(), self.link.starting_ranks()
-        key = (self.versions.writes, self.flips, tuple(dead), tuple(starting))
-        now = trio.current_time()
         cache = self._cache
-        if cache is not None and cache[0] == key and now < cache[4]:
-            return cache[1], cache[2], cache[3]
+        # The check runs several times per placement decision: plain comparisons, and the
+        # clock only while an avoidance is due to run out.
+        if (
+            cache is not None
+            and cache[0] == self.versions.writes
+            and cache[1] == self.flips
+            and cache[2] == dead
+            and cache[3] == starting
+            and (cache[5] == math.inf or trio.current_time() < cache[5])
+        ):
+            return cache[4]
+        now = trio.current_time()
         down = set(dead) | set(starting)
         versions = self.versions
         ranks, expires = [], math.inf
@@ -96,8 +106,10 @@ class PoolView:
                 continue
             ranks.append(r)
         held = [versions[r] for r in ranks]
-        self._cache = (key, ranks, min(held, default=-1), max(held, default=-1), expires)
-        return ranks, self._cache[2], self._cache[3]
+        usable = (ranks, min(held, default=-1), max(held, default=-1))
+        # Copies of the lists: a link may hand out one list and change it in place.
+        self._cache = (versions.writes, self.flips, list(dead), list(starting), usable, expires)
+        return usable
 
     def usable(self) -> list[int]:
         """Ranks that can take a rollout now: constructed, answering, holding weights, not

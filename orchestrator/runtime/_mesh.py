@@ -225,7 +225,7 @@ class Mesh(Generic[A]):
         """Ranks known dead (owner only; empty elsewhere)."""
         if self._owner is None:
             return []
-        return [r for r, s in enumerate(self._owner.slots) if s.state == "dead"]
+        return self._owner.ranks_in("dead")
 
     @property
     def starting_ranks(self) -> list[int]:
@@ -233,7 +233,7 @@ class Mesh(Generic[A]):
         empty elsewhere)."""
         if self._owner is None:
             return []
-        return [r for r, s in enumerate(self._owner.slots) if s.state == "starting"]
+        return self._owner.ranks_in("starting")
 
 
 class ActorRef(Generic[A]):

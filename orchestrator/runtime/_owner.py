@@ -73,18 +73,33 @@ class Owner:
         self.hosts, self.tcp_host, self.grace, self.on_death = hosts, tcp_host, grace, on_death
         self.restart_timeout = restart_timeout
         self.slots = [RankSlot() for _ in range(procs + vacant)]
+        self._in_state: dict[str, list[int]] | None = None  # see ranks_in
         # The host of each rank (None: this machine, or a vacant rank not placed yet).
         self.rank_hosts: list[Mesh[Any] | None] = [
             hosts[r % len(hosts)] if hosts and r < procs else None for r in range(procs + vacant)
         ]
         self.started = procs  # ranks started by start_all; the rest are vacant
         for rank in range(procs, procs + vacant):
-            slot = self.slots[rank]
-            slot.state, slot.died = "dead", ActorDied(name, rank, "vacant: no host placed yet")
-            slot.ready.set()
+            self._set_state(rank, "dead", ActorDied(name, rank, "vacant: no host placed yet"))
+            self.slots[rank].ready.set()
         self.procs: list[ActorProcess] = []
         self.closing = False
         self.tmpdir = tempfile.mkdtemp(prefix="flotilla-") if transport == "ipc" and not hosts else None
+
+    def _set_state(self, rank: int, state: Literal["starting", "live", "dead"], died: ActorDied | None = None) -> None:
+        """The only writer of a slot's state (and its death), so `ranks_in` stays true."""
+        slot = self.slots[rank]
+        slot.state, slot.died = state, died
+        self._in_state = None
+
+    def ranks_in(self, state: Literal["starting", "live", "dead"]) -> list[int]:
+        """The ranks whose slot is in `state`, ascending (a fresh list). Read several times
+        per placement decision, for pools of hundreds of ranks: kept until a state changes."""
+        if self._in_state is None:
+            self._in_state = {"starting": [], "live": [], "dead": []}
+            for r, slot in enumerate(self.slots):
+                self._in_state[slot.state].append(r)
+        return list(self._in_state[state])
 
     async def _spawn(self, rank: int, mine: list[ActorProcess]) -> ActorProcess:
         slot = self.slots[rank]
@@ -130,7 +145,7 @@ class Owner:
         await p.wait()
         reply_value(p)
         if slot.proc is proc and slot.state == "starting":
-            slot.state = "live"
+            self._set_state(rank, "live")
             slot.ready.set()
 
     async def start_all(self) -> None:
@@ -163,7 +178,7 @@ class Owner:
 
     def _mark_dead(self, rank: int, exc: ActorDied) -> None:
         slot = self.slots[rank]
-        slot.state, slot.died = "dead", exc
+        self._set_state(rank, "dead", exc)
         slot.ready.set()
         if slot.conn is not None:
             close_connection(slot.conn, exc)
@@ -188,7 +203,8 @@ class Owner:
         if slot.state == "starting":
             return
         old = slot.proc
-        slot.state, slot.died, slot.ready = "starting", None, trio.Event()
+        self._set_state(rank, "starting")
+        slot.ready = trio.Event()
         slot.proc = None
         if slot.conn is not None:
             close_connection(slot.conn, ActorDied(self.name, rank, "respawned"))
@@ -226,7 +242,7 @@ class Owner:
             if slot.conn is not None:
                 close_connection(slot.conn, exc)
                 slot.conn = None
-            slot.state, slot.died = "dead", exc
+            self._set_state(rank, "dead", exc)
             slot.ready.set()
         await stop_all(self.procs, self.grace)
         if self.tmpdir is not None:

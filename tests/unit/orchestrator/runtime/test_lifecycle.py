@@ -71,11 +71,15 @@ async def test_sigkill_fails_pending_and_later_calls_until_respawn() -> None:
                 with pytest.raises(ActorDied):
                     await mesh.pid.call()
             assert await mesh.pid.choose() == await mesh[1].pid.call_one()  # skips the dead
+            assert mesh.starting_ranks == []
+            mesh.dead_ranks.append(1)  # each read is a fresh list: the mesh's own view is untouched
+            assert mesh.dead_ranks == [0]
             mesh.respawn(0)
+            assert (mesh.dead_ranks, mesh.starting_ranks) == ([], [0])
             new_pid = await mesh[0].pid.call_one()
             assert new_pid != pid
             assert await mesh[0].counts.call_one() == {"parked": 0, "cancelled": 0}
-            assert mesh.dead_ranks == []
+            assert (mesh.dead_ranks, mesh.starting_ranks) == ([], [])
 
 
 async def test_pending_calls_fail_within_five_seconds_of_kill() -> None:
