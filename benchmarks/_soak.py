@@ -90,7 +90,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
             open_mesh(FleetEnv, 16, 32, 4, 0.0, 0, procs=1, name="envs") as emesh,
         ):
             links = Links(
-                trainer=FleetTrainerLink(tmesh, meter),
+                trainer=FleetTrainerLink(tmesh, meter, emesh),  # held trajectories (the default) are fetched from emesh
                 pools={pc.name: FleetPool(pc, smesh, pc.count) for pc in cfg.pools},
                 envs=FleetEnvs(emesh, 4, meter),
             )
