@@ -124,7 +124,10 @@ def encode(value: Any, frames: list[Any], *, where: str = "value") -> Any:
         return [encode(v, frames, where=f"{where}[{i}]") for i, v in enumerate(value)]
     if t is dict:
         if all(type(k) is str for k in value) and "__t" not in value:
-            return {k: encode(v, frames, where=f"{where}[{k!r}]") for k, v in value.items()}
+            # Plain values are taken as they are, without a call or an error label each.
+            return {
+                k: v if type(v) in SCALARS else encode(v, frames, where=f"{where}[{k!r}]") for k, v in value.items()
+            }
         return {
             "__t": "dict",
             "v": [
@@ -190,6 +193,9 @@ def _encode_model(value: BaseModel, frames: list[Any], where: str) -> dict[str, 
     fields: dict[str, Any] = {}
     for name in cls.model_fields:
         v = getattr(value, name)
+        if type(v) in SCALARS:  # most fields: no call, no error label
+            fields[name] = v
+            continue
         try:
             fields[name] = encode(v, frames, where=f"{where}.{name}")
         except TypeError:
@@ -323,7 +329,7 @@ def _decode_model(x: dict[str, Any], fr: _Frames, where: str, depth: int) -> Any
     path, fields = x.get("c"), x.get("v")
     if type(path) is not str or type(fields) is not dict:
         raise WireError(f"{where}: malformed model")
-    values = {k: _decode(v, fr, f"{where}.{k}", depth + 1) for k, v in fields.items()}
+    values = {k: v if type(v) in SCALARS else _decode(v, fr, f"{where}.{k}", depth + 1) for k, v in fields.items()}
     cls = _loaded_class(path)
     if cls is None:
         return values
