@@ -101,6 +101,17 @@ def _pin(pid: int, cpus: set[int]) -> None:
             pass
 
 
+async def _timed_calls(ep: Any, count: int) -> tuple[list[float], float]:
+    """``count`` echo calls one after another, each timed; and the caller's CPU seconds."""
+    rtts = []
+    c0 = time.process_time()
+    for i in range(count):
+        t = time.perf_counter()
+        await ep.call_one(i)
+        rtts.append(time.perf_counter() - t)
+    return rtts, time.process_time() - c0
+
+
 async def _rtt_pair(n: dict[str, int], pin: bool) -> tuple[list[float], list[float], float]:
     """One fresh actor process and one fresh bare echo, their rounds alternating so both
     see the same machine. With ``pin``, this process runs on core 0 and both servers on
@@ -132,12 +143,9 @@ async def _rtt_pair(n: dict[str, int], pin: bool) -> tuple[list[float], list[flo
                     bare.call()
                 rounds = 5
                 for _ in range(rounds):
-                    c0 = time.process_time()
-                    for i in range(n["rtt"] // rounds):
-                        t = time.perf_counter()
-                        await ep.call_one(i)
-                        rtts.append(time.perf_counter() - t)
-                    cpu += time.process_time() - c0
+                    r, c = await _timed_calls(ep, n["rtt"] // rounds)
+                    rtts += r
+                    cpu += c
                     bare_rtts.extend(bare.call() for _ in range(n["rtt"] // rounds))
             finally:
                 if pin:
@@ -172,7 +180,10 @@ async def _floor(n: dict[str, int], pin: bool) -> dict[str, Any]:
     }
 
 
-async def _flotilla(quick: bool, rtt_only: bool = False, floor: bool = True, pin: bool = True) -> dict[str, Any]:
+async def _flotilla(quick: bool, part: str = "all", pin: bool = True) -> dict[str, Any]:
+    """``part``: ``all`` (round trips against the floor, then throughput and echoes),
+    ``rtt`` (one actor's round trips and the caller's CPU only) or ``echo`` (throughput
+    and echoes only)."""
     import trio
     from actor_calls import EchoActor as Echo  # importable by the actor process (it inherits our import path)
 
@@ -180,22 +191,18 @@ async def _flotilla(quick: bool, rtt_only: bool = False, floor: bool = True, pin
 
     n = _sizes(quick)
     out: dict[str, Any] = {}
-    if rtt_only:  # one actor, no floor (the caller's CPU and round trip only)
+    if part == "rtt":
         async with open_mesh(Echo, name="echo", env={"OMP_NUM_THREADS": "1"}) as mesh:
             ep = mesh[0].echo
             for _ in range(200):
                 await ep.call_one(1)
-            c0 = time.process_time()
-            rtts = []
-            for i in range(n["rtt"]):
-                t = time.perf_counter()
-                await ep.call_one(i)
-                rtts.append(time.perf_counter() - t)
-            out["rtt_caller_cpu_us"] = (time.process_time() - c0) / len(rtts) * 1e6
-        out["rtt_p50_us"] = _pct(rtts, 0.5) * 1e6
-        out["rtt_p99_us"] = _pct(rtts, 0.99) * 1e6
-        return out
-    if floor:
+            rtts, cpu = await _timed_calls(ep, n["rtt"])
+        return {
+            "rtt_caller_cpu_us": cpu / len(rtts) * 1e6,
+            "rtt_p50_us": _pct(rtts, 0.5) * 1e6,
+            "rtt_p99_us": _pct(rtts, 0.99) * 1e6,
+        }
+    if part == "all":
         out.update(await _floor(n, pin))
 
     async with open_mesh(Echo, name="echo", env={"OMP_NUM_THREADS": "1"}) as mesh:
@@ -445,11 +452,11 @@ def main() -> None:
     import trio
 
     if args.peer == "park":  # this runtime with spinning off (FLOTILLA_SPIN_US=0)
-        park = trio.run(_flotilla, args.quick, True)
+        park = trio.run(_flotilla, args.quick, "rtt")
         print(json.dumps({f"park_{k}": v for k, v in park.items()}))
         return
     if args.peer == "zmq":  # this runtime with large frames through ZeroMQ, not /dev/shm
-        zmq_only = trio.run(_flotilla, args.quick, False, False)
+        zmq_only = trio.run(_flotilla, args.quick, "echo")
         print(json.dumps({f"zmq_{k}": v for k, v in zmq_only.items() if k.startswith("echo")}))
         return
     if args.peer:
@@ -457,7 +464,7 @@ def main() -> None:
         print(json.dumps(result))
         return
 
-    result: dict[str, Any] = trio.run(_flotilla, args.quick, False, True, not args.no_pin)
+    result: dict[str, Any] = trio.run(_flotilla, args.quick, "all", not args.no_pin)
     result.update(_run_peer("park", args.quick))
     result.update(_run_peer("zmq", args.quick))
     print(
