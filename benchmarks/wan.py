@@ -18,8 +18,9 @@ shaped with tc tbf (tests/netrig.py): one at 1000 Mbit/s, one at 100 Mbit/s.
    sampler's acknowledgement (keyframe, and delta p50), bytes on the wire per delta
    (counters) ÷ the dense bf16 weights, and the raw ÷ wire ratio of the deltas. Training a
    125 M model in the full RL loop is beyond a shared 2-core machine; the deltas are real.
-3. A partition (tests/integration/netruns.py's test run: a local pool and a remote one):
-   the remote host's link is cut for 30 s after 5 steps, then restored:
+3. A partition (tests/integration/netruns.py's run with the demo's batch, 16 prompts x 8
+   replies, and its default trace sampling: a local pool and a remote one): the remote
+   host's link is cut for 30 s after 5 steps, then restored:
    `partition_prompts_lost`, `partition_train_stall_s` (the longest gap between train
    steps during the cut) against `normal_step_s` (median step over as long before the
    cut, every link up), `uncut_train_stall_s` (the longest gap over that window: the same
@@ -283,13 +284,13 @@ async def _weight_sync(hosts: dict[str, Host], keys: Path, deltas: int) -> dict[
 
 
 def partition_check(work: Path, rig: NetRig, cut_s: float) -> dict[str, Any]:
-    """The test run (tests/integration/netruns.py: a local pool and a remote one) with the
-    remote host's link cut for ``cut_s`` s after 5 steps: prompts lost, the longest gap
-    between train steps during the cut against the normal step time, and link restored ->
-    first step with a rollout from the host."""
+    """The demo-sized run (tests/integration/netruns.py, `demo=True`: a local pool and a
+    remote one) with the remote host's link cut for ``cut_s`` s after 5 steps: prompts lost,
+    the longest gap between train steps during the cut against the normal step time, and
+    link restored -> first step with a rollout from the host."""
     from tests.integration.netruns import measure_partition
 
-    m = measure_partition(work, rig, cut_s=cut_s)
+    m = measure_partition(work, rig, cut_s=cut_s, demo=True)
     keys = (
         "partition_prompts_lost",
         "partition_train_stall_s",
@@ -299,7 +300,8 @@ def partition_check(work: Path, rig: NetRig, cut_s: float) -> dict[str, Any]:
         "rejoin_s",
         "steps_during_cut",
     )
-    return {k: m[k] for k in keys} | {"partition_cut_s": cut_s}
+    ratio = m["partition_train_stall_s"] / m["normal_step_s"] if m["normal_step_s"] else None
+    return {k: m[k] for k in keys} | {"partition_cut_s": cut_s, "partition_stall_vs_step": ratio}
 
 
 def elastic_check(work: Path, rig: NetRig) -> dict[str, Any]:

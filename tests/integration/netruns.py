@@ -19,18 +19,33 @@ from tests.integration.conftest import read_jsonl, small_run_raw
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def remote_run_config(tmp: Path, name: str, remote: dict[str, Any], *, steps: int = 10_000, **raw: Any) -> Path:
+# The demo's batch (examples/guess_number.toml: 16 prompts x 8 replies, 64 rollouts in flight
+# per pool), its task and its default trace sampling: the run the partition target speaks of.
+# The tests' run is a quarter of that, every span traced.
+DEMO_SHAPE: dict[str, Any] = {
+    "task": {"name": "guess_number", "params": {"n": 7, "max_turns": 3}, "max_new_tokens": 1, "env_actors": 1},
+    "rollout": {"prompts_per_step": 16, "group_size": 8, "max_buffered_groups": 16},
+    "trainer": {"lr": 2e-3},
+    "telemetry": {"trace_sample": 0.01},
+}
+DEMO_IN_FLIGHT = 64
+
+
+def remote_run_config(
+    tmp: Path, name: str, remote: dict[str, Any], *, steps: int = 10_000, in_flight: int = 16, **raw: Any
+) -> Path:
     """The small test run (two local CPU pools) plus the pool ``remote`` (its ``hosts`` and
-    ``keys`` set by the caller); ``raw`` overrides top-level sections."""
+    ``keys`` set by the caller); ``in_flight`` rollouts at most per pool; ``raw`` overrides
+    top-level sections."""
     cfg = small_run_raw(tmp, name=name, steps=steps)
     cfg["pools"] = [
-        cfg["pools"][0],
+        {**cfg["pools"][0], "max_concurrent_rollouts": in_flight},
         {
             "name": "remote",
             "gpu": "H100-SXM",
             "device": "cpu",
             "staleness_budget": 2,
-            "max_concurrent_rollouts": 16,
+            "max_concurrent_rollouts": in_flight,
             **remote,
         },
     ]
@@ -119,9 +134,12 @@ def median_gap(times: list[float]) -> float | None:
     return round(gaps[len(gaps) // 2], 3) if gaps else None
 
 
-def measure_partition(tmp: Path, rig: Any, *, cut_s: float, warm_steps: int = 5, **raw: Any) -> dict[str, Any]:
+def measure_partition(
+    tmp: Path, rig: Any, *, cut_s: float, warm_steps: int = 5, demo: bool = False, **raw: Any
+) -> dict[str, Any]:
     """One run with a remote pool on a rig host whose link is cut for `cut_s` seconds after
-    `warm_steps` steps, then restored; the run is stopped once a rollout from the host was
+    `warm_steps` steps, then restored (the tests' run, or with `demo` the demo's batch and
+    trace sampling, `DEMO_SHAPE`); the run is stopped once a rollout from the host was
     trained again. Returns `partition_prompts_lost` (prompts skipped, plus any the run never
     trained), `partition_train_stall_s` (longest gap between train steps during the cut),
     `normal_step_s` (median step time over the `cut_s` seconds before the cut, every link
@@ -132,6 +150,8 @@ def measure_partition(tmp: Path, rig: Any, *, cut_s: float, warm_steps: int = 5,
     (straggling rollouts duplicated on another host, and duplicates kept, over the whole run),
     the console lines and the last metrics row."""
     host = rig.add_host("p")
+    if demo:
+        raw = {**DEMO_SHAPE, "in_flight": DEMO_IN_FLIGHT, **raw}
     cfg = remote_run_config(tmp, "partition", {"hosts": [host.address], "keys": str(rig.keys)}, **raw)
     run = Run(cfg, tmp / "runs" / "partition")
     try:
@@ -201,7 +221,7 @@ def measure_join(tmp: Path, rig: Any, **raw: Any) -> dict[str, Any]:
 
 
 def main() -> None:
-    """`python -m tests.integration.netruns [--cut-s S] [--keep DIR]` (root, iproute2): one
+    """`python -m tests.integration.netruns [--cut-s S] [--keep DIR] [--demo]` (root, iproute2): one
     partition run and one join run in the network rig; prints one JSON line with
     partition_prompts_lost, partition_train_stall_s, normal_step_s, uncut_train_stall_s,
     cut_step_s, rejoin_s,
@@ -215,6 +235,7 @@ def main() -> None:
     p = argparse.ArgumentParser(prog="python -m tests.integration.netruns")
     p.add_argument("--cut-s", type=float, default=30.0, help="seconds the link stays cut")
     p.add_argument("--keep", type=Path, help="put the runs in this (new) folder and keep them")
+    p.add_argument("--demo", action="store_true", help="the partition run with the demo's batch (DEMO_SHAPE)")
     args = p.parse_args()
     reason = netrig_unavailable()
     if reason:
@@ -225,7 +246,7 @@ def main() -> None:
         contextlib.nullcontext(str(args.keep)) if args.keep else tempfile.TemporaryDirectory() as d,
         NetRig() as rig,
     ):
-        part = measure_partition(Path(d), rig, cut_s=args.cut_s)
+        part = measure_partition(Path(d), rig, cut_s=args.cut_s, demo=args.demo)
         join = measure_join(Path(d), rig)
     keys = (
         "partition_prompts_lost",
