@@ -142,7 +142,7 @@ class FleetTrainer(Actor):
         return {"seq": seq, "parts": 1, "version": version}, [b"k"]
 
     @endpoint
-    async def ack(self, receiver: str, version: int) -> None:
+    async def acks(self, precision: str, held: dict[str, int]) -> None:
         return None
 
     @endpoint

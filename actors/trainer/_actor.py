@@ -272,9 +272,11 @@ class TrainerActor(Actor):
         return header, [f if isinstance(f, bytes) else bytes(f) for f in frames]
 
     @endpoint
-    def ack(self, receiver: str, version: int) -> None:
-        """``receiver`` holds ``version``; history older than every receiver's ack is dropped."""
-        self._main_publisher("ack").ack(receiver, version)
+    def acks(self, precision: Precision, held: dict[str, int]) -> None:
+        """Each receiver in ``held`` holds its version of ``precision`` (registered if new:
+        it may have applied a path another receiver asked for); history older than every
+        receiver's acknowledged version is dropped."""
+        self._main_publisher("acks").acknowledge(held, precision)
 
     @endpoint
     def keyframe(self, precision: Precision) -> list[bytes]:

@@ -151,8 +151,8 @@ class TrainerGroup:
     ) -> tuple[dict[str, Any], list[bytes]]:
         return await self._main.keyframe_part.call_one(precision, version, seq, part_bytes)
 
-    async def ack(self, receiver: str, version: int) -> None:
-        await self._main.ack.call_one(receiver, version)
+    async def acks(self, precision: str, held: dict[str, int]) -> None:
+        await self._main.acks.call_one(precision, held)
 
     async def keyframe(self, precision: str) -> list[bytes]:
         return await self._main.keyframe.call_one(precision)

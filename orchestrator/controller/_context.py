@@ -13,6 +13,7 @@ from actors.types import SamplingParams, TaskSpec, TrajectoryRef
 from hardware import CostLedger, Scheduler
 from orchestrator.controller._hedge import Hedger
 from orchestrator.controller._liveness import Health, respawn_due
+from orchestrator.controller._stream import PendingAcks, SharedPaths
 from orchestrator.controller.links import Checkpointer, Links, PoolLink
 from orchestrator.controller.state import ControllerState
 from orchestrator.runtime import ActorDied, span
@@ -220,6 +221,8 @@ class RunContext:
         self.eval_dataset: Any = None  # held-out rows of `[task] eval_dataset`, or None
         self.rollout_scopes: set[trio.CancelScope] = set()
         self.hedger = Hedger(cfg.faults.hedge_after_p90, cfg.faults.hedge_min_s, self.pools)
+        self.paths = SharedPaths(links.trainer)  # weight paths, one trainer call per (precision, held)
+        self.acks = PendingAcks()  # applied versions the trainer is told in batches (`ack_worker`)
         # Nanoseconds (wall) of the producer's latest placement decisions (slot -> pool,
         # rank, env rank): a bounded window for benchmarks and diagnostics.
         self.decision_ns: deque[int] = deque(maxlen=DECISIONS_KEPT)

@@ -31,7 +31,7 @@ from orchestrator.controller._producer import produce
 from orchestrator.controller._signals import request_stop, watch_sigint
 from orchestrator.controller._stall import watch_progress
 from orchestrator.controller._training import checkpoint, train_loop
-from orchestrator.controller._weights import sync_worker
+from orchestrator.controller._weights import ack_worker, sync_worker
 from orchestrator.controller.evaluation import eval_loop
 from orchestrator.controller.links import Checkpointer, Links
 from orchestrator.controller.state import ControllerState
@@ -164,6 +164,7 @@ class Controller:
             if ctx.cfg.faults.stall_warn_s is not None:
                 nursery.start_soon(watch_progress, ctx, ctx.cfg.faults.stall_warn_s)
             self._start_watchers(nursery)
+            nursery.start_soon(ack_worker, ctx)
             for pool in ctx.pools.values():
                 for rank in range(len(pool.versions)):
                     nursery.start_soon(sync_worker, ctx, pool, rank)

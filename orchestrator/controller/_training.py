@@ -159,6 +159,8 @@ async def restart_trainer(ctx: RunContext, death: ActorDied) -> None:
     ctx.state.version, ctx.state.step = version, step
     ctx.metrics.truncate(step)
     ctx.due.clear()  # due versions were counted from the lost steps
+    ctx.paths.clear()  # the restored trainer's versions name other weights
+    ctx.acks.clear()
     ctx.trace_drops(ctx.buffer.drop_newer_than(version))
     for pool in ctx.pools.values():
         for rank in range(len(pool.versions)):

@@ -13,6 +13,9 @@ When it answers again the worker asks it (`have_version`) and sends the cheaper 
 delta chain from there and the newest keyframe (the publisher's choice); an update that
 landed meanwhile makes that chain refused, and a keyframe follows.
 
+Ranks that hold the same version ask the trainer once for their path (`_stream.SharedPaths`),
+and their acknowledgements travel in batches (`ack_worker`).
+
 Failure: a dead sampler is respawned and gets a keyframe; a dead trainer is reported to
 the trainer loop, which restores it, and waited for; every retry backs off, so no worker
 spins on a dead actor. A sampler that stops answering (`_liveness`) has its update
@@ -25,10 +28,10 @@ import trio
 
 from orchestrator.controller._context import Backoff, PoolView, RunContext
 from orchestrator.controller._liveness import bind
-from orchestrator.controller._stream import PART_BYTES, KeyframeGone, send_path
+from orchestrator.controller._stream import KeyframeGone, send_path
 from orchestrator.runtime import ActorDied, ActorError, span
 
-__all__ = ["UNKNOWN", "sync_worker"]
+__all__ = ["UNKNOWN", "ack_worker", "sync_worker"]
 
 UNKNOWN = -3
 """`PoolView.versions` of a rank whose held version the controller must ask it for."""
@@ -68,12 +71,12 @@ async def sync_worker(ctx: RunContext, pool: PoolView, rank: int) -> None:
                     held = await pool.link.have_version(rank)
                     have = pool.versions[rank] = -1 if held is None or held > ctx.version else held
                     s.set_attribute("from_version", have)
-                path = await ctx.links.trainer.update_path(receiver, have, precision, PART_BYTES)
+                path = await ctx.paths.get(receiver, have, precision, ctx.version)
                 now, wire = await send_path(ctx.links.trainer, pool.link, rank, precision, path)
                 s.set_attribute("messages", len(path["deltas"]) + (path["keyframe"] is not None))
                 s.set_attribute("keyframe", path["keyframe"] is not None)
                 s.set_attribute("wire_bytes", wire)
-                await ctx.links.trainer.ack(receiver, now)
+                ctx.acks.add(precision, receiver, now)
         except KeyframeGone as e:
             # The trainer published a newer keyframe mid-stream; the sampler's unfinished
             # stream is void (its engine keeps the weights it had): start over.
@@ -111,5 +114,24 @@ async def sync_worker(ctx: RunContext, pool: PoolView, rank: int) -> None:
         backoff.reset()
         if pool.versions[rank] != -2:  # unless the trainer went back meanwhile
             pool.versions[rank] = now
-        ctx.update_scheduler()
-        ctx.notify()
+        ctx.notify()  # the producer tells the scheduler before its next placement
+
+
+async def ack_worker(ctx: RunContext) -> None:
+    """Tells the trainer which versions the samplers applied, so that its publisher can let
+    go of deltas no sampler needs: one call per precision for every acknowledgement that
+    arrived while the last call was in flight (a fleet's ranks finish an update within
+    moments of each other). An acknowledgement lost with a dead trainer costs nothing: the
+    restored trainer starts every sampler over from a keyframe."""
+    while True:
+        for precision, held in (await ctx.acks.take()).items():
+            await ctx.trainer_alive.wait()
+            try:
+                await ctx.links.trainer.acks(precision, held)
+            except ActorDied as e:
+                if ctx.links.trainer.is_dead():
+                    ctx.report_trainer_death(e)
+            except ActorError as e:
+                ctx.progress.repeated(
+                    ("acks refused",), f"the trainer refused weight acknowledgements ({e.remote_type}: {e.message})"
+                )

@@ -47,8 +47,9 @@ class TrainerLink(Protocol):
         """Part `seq` (header, frames) of the stored keyframe `version`; ActorError when a
         newer keyframe has replaced it."""
 
-    async def ack(self, receiver: str, version: int) -> None:
-        """`receiver` now holds `version`: the publisher may forget what only it needed."""
+    async def acks(self, precision: str, held: dict[str, int]) -> None:
+        """Each receiver in `held` now holds its version of `precision`: the publisher may
+        forget what only they needed (a receiver it does not know yet is registered)."""
 
     async def save_checkpoint(self, directory: str) -> str:
         """Write the trainer's checkpoint (weights, optimizer, RNG, version) to `directory`."""

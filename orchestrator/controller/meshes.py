@@ -60,8 +60,8 @@ class MeshTrainer:
     ) -> tuple[dict[str, Any], list[bytes]]:
         return await self._actor.keyframe_part.call_one(precision, version, seq, part_bytes)
 
-    async def ack(self, receiver: str, version: int) -> None:
-        await self._actor.ack.call_one(receiver, version)
+    async def acks(self, precision: str, held: dict[str, int]) -> None:
+        await self._actor.acks.call_one(precision, held)
 
     async def save_checkpoint(self, directory: str) -> str:
         return await self._actor.save_checkpoint.call_one(directory)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import threading
 from typing import Any
 
 import trio
@@ -88,6 +89,65 @@ DRAIN_FLUSH_MS = 2000
 """Longest the socket of a drained actor waits at close for its last replies to leave."""
 
 
+def unsent_tcp_bytes() -> int | None:
+    """Bytes this process's TCP connections hold that the peer has not acknowledged (the
+    `tx_queue` of /proc/net/tcp and tcp6); None where that cannot be read (not Linux)."""
+    try:
+        inodes = set()
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                link = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:  # closed meanwhile
+                continue
+            if link.startswith("socket:["):
+                inodes.add(link[8:-1])
+        total = 0
+        for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+            with open(table) as f:
+                next(f)  # the header
+                for line in f:
+                    cols = line.split()
+                    if len(cols) > 9 and cols[9] in inodes:
+                        total += int(cols[4].split(":")[0], 16)
+        return total
+    except (OSError, ValueError, StopIteration):
+        return None
+
+
+def other_threads_cpu_ns() -> int | None:
+    """CPU time of this process's threads but the calling one, in ns (/proc schedstat);
+    None where that cannot be read."""
+    me = str(threading.get_native_id())
+    try:
+        total = 0
+        for tid in os.listdir("/proc/self/task"):
+            if tid != me:
+                try:
+                    with open(f"/proc/self/task/{tid}/schedstat") as f:
+                        total += int(f.read().split()[0])
+                except FileNotFoundError:  # the thread ended meanwhile
+                    continue
+        return total
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+async def _replies_sent(poll_s: float = 0.01, quiet_polls: int = 3) -> None:
+    """Returns once ZeroMQ looks done sending: for `quiet_polls` polls in a row the TCP send
+    queues were empty and the other threads (ZeroMQ's I/O thread, which encrypts a CURVE
+    message whole before it writes a byte) used under a fifth of the interval; at once where
+    either cannot be read."""
+    quiet = 0
+    cpu = other_threads_cpu_ns()
+    while quiet < quiet_polls:
+        await trio.sleep(poll_s)
+        unsent, now = unsent_tcp_bytes(), other_threads_cpu_ns()
+        if unsent is None or now is None or cpu is None:
+            return
+        quiet = quiet + 1 if unsent == 0 and now - cpu < poll_s * 1e9 / 5 else 0
+        cpu = now
+
+
 async def _stop_on_signal(scope: trio.CancelScope, server: Any = None) -> None:
     """The first SIGTERM (or SIGINT, unless ignored) stops gracefully: the actor's
     ``on_signal`` runs first, while calls are still served (at most DRAIN_S), then the
@@ -110,6 +170,11 @@ async def _stop_on_signal(scope: trio.CancelScope, server: Any = None) -> None:
                     # The replies the drain ended with may still be queued: they get a
                     # moment to leave when the socket closes (nothing else is left to block).
                     server.linger_ms = DRAIN_FLUSH_MS
+                    # Linger covers the messages ZeroMQ has not started to send; one it is
+                    # encrypting or writing to a TCP connection is cut off when the socket
+                    # closes. Wait for it to leave first.
+                    with trio.move_on_after(DRAIN_FLUSH_MS / 1000):
+                        await _replies_sent()
                 scope.cancel()
                 return
     finally:

@@ -240,6 +240,29 @@ class WeightPublisher:
         peer.acked = version
         self._collect()
 
+    def acknowledge(self, held: Mapping[str, int], precision: Precision) -> None:
+        """`ack` for many receivers of `precision` at once (one collection), registering
+        those it does not know: a receiver may have applied a path another one asked for.
+        Raises VersionError naming every version never published (after recording the rest),
+        StructureMismatchError for a receiver registered for another precision."""
+        self._track(precision)
+        bad = {r: v for r, v in held.items() if v < 0 or self._latest is None or v > self._latest}
+        for receiver_id, version in held.items():
+            if receiver_id in bad:
+                continue
+            peer = self._peers.get(receiver_id)
+            if peer is None:
+                self._peers[receiver_id] = _Peer(precision, version)
+            elif peer.precision != precision:
+                raise StructureMismatchError(
+                    f"receiver {receiver_id!r} registered for {peer.precision}, acknowledges {precision}"
+                )
+            else:
+                peer.acked = version
+        self._collect()
+        if bad:
+            raise VersionError(f"versions never published (latest: {self._latest}): {bad}")
+
     def updates_for(self, receiver_id: str, have_version: int | None, precision: Precision) -> list[WeightMessage]:
         """Messages that take a receiver holding `have_version` (None: nothing
         trustworthy, e.g. `WeightReceiver.have_version` after a failure) to the

@@ -70,7 +70,7 @@ async def test_sampler_env_trainer_round_trip() -> None:
             have = await sampler[0].have_version.call_one()
             update = await trainer[0].updates_for.call_one("sampler0", have, "bf16")
             assert await sampler[0].apply_weights.call_one(update) == 1
-            await trainer[0].ack.call_one("sampler0", 1)
+            await trainer[0].acks.call_one("bf16", {"sampler0": 1})
             again = await env[0].run_episode.call_one(sampler[0], specs[0], SAMPLING, 1)
             _valid(again, 1)
 

@@ -52,7 +52,7 @@ async def _step_lowers_loss_and_publishes(t: ActorRef, batch: list[Trajectory]) 
     msgs = [WeightMessage.from_frames(f) for f in await t.updates_for.call_one("s0", receiver.version, "bf16")]
     assert [(m.is_keyframe, m.base_version) for m in msgs] == [(False, 0)]
     assert receiver.apply_all(msgs) == 1
-    await t.ack.call_one("s0", 1)
+    await t.acks.call_one("bf16", {"s0": 1})
     assert await t.updates_for.call_one("s0", 1, "bf16") == []
     # a receiver holding nothing gets the keyframe path, in its precision
     fresh = [WeightMessage.from_frames(f) for f in await t.updates_for.call_one("s1", None, "fp8")]

@@ -112,7 +112,7 @@ async def test_lora_receiver_ends_bit_identical_to_merged_weights() -> None:
                 await group.train_step(batch)
                 msgs = [WeightMessage.from_frames(f) for f in await group.updates_for("s0", receiver.version, "bf16")]
                 receiver.apply_all(msgs)
-                await group.ack("s0", receiver.version)
+                await group.acks("bf16", {"s0": receiver.version})
             merged = await group.full_weights()
             adapters = await group.adapter_weights()
             report = await group.size_report()

@@ -72,7 +72,9 @@ class FakeTrainer:
         self.dead = False
         self.saved: dict[str, int] = {}  # checkpoint directory -> version
         self.restarts = 0
-        self.acks: dict[str, int] = {}
+        self.acked: dict[str, int] = {}
+        self.path_calls: list[tuple[str, int]] = []  # (receiver, have) of each update_path
+        self.ack_calls = 0
 
     def is_dead(self) -> bool:
         return self.dead
@@ -121,6 +123,8 @@ class FakeTrainer:
     async def update_path(self, receiver: str, have: int, precision: str, part_bytes: int) -> dict[str, Any]:
         """A sampler with nothing gets a two-part keyframe of the current version."""
         self._alive()
+        self.path_calls.append((receiver, have))
+        await trio.sleep(0.001)  # a round trip: ranks asking meanwhile share the answer
         if have < 0:
             return {"keyframe": {"version": self.v, "parts": 2, "wire_bytes": 2}, "deltas": []}
         return {"keyframe": None, "deltas": [[str(self.v).encode()]]}
@@ -133,9 +137,11 @@ class FakeTrainer:
             raise ActorError("VersionError", f"keyframe v{version} is no longer held", "")
         return {"seq": seq, "parts": 2, "version": version}, [b"k"]
 
-    async def ack(self, receiver: str, version: int) -> None:
+    async def acks(self, precision: str, held: dict[str, int]) -> None:
         self._alive()
-        self.acks[receiver] = version
+        self.ack_calls += 1
+        await trio.sleep(0.001)
+        self.acked.update(held)
 
     async def save_checkpoint(self, directory: str) -> str:
         self._alive()

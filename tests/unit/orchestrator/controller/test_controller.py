@@ -37,6 +37,21 @@ async def test_trained_trajectories_stay_within_each_pools_budget(autojump_clock
     _balanced(h)
 
 
+async def test_ranks_holding_the_same_weights_share_one_path_and_their_acks_travel_together(autojump_clock):
+    # 16 ranks per pool: each version is asked of the trainer once per (precision, held
+    # version), not once per rank, and every rank's acknowledgement arrives, in batches.
+    h = Harness(run_config(steps=6), ranks=16)
+    await h.controller.run()
+    assert h.state.step == 6
+    updates = sum(1 for p in h.pools.values() for _ in p.held) * 6  # at least one per rank and version
+    assert len(h.trainer.path_calls) <= 2 * 7, h.trainer.path_calls  # 2 precisions x 7 versions (0..6)
+    assert len({have for _, have in h.trainer.path_calls}) >= 2
+    assert h.trainer.ack_calls < updates / 4, h.trainer.ack_calls
+    receivers = {f"{name}/{r}" for name, p in h.pools.items() for r in range(len(p.held))}
+    assert set(h.trainer.acked) == receivers
+    assert all(v >= 5 for v in h.trainer.acked.values()), h.trainer.acked
+
+
 async def test_stale_trajectories_are_dropped_and_their_slots_retried(autojump_clock):
     # Budget 0 on a pool that keeps generating while the trainer moves on: what lands
     # after a step is stale; it is dropped and its slot re-run, never trained.

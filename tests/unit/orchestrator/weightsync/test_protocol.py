@@ -188,6 +188,37 @@ def test_history_is_collected_down_to_what_receivers_may_need() -> None:
     assert held() == ["K20"]
 
 
+def test_acknowledging_many_registers_the_unknown_and_collects_once() -> None:
+    master = master_state(8)
+    gen = torch.Generator().manual_seed(3)
+    pub = WeightPublisher(keyframe_interval=10, precisions=("bf16", "fp8"))
+
+    def publish(versions: range) -> None:
+        for v in versions:
+            pub.publish(v, master)
+            sparse_step(master, gen)
+
+    publish(range(6))
+    # "b" never asked for a path (it applied one "a" asked for): it is registered at its ack,
+    # and its version holds history back like any receiver's.
+    pub.acknowledge({"a": 5, "b": 3}, "bf16")
+    publish(range(6, 14))
+    assert [m.version for m in pub.held("bf16")] == [10, *range(4, 14)]  # K10, the chain from b's 3
+    pub.acknowledge({"a": 13, "b": 13}, "bf16")
+    assert [m.version for m in pub.held("bf16")] == [10, 11, 12, 13]  # the keyframe path alone
+    assert pub.updates_for("b", 13, "bf16") == []  # known, current
+    # versions never published are named; the rest are recorded first
+    with pytest.raises(VersionError, match="'c': 99"):
+        pub.acknowledge({"c": 99, "d": 12}, "bf16")
+    pub.ack("d", 13)  # registered
+    with pytest.raises(UnknownReceiverError):
+        pub.ack("c", 13)
+    with pytest.raises(StructureMismatchError, match="registered for bf16"):
+        pub.acknowledge({"a": 13}, "fp8")
+    with pytest.raises(StructureMismatchError):
+        pub.acknowledge({"a": 13}, "fp32")  # a precision not published
+
+
 def test_protocol_errors_are_specific() -> None:
     pub = WeightPublisher(keyframe_interval=3, precisions=("bf16",))
     assert pub.updates_for("x", None, "bf16") == []  # nothing published yet
