@@ -73,6 +73,11 @@ class PoolCost(BaseModel):
     host_hours: dict[str, float] = Field(default_factory=dict)
     """Pools on `flotilla host` machines: hours each host was present in the run (joined
     and answering), by address."""
+    host_cost_usd: dict[str, float] = Field(default_factory=dict)
+    """What each host costs over the hours it was present, as a provider bills a rented
+    machine: hours × its GPUs (its share of the pool's ranks, round-robin over `hosts`; one
+    per host in an elastic pool) × price_per_gpu_hour. Beside `cost_usd`, which bills the
+    pool's busy (or modelled) GPU time."""
 
 
 class CostTotals(BaseModel):
@@ -168,10 +173,10 @@ class CostReport(BaseModel):
                 f"{c.tokens_per_s_per_gpu:.1f} tokens/s per GPU ({c.basis}) and ${c.price_per_gpu_hour:.4f}/GPU-hour: "
                 f"{c.gpu_hours:.4f} GPU-hours, ${c.cost_usd:.4f}. Saving: {c.saving_pct:.1f}%.",
             ]
-        hosts = [(p.pool, h, hours) for p in self.pools for h, hours in p.host_hours.items()]
+        hosts = [(p, h, hours) for p in self.pools for h, hours in p.host_hours.items()]
         if hosts:
-            lines += ["", "| pool | host | hours present |", "|---|---|---:|"]
-            lines += [f"| {pool} | {h} | {hours:.4f} |" for pool, h, hours in hosts]
+            lines += ["", "| pool | host | hours present | cost while present |", "|---|---|---:|---:|"]
+            lines += [f"| {p.pool} | {h} | {hours:.4f} | ${p.host_cost_usd.get(h, 0.0):.4f} |" for p, h, hours in hosts]
         if any(p.billing == "modelled" for p in self.pools):
             lines += [
                 "",
@@ -188,6 +193,14 @@ class CostReport(BaseModel):
         j.write_text(self.to_json())
         m.write_text(self.to_markdown())
         return j, m
+
+
+def _gpus_on(p: PoolConfig, host: str) -> int:
+    """GPUs of pool `p` on `host`: one sampler per host in an elastic pool, else the ranks
+    spread round-robin over `hosts` that land on it."""
+    if p.elastic or host not in p.hosts:
+        return 1
+    return len(range(p.hosts.index(host), p.count, len(p.hosts)))
 
 
 class _Acc(BaseModel):
@@ -332,6 +345,7 @@ class CostLedger:
                     mismatch_kl=a.kl_sum / a.mm_tokens if a.mm_tokens else None,
                     masked_fraction=a.mask_sum / a.mm_tokens if a.mm_tokens else None,
                     host_hours={h: s / 3600.0 for h, s in a.host_seconds.items()},
+                    host_cost_usd={h: s / 3600.0 * _gpus_on(p, h) * p.price for h, s in a.host_seconds.items()},
                 )
             )
         accs = list(self._acc.values())

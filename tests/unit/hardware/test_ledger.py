@@ -210,9 +210,24 @@ def test_hosts_are_accounted_over_the_time_they_were_present(tmp_path):
     ledger.record_presence("cheap", "tcp://10.0.0.6:5555", 900.0)
     row = next(p for p in ledger.report().pools if p.pool == "cheap")
     assert row.host_hours == {"tcp://10.0.0.5:5555": 1.0, "tcp://10.0.0.6:5555": 0.25}
-    assert "| cheap | tcp://10.0.0.6:5555 | 0.2500 |" in ledger.report().to_markdown()
+    assert row.host_cost_usd == {"tcp://10.0.0.5:5555": 2.0, "tcp://10.0.0.6:5555": 0.5}  # one GPU, $2/h
+    assert "| cheap | tcp://10.0.0.6:5555 | 0.2500 | $0.5000 |" in ledger.report().to_markdown()
     restored = CostLedger(pools())
     restored.load_state(json.loads(json.dumps(ledger.state())))
-    assert next(p for p in restored.report().pools if p.pool == "cheap").host_hours == row.host_hours
+    again = next(p for p in restored.report().pools if p.pool == "cheap")
+    assert (again.host_hours, again.host_cost_usd) == (row.host_hours, row.host_cost_usd)
+    # fixed hosts: each bills the ranks that land on it (5 ranks over 2 hosts: 3 and 2)
+    fixed = PoolConfig(
+        name="remote",
+        gpu="H100-SXM",
+        count=5,
+        price_per_gpu_hour=3.0,
+        device="cuda",
+        hosts=["tcp://10.0.0.5:5555", "tcp://10.0.0.6:5555"],
+    )
+    by_host = CostLedger([fixed])
+    for host in fixed.hosts:
+        by_host.record_presence("remote", host, 3600.0)
+    assert by_host.report().pools[0].host_cost_usd == {"tcp://10.0.0.5:5555": 9.0, "tcp://10.0.0.6:5555": 6.0}
     with pytest.raises(ValueError, match="seconds"):
         ledger.record_presence("cheap", "tcp://10.0.0.5:5555", -1.0)
