@@ -248,17 +248,8 @@ class WeightPublisher:
         self._track(precision)
         bad = {r: v for r, v in held.items() if v < 0 or self._latest is None or v > self._latest}
         for receiver_id, version in held.items():
-            if receiver_id in bad:
-                continue
-            peer = self._peers.get(receiver_id)
-            if peer is None:
-                self._peers[receiver_id] = _Peer(precision, version)
-            elif peer.precision != precision:
-                raise StructureMismatchError(
-                    f"receiver {receiver_id!r} registered for {peer.precision}, acknowledges {precision}"
-                )
-            else:
-                peer.acked = version
+            if receiver_id not in bad:
+                self._peer(receiver_id, precision, "acknowledges").acked = version
         self._collect()
         if bad:
             raise VersionError(f"versions never published (latest: {self._latest}): {bad}")
@@ -270,13 +261,7 @@ class WeightPublisher:
         after it, whichever has fewer bytes (ties: the chain). Empty when it is
         current or nothing is published. Registers an unknown receiver."""
         track = self._track(precision)
-        peer = self._peers.get(receiver_id)
-        if peer is None:
-            self._peers[receiver_id] = _Peer(precision, None)
-        elif peer.precision != precision:
-            raise StructureMismatchError(
-                f"receiver {receiver_id!r} registered for {peer.precision}, asks for {precision}"
-            )
+        self._peer(receiver_id, precision, "asks for")
         if self._latest is None:
             return []
         self._check_published(have_version)
@@ -290,6 +275,18 @@ class WeightPublisher:
         if direct is not None and sum(m.nbytes for m in direct) <= sum(m.nbytes for m in via_keyframe):
             return direct
         return via_keyframe
+
+    def _peer(self, receiver_id: str, precision: Precision, doing: str) -> _Peer:
+        """The receiver's registration, made (holding nothing acknowledged) if it has none;
+        StructureMismatchError if it is registered for another precision."""
+        peer = self._peers.get(receiver_id)
+        if peer is None:
+            peer = self._peers[receiver_id] = _Peer(precision, None)
+        elif peer.precision != precision:
+            raise StructureMismatchError(
+                f"receiver {receiver_id!r} registered for {peer.precision}, {doing} {precision}"
+            )
+        return peer
 
     def _track(self, precision: Precision) -> _Track:
         track = self._tracks.get(precision)
