@@ -246,7 +246,7 @@ class WeightPublisher:
         Raises VersionError naming every version never published (after recording the rest),
         StructureMismatchError for a receiver registered for another precision."""
         self._track(precision)
-        bad = {r: v for r, v in held.items() if v < 0 or self._latest is None or v > self._latest}
+        bad = {r: v for r, v in held.items() if not self._published(v)}
         for receiver_id, version in held.items():
             if receiver_id not in bad:
                 self._peer(receiver_id, precision, "acknowledges").acked = version
@@ -294,8 +294,11 @@ class WeightPublisher:
             raise StructureMismatchError(f"precision {precision!r} is not published (have {list(self.precisions)})")
         return track
 
+    def _published(self, version: int) -> bool:
+        return self._latest is not None and 0 <= version <= self._latest
+
     def _check_published(self, version: int | None) -> None:
-        if version is not None and (version < 0 or self._latest is None or version > self._latest):
+        if version is not None and not self._published(version):
             raise VersionError(f"version {version} was never published (latest: {self._latest})")
 
     def _collect(self) -> None:
