@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -19,16 +20,14 @@ from tests.integration.conftest import read_jsonl, small_run_raw
 ROOT = Path(__file__).resolve().parents[2]
 
 
-# The demo's batch (examples/guess_number.toml: 16 prompts x 8 replies, 64 rollouts in flight
-# per pool), its task and its default trace sampling: the run the partition target speaks of.
-# The tests' run is a quarter of that, every span traced.
-DEMO_SHAPE: dict[str, Any] = {
-    "task": {"name": "guess_number", "params": {"n": 7, "max_turns": 3}, "max_new_tokens": 1, "env_actors": 1},
-    "rollout": {"prompts_per_step": 16, "group_size": 8, "max_buffered_groups": 16},
-    "trainer": {"lr": 2e-3},
-    "telemetry": {"trace_sample": 0.01},
-}
-DEMO_IN_FLIGHT = 64
+def demo_shape() -> tuple[dict[str, Any], int]:
+    """The demo's task, batch and learning rate (examples/guess_number.toml, read here) with
+    the default trace sampling, as top-level overrides of the test run, and the rollouts the
+    demo lets each pool run at once: the run the partition target speaks of. The tests' run
+    is a quarter of that batch, every span traced."""
+    demo = tomllib.loads((ROOT / "examples" / "guess_number.toml").read_text())
+    raw = {k: demo[k] for k in ("task", "rollout", "trainer")} | {"telemetry": {}}
+    return raw, demo["pools"][0]["max_concurrent_rollouts"]
 
 
 def remote_run_config(
@@ -139,7 +138,7 @@ def measure_partition(
 ) -> dict[str, Any]:
     """One run with a remote pool on a rig host whose link is cut for `cut_s` seconds after
     `warm_steps` steps, then restored (the tests' run, or with `demo` the demo's batch and
-    trace sampling, `DEMO_SHAPE`); the run is stopped once a rollout from the host was
+    trace sampling, `demo_shape`); the run is stopped once a rollout from the host was
     trained again. Returns `partition_prompts_lost` (prompts skipped, plus any the run never
     trained), `partition_train_stall_s` (longest gap between train steps during the cut),
     `normal_step_s` (median step time over the `cut_s` seconds before the cut, every link
@@ -151,7 +150,8 @@ def measure_partition(
     the console lines and the last metrics row."""
     host = rig.add_host("p")
     if demo:
-        raw = {**DEMO_SHAPE, "in_flight": DEMO_IN_FLIGHT, **raw}
+        shape, in_flight = demo_shape()
+        raw = {**shape, "in_flight": in_flight, **raw}
     cfg = remote_run_config(tmp, "partition", {"hosts": [host.address], "keys": str(rig.keys)}, **raw)
     run = Run(cfg, tmp / "runs" / "partition")
     try:
@@ -235,7 +235,7 @@ def main() -> None:
     p = argparse.ArgumentParser(prog="python -m tests.integration.netruns")
     p.add_argument("--cut-s", type=float, default=30.0, help="seconds the link stays cut")
     p.add_argument("--keep", type=Path, help="put the runs in this (new) folder and keep them")
-    p.add_argument("--demo", action="store_true", help="the partition run with the demo's batch (DEMO_SHAPE)")
+    p.add_argument("--demo", action="store_true", help="the partition run with the demo's batch (demo_shape)")
     args = p.parse_args()
     reason = netrig_unavailable()
     if reason:
