@@ -54,7 +54,8 @@ from ._fp8 import (
 )
 from ._message import MessageMeta, Precision, TensorMeta, WeightMessage
 from ._parts import DEFAULT_PART_BYTES, message_part, message_parts, part_plan
-from ._protocol import WeightPublisher, WeightReceiver
+from ._publisher import WeightPublisher
+from ._receiver import WeightReceiver
 from ._shared import helper_stats, share, start_helpers
 from ._stream import KeyframeAssembler, stream_keyframe
 
