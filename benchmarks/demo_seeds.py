@@ -50,7 +50,8 @@ WINDOW = 10
 
 def reward_figures(metrics: list[dict[str, Any]], target: float = TARGET, window: int = WINDOW) -> dict[str, Any]:
     """First step whose trailing `window`-step mean reward is >= target (with its run clock),
-    the final `window`-step mean, and the final step's entropy."""
+    the final `window`-step mean, the final step's entropy, and the trailing mean every
+    100 steps."""
     rewards = [m["reward_mean"] for m in metrics]
     if not rewards:
         raise SystemExit("demo_seeds: a run ended without a single step in metrics.jsonl")
@@ -69,6 +70,12 @@ def reward_figures(metrics: list[dict[str, Any]], target: float = TARGET, window
             default=statistics.fmean(rewards),
         ),
         "final_entropy": metrics[-1].get("entropy"),
+        # the trailing mean every 100 steps: whether a run that missed was still rising
+        "curve": {
+            metrics[i]["step"]: round(statistics.fmean(rewards[max(0, i - window + 1) : i + 1]), 3)
+            for i in range(len(rewards))
+            if (i + 1) % 100 == 0
+        },
     }
 
 
