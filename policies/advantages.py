@@ -8,10 +8,21 @@ For rollout i in group g (the samples of one prompt), with n_g rollouts in the g
 std_g is the unbiased sample standard deviation sqrt(Σ (R_j − mean_g)² / (n_g − 1)),
 taken as 0 for a single-rollout group. Groups may have any size (dropped rollouts
 simply make a group smaller); a group of equal rewards gets A = 0 exactly, never NaN.
+
+A *flat* group is one whose rewards are all equal (a single rollout included). With
+flat_groups="batch" such a group is centred on the batch instead of on itself:
+
+    A_i = R_i − mean_B R                    (B: every rollout of the batch)
+    A_i = (R_i − mean_B R) / (std_B R + eps)                      (normalize_std=True)
+
+so a prompt whose replies are all wrong is pushed off its answer (A < 0), and one whose
+replies are all right toward it, where plain GRPO leaves both where they are. Groups
+with any spread keep their own mean (and std).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -27,6 +38,7 @@ def grpo_advantages(
     *,
     normalize_std: bool = False,
     eps: float = 1e-6,
+    flat_groups: str = "zero",
 ) -> Tensor:
     """Group-mean-centred advantages, float32 [N] (see the module docstring).
 
@@ -36,10 +48,13 @@ def grpo_advantages(
             ints or strings (e.g. `Trajectory.group_id`); any labels.
         normalize_std: divide by the group std + eps.
         eps: > 0, guards the division.
+        flat_groups: "zero" (GRPO: a flat group gets 0) or "batch" (centred on the batch).
 
     Raises:
-        ValueError: shape mismatch, non-finite rewards, or eps <= 0.
+        ValueError: shape mismatch, non-finite rewards, eps <= 0, or an unknown flat_groups.
     """
+    if flat_groups not in ("zero", "batch"):
+        raise ValueError(f"flat_groups must be 'zero' or 'batch', got {flat_groups!r}")
     if not isinstance(group_ids, Tensor):
         labels = {g: i for i, g in enumerate(dict.fromkeys(group_ids))}
         group_ids = torch.tensor([labels[g] for g in group_ids], dtype=torch.long, device=rewards.device)
@@ -64,4 +79,14 @@ def grpo_advantages(
         ss = torch.zeros_like(count).index_add_(0, g, dev * dev)
         std = torch.sqrt(ss / (count - 1).clamp(min=1.0))
         dev = dev / (std[g] + eps)
+    if flat_groups == "batch":
+        low = torch.full_like(count, math.inf).scatter_reduce_(0, g, r, "amin")
+        high = torch.full_like(count, -math.inf).scatter_reduce_(0, g, r, "amax")
+        flat = (low == high)[g]
+        if bool(flat.any()):
+            batch = r - r.mean()
+            if normalize_std:
+                n = r.numel()
+                batch = batch / (torch.sqrt((batch * batch).sum() / max(n - 1, 1)) + eps)
+            dev = torch.where(flat, batch, dev)
     return dev.float()

@@ -101,6 +101,11 @@ class RecipeConfig(BaseModel):
     normalize_std: bool = False
     """Divide GRPO advantages by the group's reward standard deviation (off by default)."""
 
+    flat_groups: Literal["zero", "batch"] = "zero"
+    """Advantage of a group whose rewards are all equal: "zero" (GRPO: it carries no
+    signal) or "batch" (centred on the batch's mean reward, so a prompt whose replies all
+    agree on a wrong answer is pushed off it; policies.advantages)."""
+
     std_eps: float = Field(default=1e-6, gt=0.0)
     """Added to the group standard deviation when normalize_std is on, so a group of
     equal rewards gets advantage 0, not NaN."""

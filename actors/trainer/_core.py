@@ -229,7 +229,11 @@ class Trainer:
         groups = {g: i for i, g in enumerate(sorted({t.group_id for t in keep}))}
         rewards = torch.tensor([t.reward for t in keep], dtype=torch.float64)
         adv = grpo_advantages(
-            rewards, torch.tensor([groups[t.group_id] for t in keep]), normalize_std=cfg.normalize_std, eps=cfg.std_eps
+            rewards,
+            torch.tensor([groups[t.group_id] for t in keep]),
+            normalize_std=cfg.normalize_std,
+            eps=cfg.std_eps,
+            flat_groups=cfg.flat_groups,
         )
         pools = sorted({t.pool for t in keep})
         pool_of = {p: i for i, p in enumerate(pools)}

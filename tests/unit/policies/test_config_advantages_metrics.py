@@ -89,6 +89,43 @@ def test_grpo_advantages_std_normalisation_and_equal_rewards() -> None:
         grpo_advantages(torch.zeros(3), torch.zeros(2, dtype=torch.long))
 
 
+def _flat_batch_reference(rewards: list[float], groups: list[int], normalize_std: bool) -> list[float]:
+    """flat_groups="batch" computed by hand: plain loops over Python floats."""
+    n = len(rewards)
+    mean_b = sum(rewards) / n
+    std_b = math.sqrt(sum((r - mean_b) ** 2 for r in rewards) / max(n - 1, 1))
+    out = []
+    for r, g in zip(rewards, groups, strict=True):
+        mine = [x for x, h in zip(rewards, groups, strict=True) if h == g]
+        if min(mine) == max(mine):  # flat: centred on the batch
+            a = r - mean_b
+            out.append(a / (std_b + 1e-6) if normalize_std else a)
+        else:
+            m = sum(mine) / len(mine)
+            s = math.sqrt(sum((x - m) ** 2 for x in mine) / (len(mine) - 1))
+            out.append((r - m) / (s + 1e-6) if normalize_std else r - m)
+    return out
+
+
+@pytest.mark.parametrize("normalize_std", [False, True])
+def test_flat_groups_are_centred_on_the_batch(normalize_std: bool) -> None:
+    # groups: all right (0), all wrong (1), mixed (2), a single rollout (3), all 0.1 (4:
+    # equal values whose float mean is not exactly 0.1)
+    rewards = [1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.5, 0.1, 0.1, 0.1]
+    groups = [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 4, 4, 4]
+    adv = grpo_advantages(torch.tensor(rewards), groups, normalize_std=normalize_std, flat_groups="batch")
+    expect = torch.tensor(_flat_batch_reference(rewards, groups, normalize_std), dtype=torch.float32)
+    torch.testing.assert_close(adv, expect)
+    assert (adv[3:6] < 0).all() and (adv[:3] > 0).all()  # all wrong pushed off, all right toward
+    plain = grpo_advantages(torch.tensor(rewards), groups, normalize_std=normalize_std)
+    torch.testing.assert_close(adv[6:9], plain[6:9])  # a group with spread keeps its own mean
+    assert (plain[:6] == 0).all() and (plain[9:] == 0).all()
+    with pytest.raises(ValueError, match="flat_groups"):
+        grpo_advantages(torch.tensor(rewards), groups, flat_groups="global")
+    with pytest.raises(ValidationError, match="flat_groups"):
+        RecipeConfig(flat_groups="global")
+
+
 def test_importance_levels_by_hand() -> None:
     log_r = torch.log(torch.tensor([2.0, 4.0, 0.36, 1.0, 3.0]))
     mask = torch.tensor([True, True, True, True, False])
