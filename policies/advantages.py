@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -38,7 +39,7 @@ def grpo_advantages(
     *,
     normalize_std: bool = False,
     eps: float = 1e-6,
-    flat_groups: str = "zero",
+    flat_groups: Literal["zero", "batch"] = "zero",
 ) -> Tensor:
     """Group-mean-centred advantages, float32 [N] (see the module docstring).
 
