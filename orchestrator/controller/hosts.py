@@ -50,7 +50,8 @@ def host_specs(pool: Any, addresses: list[str] | None = None) -> tuple[list[Host
 
 async def probe_host(pool: Any, address: str, timeout_s: float = 5.0) -> tuple[HostSpec | None, str]:
     """Whether the host at `address` may join elastic `pool` now: (its spec, "") when it
-    answers a ping over CurveZMQ with the key the pool expects, else (None, the reason)."""
+    answers over CurveZMQ with the key the pool expects and is not leaving the run (a host
+    that got SIGTERM serves on a while to tell its owners so), else (None, the reason)."""
     from orchestrator.runtime import host as _host  # noqa: F401 - typed endpoints of host handles
     from orchestrator.runtime import host_mesh
 
@@ -58,8 +59,8 @@ async def probe_host(pool: Any, address: str, timeout_s: float = 5.0) -> tuple[H
     mesh = host_mesh(spec, curve)
     with trio.move_on_after(timeout_s):
         try:
-            await mesh[0].ping.call_one()
-            return spec, ""
+            reason = await mesh[0].joinable.call_one()
+            return (spec, "") if not reason else (None, reason)
         except ActorDied as exc:
             return None, exc.reason
         except ActorError as exc:

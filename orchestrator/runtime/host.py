@@ -148,6 +148,12 @@ class HostActor(Actor):
         return socket.gethostname()
 
     @endpoint
+    def joinable(self) -> str:
+        """"" when this host may take a new place in a run; else why not. A leaving host
+        (SIGTERM) serves on a while to tell owners it left, and takes no new place then."""
+        return "it is leaving (SIGTERM)" if self.leaving else ""
+
+    @endpoint
     def signal(self, pid: int, signum: int) -> None:
         """Send ``signum`` to the child ``pid``; nothing for a pid this host does not run (a
         host restarted since the owner spawned it has no such child: it is gone)."""

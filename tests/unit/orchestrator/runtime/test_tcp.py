@@ -173,3 +173,14 @@ async def test_a_reply_that_arrived_before_the_link_closed_is_delivered_not_fail
             await p.wait()
         assert p.error is None, p.error
         conn.scope.cancel()
+
+
+def test_a_leaving_host_refuses_a_new_place() -> None:
+    # Between SIGTERM and its exit a host serves on to tell owners it left; an elastic
+    # pool's probe then must not place a sampler on it again.
+    from orchestrator.runtime.host import HostActor
+
+    host = HostActor()
+    assert host.joinable() == ""
+    host.leaving = True
+    assert "leaving" in host.joinable()
