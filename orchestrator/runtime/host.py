@@ -149,8 +149,8 @@ class HostActor(Actor):
 
     @endpoint
     def joinable(self) -> str:
-        """"" when this host may take a new place in a run; else why not. A leaving host
-        (SIGTERM) serves on a while to tell owners it left, and takes no new place then."""
+        """Why this host may not take a new place in a run now ("" when it may). A leaving
+        host (SIGTERM) serves on a while to tell owners it left, and takes no new place then."""
         return "it is leaving (SIGTERM)" if self.leaving else ""
 
     @endpoint
