@@ -6,7 +6,8 @@ one level:
 * sampler precision: `bf16` (the demo's BF16 pool), `fp8` (its FP8 pool: e4m3 weights
   with 128x128 block scales), `int4` (the BF16 pool with `emulate_quant = "int4_group"`:
   every linear weight rounded to 4-bit integers, one scale per 32 columns -- a
-  deliberately coarse pool);
+  deliberately coarse pool), `int3` and `int2` (the same with `int3_group` and
+  `int2_group`: coarser than any real pool, to find where the full recipe itself breaks);
 * staleness budget: 0, 2, 4, 8, 16 versions, one async pool.
 
 At each level the variants (`SWEEP_VARIANTS`, RecipeConfig switches) train the demo task
@@ -41,7 +42,7 @@ from typing import Any
 
 from _runs import demo_raw
 
-PRECISIONS = ("bf16", "fp8", "int4")
+PRECISIONS = ("bf16", "fp8", "int4", "int3", "int2")
 BUDGETS = (0, 2, 4, 8, 16)
 QUICK_LEVELS = ("int4:4",)
 
@@ -105,8 +106,8 @@ def build_sweep_raw(name: str, seed: int, steps: int) -> dict[str, Any]:
     prec, budget = parse_level(level)
     pool = dict(by_precision["fp8" if prec == "fp8" else "bf16"])
     pool["staleness_budget"] = budget
-    if prec == "int4":
-        pool["emulate_quant"] = "int4_group"
+    if prec.startswith("int"):
+        pool["emulate_quant"] = f"{prec}_group"
     raw.update(name=f"sweep-{prec}-b{budget}-{variant}-s{seed}", mode="async")
     raw["pools"] = [pool]
     raw["recipe"] = {**raw.get("recipe", {}), **SWEEP_VARIANTS[variant]}

@@ -36,7 +36,7 @@ comparison resumes), --report (with --record: the table of what is recorded, no 
 Runs go seed by seed (all variants' seed 0 first).
 Sweep:  .venv/bin/python benchmarks/stability.py --sweep [--levels bf16:0,fp8:4,...] [--plot FILE]
       the mismatch-tolerance curve (benchmarks/_sweep.py): every level of sampler precision
-      (bf16, fp8, int4) x staleness budget (0, 2, 4, 8, 16) with the variants full,
+      (bf16, fp8, int4, int3, int2) x staleness budget (0, 2, 4, 8, 16) with the variants full,
       plain_grpo, tis, icepop, seq_mask, no_replay, no_centering, and the on-policy
       reference; 3 seeds x 300 steps by default (hours: use --record). --sweep --quick:
       level int4:4, 1 seed, 2 steps (a smoke test of the pipeline, same keys). Its last line:

@@ -94,10 +94,11 @@ class PoolConfig(BaseModel):
     """torch backend, a cached prefix older than the weights now held (a weight update came
     between two turns): `reuse` its keys and values as computed (every generated token still
     records the version that produced it) or `recompute` it under the new weights."""
-    emulate_quant: Literal["e5m2_tensor", "int4_group"] | None = None
+    emulate_quant: Literal["e5m2_tensor", "int4_group", "int3_group", "int2_group"] | None = None
     """torch backend: round every linear weight the sampler multiplies with through a coarser
     format on top of `precision` (`e5m2_tensor`: FP8 e5m2 with one scale per tensor;
-    `int4_group`: 4-bit integers, one scale per 32 columns) -- a deliberately coarse pool to
+    `int4_group`: 4-bit integers, one scale per 32 columns; `int3_group`, `int2_group`: 3 and
+    2 bits, coarser than any real pool) -- a deliberately coarse pool to
     measure how training copes with sampler mismatch. It changes numerics only, not speed or
     price; None: the weights as `precision` delivers them."""
     gpus: list[int] | None = None

@@ -16,6 +16,10 @@ Formats (x is one weight tensor [rows, cols], in float32):
 * ``int4_group``   symmetric 4-bit integers in groups of 32 consecutive columns of a row
   (GPTQ/AWQ-style group size): s = amax|group| / 7, x ~= clamp(round(x / s), -8, 7) * s;
   an error of up to s/2 = amax/14 per value.
+* ``int3_group``, ``int2_group``  the same with 3 and 2 bits: s = amax / 3, levels -4..3
+  (error up to amax/6); s = amax, levels -2..1 (error up to amax/2: a weight is rounded
+  to -amax, 0 or +amax). Coarser than any format a real pool serves in: they extend the
+  mismatch axis past the point where the recipe itself breaks.
 
 Both are deterministic (round to nearest even) and map an all-zero tensor or group to zeros.
 """
@@ -28,11 +32,12 @@ import torch
 
 __all__ = ["EMULATED_FORMATS", "EmulatedFormat", "emulate_quant"]
 
-EmulatedFormat = Literal["e5m2_tensor", "int4_group"]
-EMULATED_FORMATS: tuple[str, ...] = ("e5m2_tensor", "int4_group")
+EmulatedFormat = Literal["e5m2_tensor", "int4_group", "int3_group", "int2_group"]
+EMULATED_FORMATS: tuple[str, ...] = ("e5m2_tensor", "int4_group", "int3_group", "int2_group")
 
 _E5M2_MAX = 57344.0
-_INT4_GROUP = 32
+_INT_GROUP = 32
+_INT_BITS = {"int4_group": 4, "int3_group": 3, "int2_group": 2}
 
 
 def emulate_quant(weight: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -52,10 +57,11 @@ def emulate_quant(weight: torch.Tensor, fmt: str) -> torch.Tensor:
         s = amax / _E5M2_MAX if amax > 0 else 1.0
         out = (x / s).clamp(-_E5M2_MAX, _E5M2_MAX).to(torch.float8_e5m2).float() * s
         return out.to(weight.dtype)
+    top = 2 ** (_INT_BITS[fmt] - 1)  # levels -top .. top - 1
     rows, cols = x.shape
-    pad = (-cols) % _INT4_GROUP
-    g = torch.nn.functional.pad(x, (0, pad)).view(rows, -1, _INT4_GROUP)
-    s = g.abs().amax(dim=2, keepdim=True) / 7.0
+    pad = (-cols) % _INT_GROUP
+    g = torch.nn.functional.pad(x, (0, pad)).view(rows, -1, _INT_GROUP)
+    s = g.abs().amax(dim=2, keepdim=True) / (top - 1)
     s = torch.where(s > 0, s, torch.ones_like(s))
-    q = torch.round(g / s).clamp(-8, 7) * s
+    q = torch.round(g / s).clamp(-top, top - 1) * s
     return q.view(rows, -1)[:, :cols].to(weight.dtype).contiguous()

@@ -22,18 +22,26 @@ def _weight(seed: int = 0) -> torch.Tensor:
     return torch.randn(40, 75, generator=g) * torch.linspace(0.01, 3, 75)
 
 
-def test_int4_group_has_16_levels_per_group_and_the_half_step_bound() -> None:
+@pytest.mark.parametrize(("fmt", "top"), [("int4_group", 8), ("int3_group", 4), ("int2_group", 2)])
+def test_int_group_has_its_levels_per_group_and_the_half_step_bound(fmt: str, top: int) -> None:
     w = _weight()
-    q = emulate_quant(w, "int4_group")
+    q = emulate_quant(w, fmt)
     assert q.shape == w.shape and q.dtype == w.dtype
     for lo in range(0, 75, 32):
         g, qg = w[:, lo : lo + 32], q[:, lo : lo + 32]
-        step = g.abs().amax(dim=1, keepdim=True) / 7
+        step = g.abs().amax(dim=1, keepdim=True) / (top - 1)
         levels = torch.round(qg / step)
         torch.testing.assert_close(levels * step, qg)  # every value is an integer multiple of its step
-        assert levels.min() >= -8 and levels.max() <= 7
+        assert levels.min() >= -top and levels.max() <= top - 1
         assert ((qg - g).abs() <= step / 2 + 1e-6).all()
+        assert levels.max() == top - 1  # each row's largest magnitude is a level
     assert (q != w).float().mean() > 0.9  # it really rounds
+
+
+def test_fewer_bits_round_further() -> None:
+    w = _weight(2)
+    err = {fmt: float((emulate_quant(w, fmt) - w).pow(2).mean()) for fmt in ("int4_group", "int3_group", "int2_group")}
+    assert err["int4_group"] < err["int3_group"] < err["int2_group"]
 
 
 def test_e5m2_tensor_keeps_two_mantissa_bits_with_one_scale() -> None:
@@ -50,7 +58,7 @@ def test_e5m2_tensor_keeps_two_mantissa_bits_with_one_scale() -> None:
 
 def test_zero_weight_and_bad_input() -> None:
     z = torch.zeros(4, 40)
-    for fmt in ("int4_group", "e5m2_tensor"):
+    for fmt in ("int4_group", "int3_group", "int2_group", "e5m2_tensor"):
         assert (emulate_quant(z, fmt) == 0).all()
         with pytest.raises(ValueError, match="2-D"):
             emulate_quant(torch.ones(3), fmt)
