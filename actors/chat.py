@@ -27,7 +27,7 @@ messages into the ids to append:
 
 Tool calls: ``tools=[...]`` (OpenAI function schemas) are handed to the template;
 generated text is parsed into ``{"content", "tool_calls"}`` by the family's
-convention (``parse_tool_calls``): Qwen/Hermes ``<tool_call>{json}</tool_call>``,
+convention (``actors.toolcalls.parse_tool_calls``): Qwen/Hermes ``<tool_call>{json}</tool_call>``,
 Mistral ``[TOOL_CALLS][{json}, ...]``, Llama 3 a bare ``{"name", "parameters"}``
 JSON reply.
 
@@ -37,12 +37,12 @@ Importing this module does not import ``transformers`` or torch.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from actors.tokenizer import ChatTokens, default_chat_tokens
+from actors.toolcalls import parse_tool_calls, tool_style
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -55,7 +55,6 @@ __all__ = [
     "Message",
     "WordChatFormat",
     "load_chat_format",
-    "parse_tool_calls",
 ]
 
 Message = dict[str, Any]
@@ -215,72 +214,6 @@ def _as_messages(messages: Message | Sequence[Message] | str) -> list[Message]:
     return out
 
 
-# ---------------------------------------------------------------------------- tool calls
-
-_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
-
-
-def _call(name: Any, arguments: Any) -> dict[str, Any]:
-    if not isinstance(name, str):
-        raise ValueError(f"tool call name must be a string, got {name!r}")
-    if not isinstance(arguments, dict):
-        arguments = {} if arguments is None else arguments
-    return {"type": "function", "function": {"name": name, "arguments": arguments}}
-
-
-def parse_tool_calls(text: str, style: str) -> tuple[str, list[dict[str, Any]]]:
-    """Split generated ``text`` into (content, tool calls) by the family's ``style``.
-
-    Styles: ``"hermes"`` (Qwen2.5/Qwen3: ``<tool_call>{"name", "arguments"}</tool_call>``
-    blocks), ``"mistral"`` (``[TOOL_CALLS]`` then a JSON list), ``"llama3"`` (the whole
-    reply is ``{"name", "parameters"}`` JSON, optionally after ``<|python_tag|>``),
-    ``"none"``.  A block that is not valid JSON stays in the content (the model's
-    mistake is the environment's to judge), never raises.
-    """
-    calls: list[dict[str, Any]] = []
-    if style == "hermes":
-
-        def take(m: re.Match[str]) -> str:
-            try:
-                obj = json.loads(m.group(1))
-                calls.append(_call(obj.get("name"), obj.get("arguments", obj.get("parameters"))))
-                return ""
-            except (ValueError, AttributeError):
-                return m.group(0)
-
-        content = _HERMES.sub(take, text)
-        return (content.strip() if calls else content), calls
-    if style == "mistral" and "[TOOL_CALLS]" in text:
-        head, _, tail = text.partition("[TOOL_CALLS]")
-        try:
-            objs = json.loads(tail.strip())
-            objs = objs if isinstance(objs, list) else [objs]
-            calls = [_call(o.get("name"), o.get("arguments")) for o in objs]
-            return head.strip(), calls
-        except (ValueError, AttributeError):
-            return text, []
-    if style == "llama3":
-        body = text.strip().removeprefix("<|python_tag|>").strip()
-        if body.startswith("{"):
-            try:
-                obj = json.loads(body)
-                if isinstance(obj, dict) and "name" in obj:
-                    return "", [_call(obj["name"], obj.get("parameters", obj.get("arguments")))]
-            except ValueError:
-                pass
-    return text, calls
-
-
-def _tool_style(template: str) -> str:
-    if "<tool_call>" in template:
-        return "hermes"
-    if "[TOOL_CALLS]" in template:
-        return "mistral"
-    if "<|python_tag|>" in template or '"parameters"' in template:
-        return "llama3"
-    return "none"
-
-
 # ---------------------------------------------------------------------------- HF tokenizer
 
 
@@ -300,7 +233,7 @@ class HFChatFormat:
             raise ValueError(f"tokenizer {tokenizer.name_or_path!r} has no chat_template")
         self.tokenizer = tokenizer
         self.template_kwargs = dict(template_kwargs or {})
-        self.tool_style = _tool_style(template if isinstance(template, str) else json.dumps(template))
+        self.tool_style = tool_style(template if isinstance(template, str) else json.dumps(template))
         specials = set(tokenizer.all_special_ids)
         self._special_ids = frozenset(specials)
         stops = []

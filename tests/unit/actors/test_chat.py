@@ -12,10 +12,10 @@ from actors.chat import (
     HFChatFormat,
     WordChatFormat,
     load_chat_format,
-    parse_tool_calls,
 )
 from actors.tiny import train_tokenizer
 from actors.tokenizer import default_chat_tokens
+from actors.toolcalls import parse_tool_calls
 
 CORPUS = [
     "hello world, what is two plus two? the answer is four.",
