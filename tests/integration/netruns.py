@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +92,20 @@ class Run:
                 break
             time.sleep(0.2)
         raise AssertionError(f"run: {what} did not happen (exit {self.proc.poll()}): {self.tail()}")
+
+    def wait_console(self, *texts: str, timeout: float, more: Callable[[], str] = str) -> str:
+        """Poll the run's console until one of ``texts`` is in it; the one found.
+        AssertionError with the run's output tail (and ``more()``) on timeout or exit."""
+        deadline = time.monotonic() + timeout
+        while True:
+            console = self.err.read_text()
+            for text in texts:
+                if text in console:
+                    return text
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                break
+            time.sleep(0.5)
+        raise AssertionError(f"run: none of {texts} in its console (exit {self.proc.poll()}): {self.tail()}\n{more()}")
 
     def tail(self) -> str:
         return (self.out.read_text()[-3000:] + "\n--- stderr ---\n" + self.err.read_text()[-3000:]).strip()

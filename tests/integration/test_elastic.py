@@ -41,10 +41,7 @@ def test_a_host_joins_a_running_run_and_a_refused_one_stays_out(tmp_path: Path, 
         run.wait(lambda r: len(r) >= 3, 300, "3 steps on the local pool")
         assert all(r["pools"]["remote"]["rollouts"] == 0 and r["pools"]["remote"]["hosts"] == 0 for r in run.metrics())
         hosts_file.write_text(f"{stranger.address}\n")
-        deadline = time.time() + 60
-        while "cannot join yet" not in run.err.read_text():
-            assert time.time() < deadline, run.tail()
-            time.sleep(0.5)
+        run.wait_console("cannot join yet", timeout=60)
         t_start = time.time()
         joiner.start()
         hosts_file.write_text(f"{stranger.address}\n{joiner.address}  # the new one\n")
@@ -80,10 +77,7 @@ def test_a_host_that_leaves_frees_its_place_for_the_next(tmp_path: Path, netrig,
             assert host.terminate(timeout=30) == 0, host.log.read_text()[-2000:]
         else:
             host.kill(signal.SIGKILL)
-        deadline = time.time() + 90
-        while "left the run" not in run.err.read_text() and "giving it up" not in run.err.read_text():
-            assert time.time() < deadline, run.tail() + "\n--- host log ---\n" + host.log.read_text()[-3000:]
-            time.sleep(0.5)
+        run.wait_console("left the run", "giving it up", timeout=90, more=lambda: host.log.read_text()[-3000:])
         n = len(run.metrics())
         run.wait(lambda r: len(r) >= n + 3, 120, "3 steps without the host")
         assert run.metrics()[-1]["pools"]["remote"]["hosts"] == 0
