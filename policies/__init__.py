@@ -23,7 +23,7 @@ A trainer micro-batch step, in short:
     loss.backward()
 """
 
-from .advantages import grpo_advantages
+from .advantages import grpo_advantages, stuck_groups
 from .config import RecipeConfig
 from .importance import ImportanceWeights, importance_weights
 from .loss import recipe_loss
@@ -53,4 +53,5 @@ __all__ = [
     "replay_logprobs_from_hidden",
     "sample_with_support",
     "segment_logsumexp",
+    "stuck_groups",
 ]

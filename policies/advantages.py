@@ -18,6 +18,10 @@ flat_groups="batch" such a group is centred on the batch instead of on itself:
 so a prompt whose replies are all wrong is pushed off its answer (A < 0), and one whose
 replies are all right toward it, where plain GRPO leaves both where they are. Groups
 with any spread keep their own mean (and std).
+
+A *stuck* group (`stuck_groups`) is a flat group below the batch's best group mean: its
+replies agree on an answer that some other prompt's group beats, and GRPO gives it no
+way out (the entropy term's `entropy_groups = "stuck"` acts there alone).
 """
 
 from __future__ import annotations
@@ -29,7 +33,37 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-__all__ = ["grpo_advantages"]
+__all__ = ["grpo_advantages", "stuck_groups"]
+
+
+def _group_index(rewards: Tensor, group_ids: Tensor | Sequence[int] | Sequence[str]) -> tuple[Tensor, int]:
+    """Each rollout's group as 0..G-1, and G; checks the shapes."""
+    if not isinstance(group_ids, Tensor):
+        labels = {g: i for i, g in enumerate(dict.fromkeys(group_ids))}
+        group_ids = torch.tensor([labels[g] for g in group_ids], dtype=torch.long, device=rewards.device)
+    if rewards.dim() != 1 or group_ids.shape != rewards.shape:
+        raise ValueError(
+            f"rewards and group_ids must both have shape [N], got {tuple(rewards.shape)} and {tuple(group_ids.shape)}"
+        )
+    if rewards.numel() == 0:
+        return group_ids.long(), 0
+    _, g = torch.unique(group_ids, return_inverse=True)
+    return g, int(g.max()) + 1
+
+
+@torch.no_grad()
+def stuck_groups(rewards: Tensor, group_ids: Tensor | Sequence[int] | Sequence[str]) -> Tensor:
+    """bool [N]: the rollout's group is flat (all rewards equal) and its reward is below
+    the batch's best group mean. A batch whose groups are all flat at one reward has none."""
+    g, n_groups = _group_index(rewards, group_ids)
+    if n_groups == 0:
+        return torch.zeros(0, dtype=torch.bool, device=rewards.device)
+    r = rewards.double()
+    low = torch.full((n_groups,), math.inf, dtype=r.dtype, device=r.device).scatter_reduce_(0, g, r, "amin")
+    high = torch.full_like(low, -math.inf).scatter_reduce_(0, g, r, "amax")
+    count = torch.zeros_like(low).index_add_(0, g, torch.ones_like(r))
+    mean = torch.zeros_like(low).index_add_(0, g, r) / count
+    return ((low == high) & (high < mean.max()))[g]
 
 
 @torch.no_grad()
@@ -56,13 +90,7 @@ def grpo_advantages(
     """
     if flat_groups not in ("zero", "batch"):
         raise ValueError(f"flat_groups must be 'zero' or 'batch', got {flat_groups!r}")
-    if not isinstance(group_ids, Tensor):
-        labels = {g: i for i, g in enumerate(dict.fromkeys(group_ids))}
-        group_ids = torch.tensor([labels[g] for g in group_ids], dtype=torch.long, device=rewards.device)
-    if rewards.dim() != 1 or group_ids.shape != rewards.shape:
-        raise ValueError(
-            f"rewards and group_ids must both have shape [N], got {tuple(rewards.shape)} and {tuple(group_ids.shape)}"
-        )
+    g, n_groups = _group_index(rewards, group_ids)
     if not eps > 0:
         raise ValueError(f"eps must be > 0, got {eps}")
     if rewards.numel() == 0:
@@ -71,8 +99,6 @@ def grpo_advantages(
     if not bool(torch.isfinite(r).all()):
         i = int(torch.nonzero(~torch.isfinite(r)).flatten()[0])
         raise ValueError(f"rewards[{i}] is not finite ({float(r[i])})")
-    _, g = torch.unique(group_ids, return_inverse=True)
-    n_groups = int(g.max()) + 1
     count = torch.zeros(n_groups, dtype=torch.float64, device=r.device).index_add_(0, g, torch.ones_like(r))
     mean = torch.zeros_like(count).index_add_(0, g, r) / count
     dev = r - mean[g]

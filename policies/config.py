@@ -53,6 +53,14 @@ class RecipeConfig(BaseModel):
     entropy_floor: float | None = Field(default=None, ge=0.0)
     """Target entropy (nats) of the entropy term; None makes it a plain bonus."""
 
+    entropy_groups: Literal["all", "stuck"] = "all"
+    """Which trajectories the entropy term applies to: "all", or only those of *stuck*
+    groups (rewards all equal and below the batch's best group mean: the replies agree on
+    an answer that is not the best, and GRPO gives them no signal to leave it;
+    `policies.advantages.stuck_groups`). With "stuck" a prompt the policy solves may turn
+    greedy, while one it is locked on a wrong answer for is pushed to sample again; a
+    group that regains a spread leaves the term at once."""
+
     mask_replay: bool = True
     """Replay the sampler's recorded support on the trainer: log p^S over S_t only.
     False is the ablation that scores sampled tokens with the full-vocabulary softmax."""
@@ -154,6 +162,11 @@ class RecipeConfig(BaseModel):
             raise ValueError(
                 "entropy_coef > 0 needs mask_replay=True: the entropy runs over the replayed "
                 "support (set entropy_coef=0 for the no-replay ablation)"
+            )
+        if self.entropy_groups != "all" and self.entropy_coef == 0.0:
+            raise ValueError(
+                f"entropy_groups={self.entropy_groups!r} selects where the entropy term applies, "
+                "but entropy_coef is 0 (no term): set entropy_coef > 0"
             )
         if self.score_centering and not self.mask_replay:
             raise ValueError(

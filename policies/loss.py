@@ -14,6 +14,9 @@ H_t = −Σ_{v∈S_t} p^S_t(v) log p^S_t(v):
     bonus (entropy_floor None):   ℓ_t += −β · H_t
     floor (entropy_floor = h):    ℓ_t +=  β · max(0, h − H_t)
 
+on every token, or (``entropy_mask``, from `RecipeConfig.entropy_groups`) on the
+tokens of stuck groups alone.
+
 A one-token support has H_t = 0 for any weights, so this term never moves such a state;
 that is the job of `RecipeConfig.min_keep` (see policies.sampling).
 
@@ -64,6 +67,7 @@ def recipe_loss(
     seq_ids: Tensor | None = None,
     pool_ids: Tensor | None = None,
     pool_names: Sequence[str] | None = None,
+    entropy_mask: Tensor | None = None,
 ) -> tuple[Tensor, LossMetrics]:
     """Loss of one micro-batch of generated tokens (one row of `support` each).
 
@@ -82,6 +86,8 @@ def recipe_loss(
             a trajectory must lie in one micro-batch there).
         pool_ids, pool_names: int [T] sampler-pool index per token and pool names, for
             per-pool metrics.
+        entropy_mask: bool [T]; the entropy term applies only where True (default: on
+            every token).
 
     Returns:
         (loss, metrics): loss is a scalar carrying gradient to the replayed log-probs.
@@ -159,9 +165,14 @@ def recipe_loss(
         lp = torch.where(keep_s, logp_s, 0.0)
         h = torch.zeros(n, dtype=lp.dtype, device=dev).index_add(0, replay.row, -torch.exp(lp) * lp)
         if config.entropy_floor is None:
-            per_token = per_token - config.entropy_coef * h
+            ent_term = -config.entropy_coef * h
         else:
-            per_token = per_token + config.entropy_coef * torch.clamp(config.entropy_floor - h, min=0.0)
+            ent_term = config.entropy_coef * torch.clamp(config.entropy_floor - h, min=0.0)
+        if entropy_mask is not None:
+            if entropy_mask.shape != (n,):
+                raise ValueError(f"entropy_mask must have shape [{n}], got {tuple(entropy_mask.shape)}")
+            ent_term = torch.where(entropy_mask.to(device=dev, dtype=torch.bool), ent_term, 0.0)
+        per_token = per_token + ent_term
     per_token = torch.where(mask, per_token, 0.0)
     loss = per_token.sum() / n_global
 

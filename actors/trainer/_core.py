@@ -61,6 +61,7 @@ from policies import (
     grpo_advantages,
     recipe_loss,
     replay_logprobs_from_hidden,
+    stuck_groups,
 )
 
 __all__ = ["Trainer"]
@@ -235,6 +236,8 @@ class Trainer:
             eps=cfg.std_eps,
             flat_groups=cfg.flat_groups,
         )
+        group_of = [t.group_id for t in keep]
+        stuck = stuck_groups(rewards, group_of) if cfg.entropy_coef > 0 and cfg.entropy_groups == "stuck" else None
         pools = sorted({t.pool for t in keep})
         pool_of = {p: i for i, p in enumerate(pools)}
         n_global = sum(t.num_generated for t in keep)
@@ -247,7 +250,9 @@ class Trainer:
         parts = []
         for k in range(passes):
             if k < len(mbs):
-                loss, metrics = self._micro_batch(cfg, mbs[k], local, adv[mine], pool_of, pools, n_global)
+                loss, metrics = self._micro_batch(
+                    cfg, mbs[k], local, adv[mine], pool_of, pools, n_global, None if stuck is None else stuck[mine]
+                )
                 parts.append(metrics)
             else:
                 loss = self._idle_pass()
@@ -276,6 +281,7 @@ class Trainer:
         pool_of: dict[str, int],
         pools: list[str],
         n_global: int,
+        stuck: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, LossMetrics]:
         dev = self.device
         members = [batch[i] for i in mb.members]
@@ -286,6 +292,8 @@ class Trainer:
         pool_ids = torch.tensor([pool_of[t.pool] for t in members]).repeat_interleave(counts).to(dev)
         targets = mb.targets.to(dev)
         common = {"num_loss_tokens": n_global, "seq_ids": seq_ids, "pool_ids": pool_ids, "pool_names": pools}
+        if stuck is not None:  # the entropy term on stuck groups' tokens alone
+            common["entropy_mask"] = stuck[mb.members].repeat_interleave(counts).to(dev)
 
         def loss_fn(
             hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None

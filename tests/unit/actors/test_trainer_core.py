@@ -146,3 +146,20 @@ def test_token_outside_vocabulary_names_the_trajectory(batch: list[Trajectory]) 
     bad = t.model_copy(update={"tokens": tokens, "prompt_id": "too-big"})
     with pytest.raises(ValueError, match="too-big.*10000"):
         Trainer(TrainerConfig()).train_step([bad])
+
+
+def test_entropy_on_stuck_groups_alone(batch: list[Trajectory]) -> None:
+    """entropy_groups = "stuck": the term reaches the stuck group's tokens only (g0 all 0,
+    below g2 all 1); with no stuck group the loss is the one without the term."""
+    reward = {"g0": 0.0, "g2": 1.0}
+    stuck = [t.model_copy(update={"reward": reward.get(t.group_id, t.reward)}) for t in batch]
+    assert len({t.reward for t in stuck if t.group_id == "g1"}) == 2  # g1 keeps a spread
+    tr = Trainer(TrainerConfig())
+    beta = 0.5
+    none = tr.evaluate(stuck, RecipeConfig()).loss
+    every = tr.evaluate(stuck, RecipeConfig(entropy_coef=beta)).loss
+    only = tr.evaluate(stuck, RecipeConfig(entropy_coef=beta, entropy_groups="stuck")).loss
+    assert every < only < none  # a bonus lowers the loss; on a third of the tokens, less
+    unstuck = [t.model_copy(update={"reward": 1.0 if t.group_id == "g0" else t.reward}) for t in stuck]
+    cfg = RecipeConfig(entropy_coef=beta, entropy_groups="stuck")
+    assert tr.evaluate(unstuck, cfg).loss == tr.evaluate(unstuck, RecipeConfig()).loss
