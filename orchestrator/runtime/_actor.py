@@ -125,6 +125,8 @@ class _Spec:
             self.params[p.name] for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
         ]
         self.simple = all(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
+        # A simple signature whose parameters are all unannotated (or Any): nothing to check.
+        self.unchecked = self.simple and all(p.adapter is None for p in self.positional)
         self.required = sum(1 for p in params if p.default is p.empty)
         ret = hints.get("return", Any)
         self.ret_none = ret is None or ret is type(None)
@@ -142,6 +144,8 @@ class _Spec:
     def validate_args(self, args: list[Any], kwargs: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
         """Receiver side: bind and validate; raises TypeError/ValidationError on bad input."""
         if self.simple and not kwargs and self.required <= len(args) <= len(self.positional):
+            if self.unchecked:
+                return args, kwargs
             return [p.check(v) for p, v in zip(self.positional, args, strict=False)], kwargs
         try:
             bound = self.signature.bind(*args, **kwargs)

@@ -86,6 +86,10 @@ class Pending:
             next_cp = 0.0
             try:
                 while True:
+                    # This core's other threads run first (ZeroMQ's I/O thread has the
+                    # request just sent to pass on): a poll, let alone a trio checkpoint,
+                    # costs several times a yield.
+                    os.sched_yield()
                     # The first poll also reads what arrived while the request was sent
                     # (``Connection.request`` left that check to it).
                     z.poll()
@@ -96,7 +100,6 @@ class Pending:
                         await trio.lowlevel.checkpoint()
                         checkpointed = True
                         next_cp = perf_counter() + CHECKPOINT_S
-                    os.sched_yield()  # let this core's other threads (ZeroMQ's I/O) run
             except BaseException:  # cancelled while spinning
                 if not self.done:
                     self.abandon()

@@ -220,7 +220,7 @@ class Server:
         a, w = header.get("args", []), header.get("kwargs", {})
         if type(a) is not list or type(w) is not dict:
             raise WireError("arguments must be a list and keyword arguments an object")
-        if len(frames) == 1 and not w and all(type(x) in _SCALAR_TYPES for x in a):
+        if len(frames) == 1 and not w and _SCALAR_TYPES.issuperset(map(type, a)):
             return a, w
         args, kwargs = decode([a, w], frames)
         return args, kwargs
