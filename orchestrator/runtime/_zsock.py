@@ -217,11 +217,14 @@ class ZSocket:
             # This core's other threads run first: ZeroMQ's I/O thread has the replies just
             # sent to pass on, and a trio checkpoint costs several times a yield.
             os.sched_yield()
-            if sock.get(_EVENTS) & _POLLIN:
-                return True
-            if now >= next_cp:  # the calls just started run here, and at least every CHECKPOINT_S
+            pending = sock.get(_EVENTS) & _POLLIN
+            # The calls just started run here, even when the next message is already in (a
+            # steady flood must not starve them), and then at least every CHECKPOINT_S.
+            if now >= next_cp:
                 await trio.lowlevel.checkpoint()
                 next_cp = perf_counter() + CHECKPOINT_S
+            if pending:
+                return True
         return False
 
     def close(self, linger_ms: int = 0) -> None:

@@ -236,3 +236,33 @@ async def test_reader_spins_only_while_messages_come_back_to_back() -> None:
                 nursery.cancel_scope.cancel()
     finally:
         client.close(linger=0)
+
+
+async def test_a_spinning_reader_checkpoints_when_input_is_already_there() -> None:
+    """Each spin wait is a trio checkpoint, even when the next message arrived before its
+    first poll: a steady flood of requests must not starve the actor's other tasks. (A
+    checkpoint is a cancellation point: under a cancelled scope the wait raises instead of
+    returning.)"""
+    from time import perf_counter
+
+    from orchestrator.runtime._zsock import SPIN_S, ZSocket
+
+    if SPIN_S == 0:
+        pytest.skip("spinning is off (FLOTILLA_SPIN_US=0)")
+    ctx = zmq.Context.instance()
+    addr = f"inproc://spin-flood-test-{os.getpid()}"
+    server = ZSocket(ctx.socket(zmq.PAIR), lambda frames: None, spin=True)
+    server.sock.bind(addr)
+    client = ctx.socket(zmq.PAIR)
+    client.connect(addr)
+    try:
+        client.send(b"x")
+        server._last = perf_counter() + 10  # a window that cannot close during the test
+        with trio.CancelScope() as scope:
+            scope.cancel()
+            await server._spin_wait()
+        assert scope.cancelled_caught
+        assert await server._spin_wait() is True  # the message is still there to read
+    finally:
+        client.close(linger=0)
+        server.close()
