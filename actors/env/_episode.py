@@ -27,7 +27,7 @@ import torch
 import trio
 
 from actors.chat import ChatFormat, ChatTemplateError, Conversation, Message
-from actors.env._interface import Environment, StepOutcome, make_env
+from actors.env._interface import Environment, StepOutcome, make_env, task_factory
 from actors.env._threads import EnvThreads
 from actors.env._watchdog import LoopWatchdog
 from actors.types import SamplingParams, TaskSpec, Trajectory
@@ -155,25 +155,48 @@ class EnvCalls:
 
 
 async def _call_env(
-    calls: EnvCalls, env: Environment | None, task: str, fn: Callable[..., Any], *args: Any, timeout: float, what: str
+    calls: EnvCalls,
+    env: Environment | None,
+    task: str,
+    fn: Callable[..., Any],
+    *args: Any,
+    timeout: float,
+    what: str,
+    blocking: bool = True,
 ) -> Any:
     """Run an environment method (plain or async) under ``timeout`` seconds.
 
     Plain methods run in one of the task's worker threads (EnvThreads: abandoned on
-    timeout, counted as stuck while they still run); async ones on the loop, labelled
-    for the watchdog. Raises EnvCallTimeout / EpisodeTimeout past the limit.
+    timeout, counted as stuck while they still run), or with ``blocking=False``
+    (``Environment.blocking``) on the loop; async ones on the loop. On the loop they are
+    labelled for the watchdog. Raises EnvCallTimeout / EpisodeTimeout past the limit (a
+    plain method on the loop cannot be timed out).
     """
     if not inspect.iscoroutinefunction(fn):
-        out = await calls.threads.run(task, fn, *args, timeout=timeout, what=what)
+        if blocking:
+            out = await calls.threads.run(task, fn, *args, timeout=timeout, what=what)
+        else:
+            with _label(calls, env, task, fn, what, "plain"):
+                out = fn(*args)
         if not inspect.isawaitable(out):
             return out
         fn, args = (lambda: out), ()  # a plain method that returned an awaitable: await it on the loop
-    name = f"async environment {type(env).__name__}.{getattr(fn, '__name__', what)} (task {task!r})"
-    label = calls.watchdog.label(name) if calls.watchdog is not None else nullcontext()
+    label = _label(calls, env, task, fn, what, "async")
     with trio.move_on_after(timeout) as cs, label:
         return await fn(*args)
     assert cs.cancelled_caught
     raise EpisodeTimeout(f"environment {what} timed out after {timeout:g} s")
+
+
+def _label(calls: EnvCalls, env: Environment | None, task: str, fn: Any, what: str, kind: str) -> Any:
+    """The watchdog's name for an environment call running on the loop."""
+    if calls.watchdog is None:
+        return nullcontext()
+    if env is None:
+        return calls.watchdog.label(f"{kind} environment {what} (task {task!r})")
+    return calls.watchdog.label(
+        f"{kind} environment {type(env).__name__}.{getattr(fn, '__name__', what)} (task {task!r})"
+    )
 
 
 def _as_outcome(out: Any) -> StepOutcome:
@@ -231,11 +254,26 @@ async def play_episode(
     with span("rollout", task=task.task, prompt_id=task.prompt_id, group_id=task.group_id) as sp:
         try:
             env = await _call_env(
-                calls, None, task.task, make_env, task, timeout=limits.step_timeout_s, what="construction"
+                calls,
+                None,
+                task.task,
+                make_env,
+                task,
+                timeout=limits.step_timeout_s,
+                what="construction",
+                blocking=getattr(task_factory(task.task), "blocking", True) is not False,
             )
+            blocking = getattr(env, "blocking", True) is not False
             with span("env.step", task=task.task, turn=0, kind="reset"):
                 obs = await _call_env(
-                    calls, env, task.task, env.reset, task, timeout=limits.step_timeout_s, what="reset"
+                    calls,
+                    env,
+                    task.task,
+                    env.reset,
+                    task,
+                    timeout=limits.step_timeout_s,
+                    what="reset",
+                    blocking=blocking,
                 )
             convo = Conversation(chat, tools=env.tools)
             builder.add_context(convo.add(_messages(obs)))
@@ -296,6 +334,7 @@ async def play_episode(
                             *args,
                             timeout=limits.step_timeout_s,
                             what=f"step (turn {turn})",
+                            blocking=blocking,
                         )
                     )
                 reward += float(outcome.reward)
@@ -329,7 +368,15 @@ async def play_episode(
             traj.sampler_lost = lost
         if isinstance(env, Environment) and type(env).close is not Environment.close:
             try:
-                await _call_env(calls, env, task.task, env.close, timeout=limits.step_timeout_s, what="close")
+                await _call_env(
+                    calls,
+                    env,
+                    task.task,
+                    env.close,
+                    timeout=limits.step_timeout_s,
+                    what="close",
+                    blocking=getattr(env, "blocking", True) is not False,
+                )
             except Exception as exc:
                 log.warning("task %r: environment close failed: %s: %s", task.task, type(exc).__name__, exc)
         traj.segments = segments

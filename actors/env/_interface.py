@@ -6,7 +6,8 @@ and whether the episode is over. Observations are text or token ids (one user
 turn), or chat messages (a dict or a list of dicts, e.g. ``tool`` results); the
 run's chat format renders them (``actors.chat``) and their tokens are never
 trained on. Methods may be plain or ``async``; plain ones
-always run in a worker thread (bounded per task, see ``_threads``), async ones on the
+run in a worker thread (bounded per task, see ``_threads``; ``blocking = False`` runs
+them on the loop), async ones on the
 actor's event loop, where they must never call blocking code (a watchdog names an
 async environment that does).
 
@@ -71,8 +72,8 @@ class Environment:
     - ``tools``: OpenAI-style function schemas handed to the chat template (None: no
       tools); the reply's tool calls arrive in ``message["tool_calls"]``.
 
-    Plain (non-async) methods, and the constructor, always run in a worker thread,
-    so a slow or stuck environment cannot block the actor and its timeout fires; the
+    Plain (non-async) methods, and the constructor, run in a worker thread (unless
+    ``blocking = False``), so a slow or stuck environment cannot block the actor and its timeout fires; the
     threads of one task are bounded (``EnvConfig.env_threads``), and calls stuck past
     their timeout are counted in the actor's ``stats``. ``async`` methods run on the
     actor's event loop: they must await, never block (a watchdog reports one that does).
@@ -90,6 +91,14 @@ class Environment:
     max_turns: int = 1
     max_new_tokens: int | None = None
     tools: list[dict[str, Any]] | None = None
+    blocking: bool = True
+    """Whether the plain methods and the constructor may block (I/O, a subprocess, long
+    compute). True (the default): they run in worker threads, as described above. False
+    declares them quick pure computation: they run on the actor's event loop, with no
+    thread hop (measured at about half the env actor's CPU per rollout on the one-token
+    demo tasks: benchmarks/records/2026-12-03-env-inline.md), but their timeout cannot fire and one that does
+    block stalls every episode of the actor (the watchdog names it). The built-in
+    tasks set it."""
 
     def reset(self, task: TaskSpec) -> Observation | Awaitable[Observation]:
         raise NotImplementedError(f"{type(self).__name__}.reset")

@@ -52,6 +52,8 @@ class GuessNumber(Environment):
     is ``secret`` when given (tests and evaluation sweep all secrets this way).
     """
 
+    blocking = False  # pure computation: runs on the env actor's loop, no thread hop
+
     def __init__(self, n: int = 15, max_turns: int = 4, max_new_tokens: int = 1, secret: int | None = None) -> None:
         if not 2 <= n <= MAX_INT + 1:
             raise ValueError(f"guess_number: n={n} must be in 2..{MAX_INT + 1} (every number is one token)")
@@ -91,6 +93,8 @@ class Arithmetic(Environment):
     (``max_new_tokens=1``).
     """
 
+    blocking = False  # pure computation: runs on the env actor's loop, no thread hop
+
     max_turns = 1
 
     def __init__(self, max_sum: int = MAX_INT, max_new_tokens: int = 1) -> None:
@@ -122,6 +126,8 @@ class SumMod(Environment):
     ``task.seed`` picks the pair uniformly among the m² pairs, so every answer is equally
     common (each residue has m pairs). One token per answer by default.
     """
+
+    blocking = False  # pure computation: runs on the env actor's loop, no thread hop
 
     max_turns = 1
 
@@ -157,6 +163,8 @@ class Reverse(Environment):
     position right already earns 1/k: partial credit gives GRPO a signal before whole
     reversals are found.
     """
+
+    blocking = False  # pure computation: runs on the env actor's loop, no thread hop
 
     max_turns = 1
 

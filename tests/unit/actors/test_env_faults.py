@@ -8,7 +8,8 @@ import time
 import pytest
 import trio
 
-from actors.env import EnvActor, EnvConfig, TaskCheckError, check_task, make_task_specs
+from actors.env import EnvActor, EnvConfig, Environment, StepOutcome, TaskCheckError, check_task, make_task_specs
+from actors.env._interface import task_factory
 from actors.env._threads import EnvCallTimeout, EnvThreads
 from actors.env._watchdog import LoopWatchdog
 from actors.types import SamplingParams, TaskSpec
@@ -92,6 +93,42 @@ async def test_watchdog_reports_the_labelled_blocker_once_per_stall() -> None:
     assert dog.stalls == 2 and dog.longest_s >= 0.6
     assert len(lines) == 2 and "Slow.step (task 'slow')" in lines[0] and "blocked the event loop" in lines[0]
     assert "trio task" in lines[1]
+
+
+async def test_plain_methods_run_in_threads_unless_the_env_says_they_never_block() -> None:
+    import threading
+
+    from actors.env._episode import EnvCalls, _call_env
+
+    class Threaded(Environment):
+        def reset(self, task: TaskSpec) -> int:
+            return threading.get_ident()
+
+    class Inline(Threaded):
+        blocking = False
+
+        def step(self, action_text: str, action_ids: list[int]) -> StepOutcome:
+            time.sleep(0.4)  # a class that wrongly says it never blocks: the loop stalls
+            return StepOutcome(observation="", done=True)
+
+    lines: list[str] = []
+    dog = LoopWatchdog(lines.append, threshold_s=0.2, poll_s=0.02)
+    calls = EnvCalls(threads=EnvThreads(per_task=2), watchdog=dog)
+    spec = TaskSpec(task="t", prompt_id="p", group_id="g")
+    loop = threading.get_ident()
+    async with trio.open_nursery() as n:
+        await n.start(dog.run)
+        threaded, inline = Threaded(), Inline()
+        assert await _call_env(calls, threaded, "t", threaded.reset, spec, timeout=5, what="reset") != loop
+        assert await _call_env(calls, inline, "t", inline.reset, spec, timeout=5, what="reset", blocking=False) == loop
+        await _call_env(calls, inline, "t", inline.step, "", [], timeout=0.1, what="step", blocking=False)
+        await trio.sleep(0.05)
+        n.cancel_scope.cancel()
+    # on the loop the timeout cannot fire (the call returned), and the watchdog names the call
+    assert len(lines) == 1 and "plain environment Inline.step (task 't')" in lines[0]
+    assert Environment.blocking and not any(
+        task_factory(t).blocking for t in ("guess_number", "arithmetic", "sum_mod", "reverse")
+    )
 
 
 def test_check_task_names_the_problem_before_any_actor_starts() -> None:
