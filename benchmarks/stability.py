@@ -62,6 +62,8 @@ from _runs import demo_raw, load_average, run_variants
 from ablation import FP8_BUDGET, VARIANTS
 from ablation import build_raw as ablation_raw
 
+from policies.config import RecipeConfig
+
 WINDOW = 10
 COLLAPSE_DROP = 0.2
 ORDER = ["onpolicy", "full", "plain_grpo", "no_replay", "no_is", "no_centering"]
@@ -193,7 +195,7 @@ def main() -> None:
     total = time.monotonic() - t0
     load_after = load_average()
 
-    rec = demo.get("recipe", {})
+    rec = {**RecipeConfig().model_dump(), **demo.get("recipe", {})}  # the demo's, over the defaults
     print(
         f"\nguess_number {demo['task'].get('params')}, {demo['rollout']['prompts_per_step']} prompts x "
         f"{demo['rollout']['group_size']} rollouts per step, lr {demo['trainer']['lr']}, top_p {rec.get('top_p')}, "
