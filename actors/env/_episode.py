@@ -251,6 +251,7 @@ async def play_episode(
     reward, turns, pool = 0.0, 0, ""
     segments, dropped = 1, 0  # segments played; generated tokens of the earlier ones
     env: Any = None
+    blocking = True  # the environment's own say (Environment.blocking), once it is built
     with span("rollout", task=task.task, prompt_id=task.prompt_id, group_id=task.group_id) as sp:
         try:
             env = await _call_env(
@@ -375,7 +376,7 @@ async def play_episode(
                     env.close,
                     timeout=limits.step_timeout_s,
                     what="close",
-                    blocking=getattr(env, "blocking", True) is not False,
+                    blocking=blocking,
                 )
             except Exception as exc:
                 log.warning("task %r: environment close failed: %s: %s", task.task, type(exc).__name__, exc)

@@ -73,9 +73,9 @@ class Environment:
       tools); the reply's tool calls arrive in ``message["tool_calls"]``.
 
     Plain (non-async) methods, and the constructor, run in a worker thread (unless
-    ``blocking = False``), so a slow or stuck environment cannot block the actor and its timeout fires; the
-    threads of one task are bounded (``EnvConfig.env_threads``), and calls stuck past
-    their timeout are counted in the actor's ``stats``. ``async`` methods run on the
+    ``blocking = False``), so a slow or stuck environment cannot block the actor and
+    its timeout fires; the threads of one task are bounded (``EnvConfig.env_threads``),
+    and calls stuck past their timeout are counted in the actor's ``stats``. ``async`` methods run on the
     actor's event loop: they must await, never block (a watchdog reports one that does).
 
     Params: the constructor receives ``task.params`` and should raise ValueError or
@@ -95,10 +95,10 @@ class Environment:
     """Whether the plain methods and the constructor may block (I/O, a subprocess, long
     compute). True (the default): they run in worker threads, as described above. False
     declares them quick pure computation: they run on the actor's event loop, with no
-    thread hop (measured at about half the env actor's CPU per rollout on the one-token
-    demo tasks: benchmarks/records/2026-12-03-env-inline.md), but their timeout cannot fire and one that does
-    block stalls every episode of the actor (the watchdog names it). The built-in
-    tasks set it."""
+    thread hop (measured at about 40% of the env actor's CPU on a one-token demo task:
+    benchmarks/records/2026-12-03-env-inline.md), but their timeout cannot fire and one
+    that does block stalls every episode of the actor (the watchdog names it). The
+    built-in tasks set it."""
 
     def reset(self, task: TaskSpec) -> Observation | Awaitable[Observation]:
         raise NotImplementedError(f"{type(self).__name__}.reset")
