@@ -411,10 +411,27 @@ def _messages(obs: Any) -> list[Message]:
     )
 
 
+_STEP_TAKES_MESSAGE: dict[Any, bool] = {}  # per class's step function: its signature, read once
+
+
 def _takes_message(env: Environment) -> bool:
-    """True when ``env.step`` has a third parameter for the parsed assistant message."""
+    """True when ``env.step`` has a third parameter for the parsed assistant message.
+
+    A method's answer is kept per function (an episode builds a fresh env each time, and
+    reading a signature costs more than a one-token episode's own step)."""
+    step = env.step
+    fn = getattr(step, "__func__", None)
+    if fn is not None and getattr(step, "__self__", None) is env:
+        known = _STEP_TAKES_MESSAGE.get(fn)
+        if known is None:
+            known = _STEP_TAKES_MESSAGE[fn] = _signature_takes_message(step)
+        return known
+    return _signature_takes_message(step)
+
+
+def _signature_takes_message(step: Callable[..., Any]) -> bool:
     try:
-        params = inspect.signature(env.step).parameters
+        params = inspect.signature(step).parameters
     except (TypeError, ValueError):
         return False
     return len(params) >= 3 or "message" in params

@@ -56,7 +56,12 @@ async def test_stuck_plain_env_uses_only_its_own_threads_and_a_blocking_async_en
         # an async env that sleeps without awaiting: the watchdog names it
         with trio.fail_after(30):
             t = await run.call_one(sm[0], TaskSpec(task="test_blocks_loop", prompt_id="b", group_id="g"), SAMPLING, 0)
+            # A stall is counted when the blocking loop step ends, and that step may also have
+            # sent the episode's reply and answered a stats call that was already waiting.
             st = await em[0].stats.call_one()
+            while st["loop_stalls"] < 1:
+                await trio.sleep(0.05)
+                st = await em[0].stats.call_one()
         assert not t.failed and t.reward == 1.0
         assert st["loop_stalls"] >= 1 and st["loop_stall_longest_s"] >= 1.0
         assert "BlocksLoop.step" in st["loop_stall_last"] and "test_blocks_loop" in st["loop_stall_last"]
