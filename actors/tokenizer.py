@@ -81,6 +81,8 @@ TASK_WORDS: tuple[str, ...] = (
     "and",
     "you",
     "have",
+    # sort (after the rest: the ids of earlier words stay as they were)
+    "sort",
 )
 """Words the built-in tasks use; kept short so the vocabulary stays < 128."""
 

@@ -21,7 +21,7 @@ from actors.env._interface import (
     task_factory,
 )
 from actors.env._modules import TaskModuleError, import_task_modules, resolve_callable
-from actors.env._tasks import Arithmetic, GuessNumber, Reverse, SumMod, first_int, guess_number_optimal
+from actors.env._tasks import Arithmetic, GuessNumber, Reverse, Sort, SumMod, first_int, guess_number_optimal
 
 __all__ = [
     "Arithmetic",
@@ -34,6 +34,7 @@ __all__ = [
     "GuessNumber",
     "Observation",
     "Reverse",
+    "Sort",
     "StepOutcome",
     "SumMod",
     "TaskCheckError",

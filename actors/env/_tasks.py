@@ -169,12 +169,13 @@ class Reverse(Environment):
     max_turns = 1
 
     def __init__(self, length: int = 3, values: int = 5, max_new_tokens: int | None = None) -> None:
+        task = type(self).__name__.lower()  # reverse, sort
         if not 1 <= length <= 16:
-            raise ValueError(f"reverse: length={length} must be in 1..16")
+            raise ValueError(f"{task}: length={length} must be in 1..16")
         if not 2 <= values <= MAX_INT + 1:
-            raise ValueError(f"reverse: values={values} must be in 2..{MAX_INT + 1} (every number is one token)")
+            raise ValueError(f"{task}: values={values} must be in 2..{MAX_INT + 1} (every number is one token)")
         if max_new_tokens is not None and max_new_tokens < length:
-            raise ValueError(f"reverse: max_new_tokens={max_new_tokens} must be >= length={length}")
+            raise ValueError(f"{task}: max_new_tokens={max_new_tokens} must be >= length={length}")
         self.length, self.values = length, values
         self.max_new_tokens = max_new_tokens if max_new_tokens is not None else length
         self.sequence: list[int] = []
@@ -196,6 +197,22 @@ class Reverse(Environment):
     def step(self, action_text: str, action_ids: list[int]) -> StepOutcome:
         reward = self.score(action_text)
         return StepOutcome(observation="correct" if reward == 1.0 else "wrong", reward=reward, done=True)
+
+
+@register_task("sort")
+class Sort(Reverse):
+    """``sort x1 x2 ... xk``: reply with the k numbers in ascending order.
+
+    As ``reverse`` (numbers from 0..values−1 drawn by ``task.seed``, one token per
+    number, reward the fraction of the k positions right), with the sorted sequence as
+    the answer: each position depends on every number of the prompt, not on one.
+    """
+
+    def reset(self, task: TaskSpec) -> str:
+        return "sort" + super().reset(task).removeprefix("reverse")
+
+    def answer(self) -> list[int]:
+        return sorted(self.sequence)
 
 
 def guess_number_optimal(ids: Sequence[int], chat: ChatTokens) -> int:

@@ -1,4 +1,4 @@
-"""The small built-in tasks ``sum_mod`` and ``reverse``: prompts, answers and rewards."""
+"""The small built-in tasks ``sum_mod``, ``reverse`` and ``sort``: prompts, answers and rewards."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from actors.env import Reverse, StepOutcome, SumMod, make_env, make_task_specs, registered_tasks
+from actors.env import Reverse, Sort, StepOutcome, SumMod, make_env, make_task_specs, registered_tasks
 from actors.tokenizer import default_chat_tokens
 from actors.types import TaskSpec
 
@@ -17,9 +17,10 @@ def _spec(task: str, seed: int, **params: object) -> TaskSpec:
 
 
 def test_registered_and_prompts_in_vocabulary() -> None:
-    assert {"sum_mod", "reverse"} <= set(registered_tasks())
+    assert {"sum_mod", "reverse", "sort"} <= set(registered_tasks())
     chat = default_chat_tokens()
-    for spec in make_task_specs("sum_mod", 20, 1) + make_task_specs("reverse", 20, 1):
+    specs = [s for task in ("sum_mod", "reverse", "sort") for s in make_task_specs(task, 20, 1)]
+    for spec in specs:
         env = make_env(spec)
         chat.encode(env.reset(spec), strict=True)  # raises on a word outside the vocabulary
 
@@ -80,3 +81,32 @@ def test_reverse_parameters() -> None:
     for bad, match in [({"length": 0}, "length=0"), ({"values": 1}, "values=1"), ({"max_new_tokens": 2}, "max_new")]:
         with pytest.raises(ValueError, match=match):
             Reverse(**bad)
+
+
+def test_sort_reward_counts_positions_against_the_sorted_sequence() -> None:
+    spec = _spec("sort", 11)
+    env = make_env(spec)
+    assert isinstance(env, Sort) and env.max_new_tokens == 3
+    words = env.reset(spec).split()
+    assert words[0] == "sort" and len(words) == 4
+    rng = random.Random(11)
+    seq = [rng.randrange(5) for _ in range(3)]  # the same draw as reverse's
+    assert [int(w) for w in words[1:]] == seq
+    want = sorted(seq)
+    assert env.step(" ".join(map(str, want)), []) == StepOutcome(observation="correct", reward=1.0, done=True)
+    assert env.step(" ".join(map(str, want[:2])), []).reward == pytest.approx(2 / 3)
+    # a descending reply is right only where it meets the ascending one
+    descending = want[::-1]
+    right = sum(a == b for a, b in zip(descending, want, strict=True))
+    assert env.score(" ".join(map(str, descending))) == pytest.approx(right / 3)
+    with pytest.raises(ValueError, match="sort: values=1"):
+        Sort(values=1)
+
+
+def test_sort_prompts_cover_unsorted_sequences() -> None:
+    seqs = []
+    for seed in range(200):
+        env = Sort()
+        seqs.append([int(w) for w in env.reset(_spec("sort", seed)).split()[1:]])
+    assert sum(s != sorted(s) for s in seqs) > 100  # most prompts need reordering
+    assert all(0 <= x < 5 for s in seqs for x in s)
