@@ -143,7 +143,7 @@ class ModelSection(_Section):
 
 class TaskSection(_Section):
     name: str = "guess_number"
-    """A registered task: `guess_number`, `arithmetic`, `sum_mod`, `reverse`, or one a user registered; for a
+    """A registered task: `guess_number`, `arithmetic`, `sum_mod`, `reverse`, `sort`, or one a user registered; for a
     library `kind`, the library's own name (a reasoning-gym dataset, a verifiers environment
     id or `module:function`, an OpenEnv client class `module:Class`)."""
     params: dict[str, Any] = Field(default_factory=dict)
