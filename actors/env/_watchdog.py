@@ -8,6 +8,11 @@ when; a watchdog thread looks every `poll_s` and, when one step has run longer t
 `threshold_s`, reports the environment call that task is in (labels come from
 `label`), once per stall, rate-limited per environment. Stalls are also counted for
 `stats`, with the longest one.
+
+The report says what the loop's thread did meanwhile, from the kernel's per-thread
+scheduler counters (Linux): computing, waiting in a blocking call, or waiting for a CPU.
+The last is not the environment's fault: a machine with more busy processes than cores
+stalls every loop on it.
 """
 
 from __future__ import annotations
@@ -23,6 +28,9 @@ import trio
 from orchestrator.runtime import RateLimiter
 
 __all__ = ["LoopWatchdog"]
+
+Counters = tuple[float, float, float]
+"""A thread's scheduler counters: (clock, seconds on a CPU, seconds waiting for one)."""
 
 
 class LoopWatchdog(trio.abc.Instrument):
@@ -49,6 +57,7 @@ class LoopWatchdog(trio.abc.Instrument):
         self._running: Any = None
         self._since = time.perf_counter()
         self._stall_label = ""  # the label a stalling step held when it left it
+        self._schedstat = ""  # the loop thread's scheduler counters (Linux), set by `run`
         self.stalls = 0
         self.longest_s = 0.0
         self.last_blocker = ""
@@ -87,6 +96,7 @@ class LoopWatchdog(trio.abc.Instrument):
     # -- lifetime ----------------------------------------------------------------------
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         stop = threading.Event()
+        self._schedstat = f"/proc/self/task/{threading.get_native_id()}/schedstat"
         thread = threading.Thread(target=self._watch, args=(stop,), name="env-loop-watchdog", daemon=True)
         trio.lowlevel.add_instrument(self)
         thread.start()
@@ -100,19 +110,52 @@ class LoopWatchdog(trio.abc.Instrument):
 
     def _watch(self, stop: threading.Event) -> None:
         reported: tuple[Any, float] | None = None
+        first_seen: tuple[Any, float, Counters | None] | None = None  # a step, and the counters when first seen
         while not stop.wait(self.poll_s):
             task, since = self._running, self._since
             if task is None or (task, since) == reported:
                 continue
+            if first_seen is None or first_seen[:2] != (task, since):
+                first_seen = (task, since, self._counters())
             blocked = time.perf_counter() - since
             if blocked > self.threshold_s:
                 reported = (task, since)
                 name = self._name(task)
                 self._limit.log(
                     name,
-                    f"env actor: {name} has blocked the event loop for {blocked:.1f} s "
-                    "(an async environment calling blocking code: every episode of this "
-                    "actor is frozen and timeouts cannot fire; make the method plain "
-                    "to run it in a thread)",
+                    f"env actor: {name} has blocked the event loop for {blocked:.1f} s"
+                    f"{_what_it_did(first_seen[2], self._counters())}",
                     self._report,
                 )
+
+    def _counters(self) -> Counters | None:
+        """The loop thread's counters now, or None where the kernel does not give them."""
+        try:
+            with open(self._schedstat, "rb") as f:
+                on_cpu, waiting = f.read().split()[:2]
+            return time.perf_counter(), int(on_cpu) / 1e9, int(waiting) / 1e9
+        except (OSError, ValueError):  # not Linux, or the counters are missing
+            return None
+
+
+_BLOCKING_ADVICE = (
+    "every episode of this actor is frozen and timeouts cannot fire; make the method plain to run it in a thread"
+)
+
+
+def _what_it_did(before: Counters | None, now: Counters | None) -> str:
+    """The report's second half: what the loop's thread did between the two readings."""
+    if before is None or now is None or now[0] - before[0] < 0.05:
+        return f" (an async environment calling blocking code: {_BLOCKING_ADVICE})"
+    span = now[0] - before[0]
+    on_cpu, waiting = (now[1] - before[1]) / span, (now[2] - before[2]) / span
+    if waiting >= 0.5:
+        return (
+            f" (its thread waited for a CPU {waiting:.0%} of the last {span:.1f} s: this machine has more "
+            "busy processes than cores, so the environment may not be at fault)"
+        )
+    if on_cpu >= 0.5:
+        return f" (computing, {on_cpu:.0%} on a CPU: an async environment running blocking work; {_BLOCKING_ADVICE})"
+    return (
+        f" (in a blocking call, {on_cpu:.0%} on a CPU: an async environment calling blocking code; {_BLOCKING_ADVICE})"
+    )

@@ -3,6 +3,10 @@ checks before any actor starts."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import threading
 import time
 
 import pytest
@@ -98,6 +102,59 @@ async def test_watchdog_reports_the_labelled_blocker_once_per_stall() -> None:
     assert dog.stalls == 2 and dog.longest_s >= 0.6
     assert len(lines) == 2 and "Slow.step (task 'slow')" in lines[0] and "blocked the event loop" in lines[0]
     assert "trio task" in lines[1]
+    if sys.platform == "linux":  # the kernel's per-thread counters say what the thread did
+        assert all("in a blocking call" in line for line in lines), lines
+
+
+async def test_watchdog_tells_computing_from_a_blocking_call() -> None:
+    lines: list[str] = []
+    dog = LoopWatchdog(lines.append, threshold_s=0.2, poll_s=0.02)
+    async with trio.open_nursery() as n:
+        await n.start(dog.run)
+        end = time.perf_counter() + 0.5
+        while time.perf_counter() < end:  # CPU work on the loop
+            pass
+        await trio.sleep(0.05)
+        n.cancel_scope.cancel()
+    assert len(lines) == 1 and "blocked the event loop" in lines[0]
+    if sys.platform == "linux":
+        assert "computing" in lines[0], lines
+
+
+@pytest.mark.skipif(
+    sys.platform != "linux" or len(os.sched_getaffinity(0)) < 2, reason="Linux scheduler counters, two cores"
+)
+def test_watchdog_says_when_the_loop_waited_for_a_cpu() -> None:
+    """A loop thread that is runnable but not run (a busier process holds its only core)
+    is reported as starved, not as an environment that blocks."""
+    core = min(os.sched_getaffinity(0))
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    lines: list[str] = []
+    try:
+        os.sched_setaffinity(hog.pid, {core})
+
+        async def starved_loop() -> None:
+            dog = LoopWatchdog(lines.append, threshold_s=0.3, poll_s=0.02)
+            async with trio.open_nursery() as n:
+                await n.start(dog.run)
+                # this thread alone: lowest priority, on the hog's core, computing
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+                os.sched_setaffinity(0, {core})
+                end = time.perf_counter() + 1.0
+                while time.perf_counter() < end:
+                    pass
+                os.sched_setaffinity(0, os.sched_getaffinity(os.getpid()) - {core})  # runs again, elsewhere
+                await trio.sleep(0.05)
+                n.cancel_scope.cancel()
+
+        thread = threading.Thread(target=trio.run, args=(starved_loop,))  # a thread of its own: its nice value stays
+        thread.start()
+        thread.join(30)
+        assert not thread.is_alive()
+    finally:
+        hog.kill()
+        hog.wait()
+    assert len(lines) == 1 and "waited for a CPU" in lines[0] and "may not be at fault" in lines[0], lines
 
 
 async def test_plain_methods_run_in_threads_unless_the_env_says_they_never_block() -> None:
@@ -132,7 +189,7 @@ async def test_plain_methods_run_in_threads_unless_the_env_says_they_never_block
     # on the loop the timeout cannot fire (the call returned), and the watchdog names the call
     assert len(lines) == 1 and "plain environment Inline.step (task 't')" in lines[0]
     assert Environment.blocking and not any(
-        task_factory(t).blocking for t in ("guess_number", "arithmetic", "sum_mod", "reverse")
+        task_factory(t).blocking for t in ("guess_number", "arithmetic", "sum_mod", "reverse", "sort")
     )
 
 
