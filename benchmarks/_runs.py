@@ -9,6 +9,7 @@ Each run gets its own run_root under a temporary directory, removed afterwards.
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import os
 import shutil
@@ -31,6 +32,7 @@ __all__ = [
     "ROOT",
     "CpuWatch",
     "RunOutput",
+    "config_hash",
     "demo_raw",
     "intervals_union",
     "load_average",
@@ -43,6 +45,11 @@ def demo_raw() -> dict[str, Any]:
     """The demo config as a raw dict (a fresh copy each call)."""
     with open(DEMO, "rb") as f:
         return copy.deepcopy(tomllib.load(f))
+
+
+def config_hash(raw: dict[str, Any]) -> str:
+    """A short hash of a raw run config (key order does not matter)."""
+    return hashlib.sha256(json.dumps(raw, sort_keys=True).encode()).hexdigest()[:12]
 
 
 @dataclass
@@ -243,32 +250,42 @@ def run_variants(
     in seed order. Progress goes to stderr with the load average after each run.
 
     With `record`, each finished run's figures are appended there as a JSON line
-    (variant, seed, steps, figures) and runs already recorded with the same steps are not
-    run again: a long comparison survives being stopped and resumes where it was. With
-    `run=False` only recorded runs are returned (variants without any are left out).
+    (variant, seed, steps, config hash, figures) and runs already recorded with the same
+    steps and config are not run again: a long comparison survives being stopped and
+    resumes where it was. A recorded run whose config hash differs from the one `build`
+    gives now (its benchmark's base config changed) is ignored and run again; lines
+    without a hash predate it and are taken as recorded. With `run=False` only recorded
+    runs are returned (variants without any are left out).
     """
-    done: dict[tuple[str, int], dict[str, float]] = {}
+    done: dict[tuple[str, int], tuple[str | None, dict[str, float]]] = {}
     if record is not None and record.is_file():
         for line in record.read_text().splitlines():
             if line.strip():
                 r = json.loads(line)
                 if r.get("steps") == steps:
-                    done[(r["variant"], r["seed"])] = r["figures"]
+                    done[(r["variant"], r["seed"])] = (r.get("config"), r["figures"])
     out: dict[str, list[dict[str, float]]] = {name: [] for name in names}
+    stale = 0
     for seed in range(n_seeds):
         for name in names:
+            raw = build(name, seed)
+            digest = config_hash(raw)
             if (name, seed) in done:
-                out[name].append(done[(name, seed)])
-                continue
+                recorded, figs = done[(name, seed)]
+                if recorded in (None, digest):
+                    out[name].append(figs)
+                    continue
+                stale += 1
             if not run:
                 continue
             print(f"running {name} seed {seed}: {steps} steps ...", file=sys.stderr, flush=True)
-            result = run_raw(build(name, seed), keep_spans=False)
+            result = run_raw(raw, keep_spans=False)
             figs = figures(result.metrics)
             out[name].append(figs)
             if record is not None:
+                line = {"variant": name, "seed": seed, "steps": steps, "config": digest, "figures": figs}
                 with record.open("a") as f:
-                    f.write(json.dumps({"variant": name, "seed": seed, "steps": steps, "figures": figs}) + "\n")
+                    f.write(json.dumps(line) + "\n")
             print(
                 f"  {name} seed {seed}: "
                 + ", ".join(f"{k} {v:.4g}" for k, v in figs.items())
@@ -276,4 +293,10 @@ def run_variants(
                 file=sys.stderr,
                 flush=True,
             )
+    if stale:
+        print(
+            f"{record}: {stale} recorded run(s) with another config than this one ignored"
+            + ("" if run else " (not rerun: --report)"),
+            file=sys.stderr,
+        )
     return {name: per_seed for name, per_seed in out.items() if per_seed}
