@@ -265,7 +265,7 @@ def run_variants(
                 if r.get("steps") == steps:
                     done[(r["variant"], r["seed"])] = (r.get("config"), r["figures"])
     out: dict[str, list[dict[str, float]]] = {name: [] for name in names}
-    stale = 0
+    stale = legacy = 0
     for seed in range(n_seeds):
         for name in names:
             raw = build(name, seed)
@@ -273,6 +273,7 @@ def run_variants(
             if (name, seed) in done:
                 recorded, figs = done[(name, seed)]
                 if recorded in (None, digest):
+                    legacy += recorded is None
                     out[name].append(figs)
                     continue
                 stale += 1
@@ -293,6 +294,12 @@ def run_variants(
                 file=sys.stderr,
                 flush=True,
             )
+    if legacy:
+        print(
+            f"{record}: {legacy} recorded run(s) predate config hashes and are taken as recorded: "
+            "their config is the one of the record's date",
+            file=sys.stderr,
+        )
     if stale:
         print(
             f"{record}: {stale} recorded run(s) with another config than this one ignored"
