@@ -110,13 +110,18 @@ class LoopWatchdog(trio.abc.Instrument):
 
     def _watch(self, stop: threading.Event) -> None:
         reported: tuple[Any, float] | None = None
-        first_seen: tuple[Any, float, Counters | None] | None = None  # a step, and the counters when first seen
+        # A step, and the counters of the poll before the one that first saw it: they cover
+        # the step from its start even when this thread first runs long after (a starved
+        # loop thread holding the GIL delays it too).
+        first_seen: tuple[Any, float, Counters | None] | None = None
+        last = self._counters()
         while not stop.wait(self.poll_s):
             task, since = self._running, self._since
+            previous, last = last, self._counters()
             if task is None or (task, since) == reported:
                 continue
             if first_seen is None or first_seen[:2] != (task, since):
-                first_seen = (task, since, self._counters())
+                first_seen = (task, since, previous)
             blocked = time.perf_counter() - since
             if blocked > self.threshold_s:
                 reported = (task, since)
@@ -124,7 +129,7 @@ class LoopWatchdog(trio.abc.Instrument):
                 self._limit.log(
                     name,
                     f"env actor: {name} has blocked the event loop for {blocked:.1f} s"
-                    f"{_what_it_did(first_seen[2], self._counters())}",
+                    f"{_what_it_did(first_seen[2], last)}",
                     self._report,
                 )
 

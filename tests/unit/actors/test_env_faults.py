@@ -111,8 +111,8 @@ async def test_watchdog_tells_computing_from_a_blocking_call() -> None:
     dog = LoopWatchdog(lines.append, threshold_s=0.2, poll_s=0.02)
     async with trio.open_nursery() as n:
         await n.start(dog.run)
-        end = time.perf_counter() + 0.5
-        while time.perf_counter() < end:  # CPU work on the loop
+        end = time.perf_counter() + 1.0  # well past the threshold: the watchdog's thread
+        while time.perf_counter() < end:  # CPU work on the loop (needs the GIL to see it)
             pass
         await trio.sleep(0.05)
         n.cancel_scope.cancel()
