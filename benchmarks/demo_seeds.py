@@ -235,10 +235,10 @@ def main() -> None:
     }
     if compare:
         out["compare"] = args.compare
-        out["base"] = _summary(rows["base"])
-        out["compared"] = _summary(rows["compared"])
+        out["base"] = summary(rows["base"])
+        out["compared"] = summary(rows["compared"])
     else:
-        out |= _summary(rows["base"])
+        out |= summary(rows["base"])
     out |= {"jobs": args.jobs, "load_avg_before": load_before, "load_avg_after": load_after}
     print(json.dumps(out))
 
@@ -250,7 +250,7 @@ def meets_bar(fig: dict[str, Any]) -> bool:
     return t is not None and t <= BAR_S and fig["final"] >= TARGET
 
 
-def _summary(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def summary(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Figures over runs (keyed "SEED", or "SEED.REPEAT" with --repeats)."""
     reached = [s for s, r in rows.items() if r["step_to_target"] is not None]
     times = [r["wall_to_target_s"] for r in rows.values()]

@@ -1,0 +1,125 @@
+"""Do the shipped tasks learn on the recipe's defaults? Issue 32's item 3 as one figure.
+
+What: for each task config (default: the five shipped task examples), checks that it
+runs the recipe's defaults (no `[recipe]` table; in `[trainer]`, `lr` at most) and runs
+it over seeds 0-4, twice each, as `benchmarks/demo_seeds.py CONFIG --repeats 2` does:
+one run at a time, each in its own temporary run directory. A run meets the bar when its
+10-step mean reward reaches 0.8 within 300 s of run clock and its final 10-step mean is
+>= 0.8. The last line is JSON with `defaults_tasks_reaching` (tasks run on the defaults
+whose every run met the bar), `tasks` (how many were run) and per task: `defaults` (true,
+or what the config changes beyond them), `runs`, `runs_meeting_bar`, `seeds_reaching`,
+`worst_time_to_0_8_s`, `worst_final`, and each run's figures.
+
+Why: the target is every task, 5 of 5 seeds (each run twice: an asynchronous run is not
+deterministic, so one run per seed is not evidence). The full default set takes hours
+on two cores (about 50 runs of 2-6 minutes); run it alone on the machine, since the bar
+is on the run clock.
+
+Run:  .venv/bin/python benchmarks/defaults_tasks.py
+      .venv/bin/python benchmarks/defaults_tasks.py examples/sort.toml examples/reverse.toml --seeds 0,1
+      .venv/bin/python benchmarks/defaults_tasks.py --quick   (the configs checked; one 5-step run of the first)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from _runs import load_average
+from demo_seeds import build_raw, run_seed, summary
+
+ROOT = Path(__file__).resolve().parents[1]
+TASKS = ["guess_number", "arithmetic", "reverse", "sort", "sum_mod"]
+
+
+def beyond_defaults(raw: dict[str, Any]) -> list[str]:
+    """What a run config changes beyond the recipe's defaults (empty when nothing): a
+    `[recipe]` table, or a `[trainer]` setting other than `lr`."""
+    out = []
+    if raw.get("recipe"):
+        out.append(f"[recipe] sets {', '.join(sorted(raw['recipe']))}")
+    extra = sorted(set(raw.get("trainer", {})) - {"lr"})
+    if extra:
+        out.append(f"[trainer] sets {', '.join(extra)} (only lr may change)")
+    return out
+
+
+def tasks_reaching(per_task: dict[str, dict[str, Any]]) -> int:
+    """Tasks on the defaults whose every run met the bar."""
+    return sum(
+        1 for t in per_task.values() if t["defaults"] is True and t["runs"] and t["runs_meeting_bar"] == t["runs"]
+    )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "configs", nargs="*", type=Path, help="task configs (default: examples/{guess_number,arithmetic,...}.toml)"
+    )
+    p.add_argument("--quick", action="store_true", help="check every config, run the first for 5 steps (< 1 min)")
+    p.add_argument("--seeds", default="0,1,2,3,4", help="comma-separated seeds (default 0,1,2,3,4)")
+    p.add_argument("--repeats", type=int, default=2, help="runs per seed (default 2)")
+    args = p.parse_args()
+    configs = args.configs or [ROOT / "examples" / f"{t}.toml" for t in TASKS]
+    seeds = [0] if args.quick else [int(s) for s in args.seeds.split(",")]
+    repeats = 1 if args.quick else args.repeats
+    if repeats < 1:
+        p.error(f"--repeats must be >= 1, got {repeats}")
+
+    bases = {}
+    for path in configs:
+        try:
+            with open(path, "rb") as f:
+                bases[path] = tomllib.load(f)
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise SystemExit(f"defaults_tasks: cannot read {path}: {e}") from None
+
+    load_before = load_average()
+    per_task: dict[str, dict[str, Any]] = {}
+    for i, (path, base) in enumerate(bases.items()):
+        breaches = beyond_defaults(base)
+        entry: dict[str, Any] = {"config": str(path), "defaults": True if not breaches else "; ".join(breaches)}
+        if args.quick and i > 0:
+            per_task[path.stem] = entry | {"runs": 0, "runs_meeting_bar": 0}
+            continue
+        rows = {}
+        for r in range(repeats):
+            for seed in seeds:
+                key = f"{seed}" if repeats == 1 else f"{seed}.{r}"
+                fig = run_seed(build_raw(base, seed, 5 if args.quick else None, []))
+                rows[key] = fig
+                reach = "never"
+                if fig["step_to_target"] is not None:
+                    reach = f"step {fig['step_to_target']} at {fig['wall_to_target_s']:.0f} s"
+                print(
+                    f"{path.stem} seed {key}: 10-step mean >= 0.8: {reach}; final {fig['final']:.3f}; "
+                    f"{fig['steps']} steps in {fig['total_s']:.0f} s; load {fig['load_avg']}",
+                    flush=True,
+                )
+        per_task[path.stem] = entry | summary(rows)
+    reaching = tasks_reaching(per_task)
+    print(
+        f"\n{reaching} of {len(per_task)} tasks met the bar on every run"
+        + ("" if not args.quick else " (quick: a smoke test, nothing is expected to learn)")
+    )
+    for name, t in per_task.items():
+        print(f"  {name}: {t['runs_meeting_bar']}/{t['runs']} runs; defaults: {t['defaults']}")
+    out = {
+        "benchmark": "defaults_tasks",
+        "quick": args.quick,
+        "seeds": seeds,
+        "repeats": repeats,
+        "defaults_tasks_reaching": reaching,
+        "tasks": len(per_task),
+        "per_task": per_task,
+        "load_avg_before": load_before,
+        "load_avg_after": load_average(),
+    }
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
