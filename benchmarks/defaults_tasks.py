@@ -1,6 +1,7 @@
 """Do the shipped tasks learn on the recipe's defaults? Issue 32's item 3 as one figure.
 
-What: for each task config (default: the five shipped task examples), checks that it
+What: for each task config (default: item 3's tasks: the demo's guess_number, arithmetic
+with `max_sum = 9`, and the two small tasks added for it, reverse and sort), checks that it
 runs the recipe's defaults (no `[recipe]` table; in `[trainer]`, `lr` at most) and runs
 it over seeds 0-4, twice each, as `benchmarks/demo_seeds.py CONFIG --repeats 2` does:
 one run at a time, each in its own temporary run directory. A run meets the bar when its
@@ -12,8 +13,13 @@ or what the config changes beyond them), `runs`, `runs_meeting_bar`, `seeds_reac
 
 Why: the target is every task, 5 of 5 seeds (each run twice: an asynchronous run is not
 deterministic, so one run per seed is not evidence). The full default set takes hours
-on two cores (about 50 runs of 2-6 minutes); run it alone on the machine, since the bar
-is on the run clock.
+on two cores (40 runs of 3-6 minutes); run it alone on the machine, since the bar is on
+the run clock, which moves with the machine (a step took 0.25 s on one instance and 0.5 s
+on another: records of 2026-12-03 and -04).
+
+`examples/sum_mod.toml`, a third added task, is not in the default set: on the defaults it
+needs 600-1,100 steps to reach 0.8 and one run in three did not within 1,200
+(`docs/recipe.md`); pass its config to run it (`... defaults_tasks.py examples/sum_mod.toml`).
 
 Run:  .venv/bin/python benchmarks/defaults_tasks.py
       .venv/bin/python benchmarks/defaults_tasks.py examples/sort.toml examples/reverse.toml --seeds 0,1
@@ -32,7 +38,8 @@ from _runs import load_average
 from demo_seeds import build_raw, run_seed, summary
 
 ROOT = Path(__file__).resolve().parents[1]
-TASKS = ["guess_number", "arithmetic", "reverse", "sort", "sum_mod"]
+TASKS = ["guess_number", "arithmetic", "reverse", "sort"]  # item 3's set
+OTHER_TASKS = ["sum_mod"]  # shipped, on the defaults, but short of the bar (see above)
 
 
 def beyond_defaults(raw: dict[str, Any]) -> list[str]:
@@ -57,7 +64,10 @@ def tasks_reaching(per_task: dict[str, dict[str, Any]]) -> int:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
-        "configs", nargs="*", type=Path, help="task configs (default: examples/{guess_number,arithmetic,...}.toml)"
+        "configs",
+        nargs="*",
+        type=Path,
+        help="task configs (default: examples/{guess_number,arithmetic,reverse,sort}.toml)",
     )
     p.add_argument("--quick", action="store_true", help="check every config, run the first for 5 steps (< 1 min)")
     p.add_argument("--seeds", default="0,1,2,3,4", help="comma-separated seeds (default 0,1,2,3,4)")
