@@ -13,7 +13,7 @@ or what the config changes beyond them), `runs`, `runs_meeting_bar`, `seeds_reac
 
 Why: the target is every task, 5 of 5 seeds (each run twice: an asynchronous run is not
 deterministic, so one run per seed is not evidence). The full default set takes hours
-on two cores (40 runs of 3-6 minutes); run it alone on the machine, since the bar is on
+on two cores (40 runs of 3-10 minutes); run it alone on the machine, since the bar is on
 the run clock, which moves with the machine (a step took 0.25 s on one instance and 0.5 s
 on another: records of 2026-12-03 and -04).
 
