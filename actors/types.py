@@ -51,6 +51,9 @@ class SamplingParams(BaseModel):
     """Per-turn generation limit, used when the environment sets none of its own."""
 
 
+SHORT_RECORD = 256  # entries up to which a layout check reads a tensor as a Python list
+
+
 def _check_1d(name: str, t: Any, dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"Trajectory.{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -125,7 +128,10 @@ class Trajectory(BaseModel):
         _check_1d("support_offsets", self.support_offsets, i32)
         _check_1d("support_logq", self.support_logq, (torch.float32,))
         _check_1d("versions", self.versions, i32)
-        L, n = self.tokens.numel(), int(self.loss_mask.sum())
+        # Most trajectories are short, and each torch call costs microseconds on a small
+        # tensor: up to SHORT_RECORD entries the counts and offsets are checked as Python values.
+        L, mask = self.tokens.numel(), self.loss_mask
+        n = mask.tolist().count(True) if mask.numel() <= SHORT_RECORD else int(mask.sum())
         if self.loss_mask.numel() != L:
             raise ValueError(f"Trajectory.loss_mask has {self.loss_mask.numel()} entries, tokens {L}")
         if self.support_offsets.numel() != n + 1:
@@ -141,7 +147,12 @@ class Trajectory(BaseModel):
         if self.support_logq.numel() != nnz:
             raise ValueError(f"Trajectory.support_logq has {self.support_logq.numel()} entries, support_ids {nnz}")
         off = self.support_offsets
-        if int(off[0]) != 0 or int(off[-1]) != nnz or bool((off[1:] < off[:-1]).any()):
+        if off.numel() <= SHORT_RECORD:
+            o = off.tolist()
+            bad = o[0] != 0 or o[-1] != nnz or any(b < a for a, b in zip(o, o[1:]))
+        else:
+            bad = int(off[0]) != 0 or int(off[-1]) != nnz or bool((off[1:] < off[:-1]).any())
+        if bad:
             raise ValueError(
                 f"Trajectory.support_offsets must start at 0, be non-decreasing and end at len(support_ids)={nnz}"
             )

@@ -108,9 +108,7 @@ class EpisodeBuilder:
         error: str | None = None,
         error_traceback: str | None = None,
     ) -> Trajectory:
-        counts = torch.tensor(self._counts, dtype=torch.int64)
-        offsets = torch.zeros(counts.numel() + 1, dtype=torch.int64)
-        offsets[1:] = torch.cumsum(counts, 0)
+        # One torch call per field (each costs microseconds on tensors this small).
         return Trajectory(
             task=task.task,
             prompt_id=task.prompt_id,
@@ -118,9 +116,9 @@ class EpisodeBuilder:
             pool=pool,
             tokens=torch.tensor(self.ids, dtype=torch.int64),
             loss_mask=torch.tensor(self.mask, dtype=torch.bool),
-            support_ids=(torch.cat(self._sup_ids) if self._sup_ids else torch.zeros(0, dtype=torch.int32)),
-            support_offsets=offsets.to(torch.int32),
-            support_logq=(torch.cat(self._logq) if self._logq else torch.zeros(0, dtype=torch.float32)),
+            support_ids=_joined(self._sup_ids, torch.int32),
+            support_offsets=torch.tensor([0, *itertools.accumulate(self._counts)], dtype=torch.int32),
+            support_logq=_joined(self._logq, torch.float32),
             versions=torch.tensor(self._versions, dtype=torch.int32),
             reward=0.0 if failed else reward,
             failed=failed,
@@ -129,6 +127,13 @@ class EpisodeBuilder:
             turns=turns,
             seconds=seconds,
         )
+
+
+def _joined(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """The turns' rows end to end (a one-turn episode's own tensor, not a copy)."""
+    if len(parts) == 1:
+        return parts[0]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=dtype)
 
 
 @dataclass(frozen=True)

@@ -178,10 +178,12 @@ def _encode_tensor(value: Any, frames: list[Any], where: str) -> dict[str, Any]:
     shape = list(t.shape)
     if t.numel() == 0:
         return {"__t": "tensor", "d": dtype, "s": shape, "f": None, "n": 0}
-    raw = t.reshape(-1).view(torch.uint8)
+    # The bytes of a contiguous tensor start at its data pointer (each torch call costs
+    # microseconds on a small tensor: no reshape or view to bytes first).
+    raw = t
     # A zero-copy byte view of the storage (ctypes, so numpy is not needed); the view
     # holds the tensor, so the storage stays alive while ZeroMQ still queues the frame.
-    view = (ctypes.c_uint8 * raw.numel()).from_address(raw.data_ptr())
+    view = (ctypes.c_uint8 * (raw.numel() * raw.element_size())).from_address(raw.data_ptr())
     view._tensor = raw  # type: ignore[attr-defined]
     buf = memoryview(view).cast("B")
     frames.append(buf)
@@ -317,11 +319,12 @@ def _decode_tensor(x: dict[str, Any], fr: _Frames, where: str) -> Any:
         return torch.empty(shape, dtype=dtype)
     buf = fr.take(x.get("f"), n, where)
     if n < _SMALL_COPY or buf.readonly:
-        raw = torch.frombuffer(bytearray(buf), dtype=torch.uint8)
-    else:
-        raw = torch.frombuffer(buf, dtype=torch.uint8)  # zero-copy; keeps the frame alive
-        if raw.data_ptr() % dtype.itemsize:
-            raw = raw.clone()  # ZeroMQ buffers are 8-byte aligned: only complex128 copies
+        # A fresh bytearray is aligned for every dtype: read it as the dtype at once.
+        out = torch.frombuffer(bytearray(buf), dtype=dtype)
+        return out if len(shape) == 1 else out.reshape(shape)
+    raw = torch.frombuffer(buf, dtype=torch.uint8)  # zero-copy; keeps the frame alive
+    if raw.data_ptr() % dtype.itemsize:
+        raw = raw.clone()  # ZeroMQ buffers are 8-byte aligned: only complex128 copies
     return raw.view(dtype).reshape(shape)
 
 
