@@ -9,6 +9,7 @@ All are pydantic models, so they travel on the runtime's wire as they are.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -149,7 +150,7 @@ class Trajectory(BaseModel):
         off = self.support_offsets
         if off.numel() <= SHORT_RECORD:
             o = off.tolist()
-            bad = o[0] != 0 or o[-1] != nnz or any(b < a for a, b in zip(o, o[1:]))
+            bad = o[0] != 0 or o[-1] != nnz or any(b < a for a, b in itertools.pairwise(o))
         else:
             bad = int(off[0]) != 0 or int(off[-1]) != nnz or bool((off[1:] < off[:-1]).any())
         if bad:
