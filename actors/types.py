@@ -170,7 +170,11 @@ class Trajectory(BaseModel):
         cached = self.__dict__.get("_version_range_of")
         v = self.versions
         if cached is None or cached[0] is not v:
-            rng = (int(v.min()), int(v.max())) if v.numel() else (0, 0)
+            if v.numel() <= SHORT_RECORD:
+                vs = v.tolist()
+                rng = (min(vs), max(vs)) if vs else (0, 0)
+            else:
+                rng = (int(v.min()), int(v.max()))
             cached = self.__dict__["_version_range_of"] = (v, rng)
         return cached[1]
 

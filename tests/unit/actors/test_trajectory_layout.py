@@ -84,3 +84,12 @@ def test_a_record_of_no_generated_tokens_is_valid() -> None:
     f = _fields(0)
     assert f["support_offsets"].tolist() == [0]
     assert Trajectory(**f).num_generated == 0
+
+
+@pytest.mark.parametrize("n", [3, 2 * SHORT_RECORD])
+def test_version_range_is_the_oldest_and_newest_version(n: int) -> None:
+    f = _fields(n)
+    versions = torch.arange(n, dtype=torch.int32) % 7 + 2
+    t = Trajectory(**{**f, "versions": versions})
+    assert (t.oldest_version, t.newest_version) == (int(versions.min()), int(versions.max()))
+    assert t.staleness(10) == 10 - int(versions.min())
