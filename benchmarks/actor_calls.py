@@ -20,6 +20,11 @@ process pinned to core 0 and both servers to core 1 where the machine has two co
 ``bare_rtt_p50`` (issue 30: <= 1.3; every pair's ratio is in
 ``rtt_over_bare_zmq_pairs``): what the runtime adds to a round trip over what ZeroMQ
 itself costs. ``rtt_p50_us`` and ``bare_zmq_rtt_p50_us`` pool the pairs' round trips.
+A third echo in the same rounds, on the same sockets and spin policy, has both sides
+build and read a small JSON header (the runtime's ``dumps`` and ``loads``) and nothing
+else: ``json_over_bare_zmq`` (median over the pairs) is what reading and writing one
+header in Python costs over the bare floor, a floor for any Python runtime's call;
+``json_zmq_rtt_p50_us`` pools its round trips.
 
 How: ``python benchmarks/actor_calls.py [--quick] [--no-peers] [--no-pin]``. Each peer runs in
 its own subprocess (``--peer monarch|ray``) and is reported absent when it is
@@ -112,46 +117,50 @@ async def _timed_calls(ep: Any, count: int) -> tuple[list[float], float]:
     return rtts, time.process_time() - c0
 
 
-async def _rtt_pair(n: dict[str, int], pin: bool) -> tuple[list[float], list[float], float]:
+async def _rtt_pair(n: dict[str, int], pin: bool) -> tuple[list[float], list[float], list[float], float]:
     """One fresh actor process and one fresh bare echo, their rounds alternating so both
     see the same machine. With ``pin``, this process runs on core 0 and both servers on
     core 1 (each process with its ZeroMQ I/O thread), so the ratio does not depend on
     where the scheduler happened to put each thread. Returns the call's round trips, the
-    bare echo's, and the caller's CPU seconds over the calls."""
+    bare echo's, the JSON echo's, and the caller's CPU seconds over the calls."""
     from actor_calls import EchoActor as Echo  # importable by the actor process (it inherits our import path)
 
     from orchestrator.runtime import open_mesh
 
     rtts: list[float] = []
     bare_rtts: list[float] = []
+    json_rtts: list[float] = []
     cpu = 0.0
     async with open_mesh(Echo, name="echo", env={"OMP_NUM_THREADS": "1"}) as mesh:
         ep = mesh[0].echo
         await ep.call_one(0)
         with tempfile.TemporaryDirectory(prefix="flotilla-bare-") as tmp:
-            bare = _BareEcho(tmp)
+            bare, json_echo = _BareEcho(tmp), _BareEcho(tmp, parse=True)
             everywhere = os.sched_getaffinity(0)
             try:
                 if pin:
                     pid = mesh.pids[0]
                     assert pid is not None
                     _pin(os.getpid(), {0})
-                    _pin(pid, {1})
-                    _pin(bare.proc.pid, {1})
+                    for server in (pid, bare.proc.pid, json_echo.proc.pid):
+                        _pin(server, {1})
                 for _ in range(200):
                     await ep.call_one(1)
                     bare.call()
+                    json_echo.call()
                 rounds = 5
                 for _ in range(rounds):
                     r, c = await _timed_calls(ep, n["rtt"] // rounds)
                     rtts += r
                     cpu += c
                     bare_rtts.extend(bare.call() for _ in range(n["rtt"] // rounds))
+                    json_rtts.extend(json_echo.call() for _ in range(n["rtt"] // rounds))
             finally:
                 if pin:
                     _pin(os.getpid(), everywhere)
                 bare.close()
-    return rtts, bare_rtts, cpu
+                json_echo.close()
+    return rtts, bare_rtts, json_rtts, cpu
 
 
 async def _floor(n: dict[str, int], pin: bool) -> dict[str, Any]:
@@ -159,14 +168,18 @@ async def _floor(n: dict[str, int], pin: bool) -> dict[str, Any]:
     pin = pin and sys.platform == "linux" and {0, 1} <= os.sched_getaffinity(0)
     rtts: list[float] = []
     bare_rtts: list[float] = []
+    json_rtts: list[float] = []
     ratios: list[float] = []
+    json_ratios: list[float] = []
     cpu = 0.0
     for _ in range(n["rtt_pairs"]):
-        r, b, c = await _rtt_pair(n, pin)
+        r, b, j, c = await _rtt_pair(n, pin)
         rtts += r
         bare_rtts += b
+        json_rtts += j
         cpu += c
         ratios.append(_pct(r, 0.5) / _pct(b, 0.5))
+        json_ratios.append(_pct(j, 0.5) / _pct(b, 0.5))
     return {
         # The caller's CPU per round trip: the price of spinning instead of parking.
         "rtt_caller_cpu_us": cpu / len(rtts) * 1e6,
@@ -176,6 +189,8 @@ async def _floor(n: dict[str, int], pin: bool) -> dict[str, Any]:
         "bare_zmq_rtt_p99_us": _pct(bare_rtts, 0.99) * 1e6,
         "rtt_over_bare_zmq": statistics.median(ratios),
         "rtt_over_bare_zmq_pairs": [round(x, 3) for x in ratios],
+        "json_zmq_rtt_p50_us": _pct(json_rtts, 0.5) * 1e6,
+        "json_over_bare_zmq": statistics.median(json_ratios),
         "rtt_pinned": pin,
     }
 
@@ -259,9 +274,12 @@ def _pollin(sock: Any) -> bool:
     return bool(sock.get(_EVENTS) & _POLLIN)
 
 
-def _bare_server(address: str) -> None:
+def _bare_server(address: str, parse: bool = False) -> None:
+    """The echo's side; ``parse``: read the request's JSON header and answer with a JSON
+    header of its own (the runtime's ``loads`` and ``dumps``), as any Python runtime must."""
     import zmq
 
+    from orchestrator.runtime._wire import dumps, loads
     from orchestrator.runtime._zsock import SPIN_S, tune
 
     sock = zmq.Context.instance().socket(zmq.ROUTER)
@@ -280,20 +298,25 @@ def _bare_server(address: str) -> None:
         last = now
         if frames[1] == b"stop":
             return
+        if parse:
+            header = loads(frames[1])
+            frames[1] = dumps({"id": header["id"], "kind": "ok", "value": header["args"][0]})
         sock.send_multipart(frames, flags=zmq.NOBLOCK)
 
 
 class _BareEcho:
-    """The caller's side of the bare echo; the echo runs in its own process."""
+    """The caller's side of the bare echo; the echo runs in its own process. ``parse``:
+    both sides build and read a JSON header (``_bare_server``)."""
 
-    def __init__(self, tmp: str) -> None:
+    def __init__(self, tmp: str, parse: bool = False) -> None:
         import zmq
 
         from orchestrator.runtime._zsock import tune
 
-        self.address = f"ipc://{tmp}/bare-echo"
+        self.parse = parse
+        self.address = f"ipc://{tmp}/{'json' if parse else 'bare'}-echo"
         self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--bare-server", self.address],
+            [sys.executable, __file__, "--json-server" if parse else "--bare-server", self.address],
             stdout=subprocess.PIPE,
             text=True,
             env={**os.environ, "OMP_NUM_THREADS": "1"},
@@ -303,19 +326,29 @@ class _BareEcho:
         tune(self.sock, tcp=False)
         self.sock.connect(self.address)
         self.rtt_ewma = 0.0
+        self.calls = 0
 
     def call(self) -> float:
         import zmq
 
+        from orchestrator.runtime._wire import dumps, loads
         from orchestrator.runtime._zsock import SPIN_S
 
         t0 = time.perf_counter()
-        self.sock.send(_BARE_FRAME, zmq.NOBLOCK)
+        if self.parse:
+            self.calls += 1
+            self.sock.send(
+                dumps({"kind": "call", "endpoint": "echo", "args": [self.calls], "id": self.calls}), zmq.NOBLOCK
+            )
+        else:
+            self.sock.send(_BARE_FRAME, zmq.NOBLOCK)
         if self.rtt_ewma < 2 * SPIN_S:
             deadline = t0 + SPIN_S
             while time.perf_counter() < deadline and not _pollin(self.sock):
                 os.sched_yield()
-        self.sock.recv()
+        reply = self.sock.recv()
+        if self.parse and loads(reply)["value"] != self.calls:
+            raise RuntimeError("json echo: a reply to another request")
         dt = time.perf_counter() - t0
         self.rtt_ewma += 0.2 * (dt - self.rtt_ewma)
         return dt
@@ -442,9 +475,10 @@ def main() -> None:
     )
     p.add_argument("--peer", choices=["park", "zmq", "monarch", "ray"], help=argparse.SUPPRESS)
     p.add_argument("--bare-server", metavar="ADDRESS", help=argparse.SUPPRESS)
+    p.add_argument("--json-server", metavar="ADDRESS", help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.bare_server:
-        _bare_server(args.bare_server)
+    if args.bare_server or args.json_server:
+        _bare_server(args.bare_server or args.json_server, parse=bool(args.json_server))
         return
     import torch
 
