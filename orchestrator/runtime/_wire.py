@@ -175,6 +175,8 @@ def _encode_tensor(value: Any, frames: list[Any], where: str) -> dict[str, Any]:
     if t.device.type != "cpu":
         t = t.cpu()
     t = t.contiguous()
+    if t.is_conj() or t.is_neg():  # a lazy conjugate or negative view: its bytes are not its values
+        t = t.resolve_conj().resolve_neg()
     shape = list(t.shape)
     if t.numel() == 0:
         return {"__t": "tensor", "d": dtype, "s": shape, "f": None, "n": 0}

@@ -86,6 +86,10 @@ def test_encode_decode_in_process() -> None:
     back = _roundtrip(torch.arange(10))
     back += 1  # received tensors are writable
     assert back.tolist() == list(range(1, 11))
+    # lazy views whose bytes are not their values arrive as their values
+    z = torch.tensor([1 + 2j, 3 - 1j])
+    assert torch.equal(_roundtrip(z.conj()), torch.tensor([1 - 2j, 3 + 1j]))
+    assert torch.equal(_roundtrip(z.conj().imag), torch.tensor([-2.0, 1.0]))  # a negative view
 
 
 def test_encode_rejects_unsupported_values_naming_the_position() -> None:
