@@ -180,13 +180,12 @@ def _encode_tensor(value: Any, frames: list[Any], where: str) -> dict[str, Any]:
     shape = list(t.shape)
     if t.numel() == 0:
         return {"__t": "tensor", "d": dtype, "s": shape, "f": None, "n": 0}
-    # The bytes of a contiguous tensor start at its data pointer (each torch call costs
-    # microseconds on a small tensor: no reshape or view to bytes first).
-    raw = t
-    # A zero-copy byte view of the storage (ctypes, so numpy is not needed); the view
-    # holds the tensor, so the storage stays alive while ZeroMQ still queues the frame.
-    view = (ctypes.c_uint8 * (raw.numel() * raw.element_size())).from_address(raw.data_ptr())
-    view._tensor = raw  # type: ignore[attr-defined]
+    # A zero-copy byte view of the storage (ctypes, so numpy is not needed): a contiguous
+    # tensor's bytes start at its data pointer, so no reshape or view to bytes first (each
+    # torch call costs microseconds on a small tensor). The view holds the tensor, so the
+    # storage stays alive while ZeroMQ still queues the frame.
+    view = (ctypes.c_uint8 * (t.numel() * t.element_size())).from_address(t.data_ptr())
+    view._tensor = t  # type: ignore[attr-defined]
     buf = memoryview(view).cast("B")
     frames.append(buf)
     return {"__t": "tensor", "d": dtype, "s": shape, "f": len(frames), "n": buf.nbytes}
