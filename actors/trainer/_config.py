@@ -44,10 +44,12 @@ class TrainerConfig(BaseModel):
     """AdamW decoupled weight decay."""
     lr_decay_steps: int | None = Field(None, ge=1)
     """Decay the learning rate linearly from ``lr`` to ``lr * lr_final_ratio`` over this many
-    optimizer steps, then hold it; None keeps ``lr`` constant. The rate is a function of the
-    policy version, so a resumed run continues on the same schedule."""
+    optimizer steps, then hold it; None keeps ``lr`` constant. A run config that leaves it
+    unset decays over the run's ``steps``. The rate is a function of the policy version, so
+    a resumed run continues on the same schedule."""
     lr_final_ratio: float = Field(0.1, ge=0.0, le=1.0)
-    """Learning rate at the end of the decay, as a fraction of ``lr``."""
+    """Learning rate at the end of the decay, as a fraction of ``lr``; 1 keeps ``lr``
+    constant."""
     micro_batch_tokens: int = Field(4096, ge=1)
     """Padded tokens (rows × longest sequence) per forward pass; gradients accumulate
     over micro-batches and the loss is normalised by the whole batch's token count, so

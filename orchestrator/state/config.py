@@ -395,6 +395,14 @@ class RunConfig(_Section):
         return Path(self.run_root) / self.name
 
     @model_validator(mode="after")
+    def _lr_over_the_run(self) -> RunConfig:
+        """An unset `trainer.lr_decay_steps` decays the rate over the whole run (to
+        `lr_final_ratio * lr` at the last step), as HF Trainer's default schedule does."""
+        if "lr_decay_steps" not in self.trainer.model_fields_set:
+            self.trainer.lr_decay_steps = self.steps
+        return self
+
+    @model_validator(mode="after")
     def _eval_pool(self) -> RunConfig:
         names = [p.name for p in self.pools]
         if self.eval.pool is not None and self.eval.pool not in names:

@@ -36,6 +36,16 @@ def test_demo_config_loads_and_overrides_apply():
     assert {p.precision for p in cfg.pools} == {"bf16", "fp8"}
 
 
+def test_the_learning_rate_decays_over_the_run_unless_the_config_says_otherwise(tmp_path):
+    cfg = load_config(DEMO, ["steps=120"])
+    assert cfg.trainer.lr_decay_steps == 120
+    assert load_config(DEMO, ["steps=120", "trainer.lr_decay_steps=40"]).trainer.lr_decay_steps == 40
+    # the resolved config a resumed run reads keeps the schedule of the run that wrote it
+    resolved = tmp_path / "config.json"
+    resolved.write_text(cfg.resolved_json())
+    assert load_config(resolved, ["steps=500"]).trainer.lr_decay_steps == 120
+
+
 def test_config_errors_name_the_file_and_the_field(tmp_path):
     raw = {
         "pools": [{"name": "a", "gpu": "A100-80GB", "precision": "fp8", "device": "cpu"}],
