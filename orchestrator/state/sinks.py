@@ -29,7 +29,8 @@ import re
 from pathlib import Path
 from typing import Any, Protocol
 
-from orchestrator.state.config import ConfigError, TelemetrySection, WandbSection
+from orchestrator.state.config import ConfigError
+from orchestrator.state.sections import TelemetrySection, WandbSection
 
 __all__ = ["MetricSink", "Sinks", "flatten", "open_sinks"]
 

@@ -46,7 +46,7 @@ def setup_run_telemetry(run_dir: Path, telemetry: Any = None) -> Path | None:
     sampled and capped as `telemetry` (the run config's TelemetrySection; None: its defaults)
     says. Returns the file, or None when `telemetry.traces` is off (nothing is recorded)."""
     if telemetry is None:
-        from orchestrator.state.config import TelemetrySection
+        from orchestrator.state.sections import TelemetrySection
 
         telemetry = TelemetrySection()
     if not telemetry.traces:
