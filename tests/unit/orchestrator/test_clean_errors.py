@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[3]
 DEMO = ROOT / "examples" / "guess_number.toml"
 
 CASES = {
-    "--set into a value": (["steps.x=1"], "--set 'steps.x=1': steps is a value (500), not a section"),
+    "--set into a value": (["seed.x=1"], "--set 'seed.x=1': seed is a value (0), not a section"),
     "negative model size": (
         ["model.overrides.hidden_size=-5"],
         "model.overrides: Value error, hidden_size: must be ≥ 1, got -5",
