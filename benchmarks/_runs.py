@@ -47,8 +47,24 @@ def demo_raw() -> dict[str, Any]:
         return copy.deepcopy(tomllib.load(f))
 
 
+CONSTANT_RATE_FIELDS = ("lr_decay_steps", "lr_final_ratio")
+DEFAULT_FINAL_RATIO = 0.1  # actors.trainer.TrainerConfig.lr_final_ratio (checked by a test)
+
+
 def config_hash(raw: dict[str, Any]) -> str:
-    """A short hash of a raw run config (key order does not matter)."""
+    """A short hash of a raw run config (key order does not matter).
+
+    Records made before the learning rate decayed over the run by default (2026-12-05) ran
+    at a constant rate with no schedule in their configs. So a constant-rate config hashes
+    without its schedule fields (as those records did), and a run config whose rate decays
+    (the default now) hashes its schedule too: it never matches a constant-rate record."""
+    trainer = raw.get("trainer") or {}
+    ratio = trainer.get("lr_final_ratio", DEFAULT_FINAL_RATIO)
+    if ratio >= 1.0:
+        kept = {k: v for k, v in trainer.items() if k not in CONSTANT_RATE_FIELDS}
+        raw = {**raw, "trainer": kept} if kept or "trainer" in raw else raw
+    elif "steps" in raw:
+        raw = {**raw, "lr_schedule": [trainer.get("lr_decay_steps", raw["steps"]), ratio]}
     return hashlib.sha256(json.dumps(raw, sort_keys=True).encode()).hexdigest()[:12]
 
 

@@ -3,6 +3,7 @@ and the mismatch sweep's runs do not follow the demo config's tuning (benchmarks
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 from pathlib import Path
@@ -10,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from actors.trainer import TrainerConfig
 from orchestrator.state.config import RunConfig
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
@@ -70,6 +72,17 @@ def test_the_sweep_pins_its_base_over_the_demo_config(bench: Any, monkeypatch) -
         assert cfg.trainer.lr == _sweep.SWEEP_BASE["trainer"]["lr"]
         assert cfg.recipe.top_p == _sweep.SWEEP_BASE["recipe"]["top_p"]
         assert cfg.recipe.top_k == 64 and cfg.steps == 300 and cfg.seed == 1
+        assert cfg.trainer.lr_final_ratio == 1.0  # its records ran at a constant rate
     tis = RunConfig.model_validate(_sweep.build_sweep_raw("int4:16/tis", 1, 300))
     assert tis.recipe.importance == "tis" and not tis.recipe.mask_replay
     assert [p.emulate_quant for p in tis.pools] == ["int4_group"]
+
+
+def test_a_decaying_rate_never_matches_a_constant_rate_record(bench: Any) -> None:
+    _runs, _ = bench
+    assert TrainerConfig().lr_final_ratio == _runs.DEFAULT_FINAL_RATIO
+    before = {"steps": 300, "trainer": {"lr": 2e-3}}  # a config recorded at a constant rate
+    recorded = hashlib.sha256(json.dumps(before, sort_keys=True).encode()).hexdigest()[:12]
+    pinned = {"steps": 300, "trainer": {"lr": 2e-3, "lr_final_ratio": 1.0}}
+    assert _runs.config_hash(pinned) == recorded  # the same computation: resumed and reported
+    assert _runs.config_hash(before) != recorded  # now decays over its 300 steps: run again
