@@ -48,10 +48,11 @@ QUICK_LEVELS = ("int4:4",)
 
 SWEEP_BASE: dict[str, dict[str, Any]] = {"trainer": {"lr": 2e-3, "lr_final_ratio": 1.0}, "recipe": {"top_p": 0.99}}
 """Settings the sweep pins over the demo config: the demo's own until 2026-12-03 (lr 2e-3,
-top_p 0.99, a constant rate), which learn the task within the sweep's 300 steps. The demo now runs the
-recipe's defaults at lr 1e-3 and plateaus later; pinned here, its changes do not move the
-sweep's runs, and each recorded run carries a hash of its config (`_runs.config_hash`)
-so that a changed config is run again instead of mixed with the record."""
+top_p 0.99, a constant rate), which learn the task within the sweep's 300 steps. The demo
+now runs the recipe's defaults at lr 1e-3, decaying over the run, and plateaus later;
+pinned here, its changes do not move the sweep's runs, and each recorded run carries a
+hash of its config (`_runs.config_hash`) so that a changed config is run again instead of
+mixed with the record."""
 
 SWEEP_VARIANTS: dict[str, dict[str, Any]] = {
     "full": {"mask_replay": True, "importance": "mis", "score_centering": True},

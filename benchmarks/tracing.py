@@ -12,16 +12,17 @@ each run a fresh `flotilla run` process tree. Reported, medians over the repeats
   process of the run (the CLI and its actors, from `getrusage(RUSAGE_CHILDREN)`), which a
   machine shared with other work disturbs less than wall time.
 * `traces_mb`: size of `traces.jsonl` of a traced run (MB, 10^6 bytes). Target <= 10 for
-  the shipped demo (its own steps, 800, in the full mode; issue 30 set it for 500). `traces_mb_per_step` and `spans` too, and
-  `traces_not_written` (spans left out at `traces_max_mb`; 0 unless the cap was reached).
+  the shipped demo (the full mode runs its own 800 steps; issue 30 set the bound for 500).
+  `traces_mb_per_step` and `spans` too, and `traces_not_written` (spans left out at
+  `traces_max_mb`; 0 unless the cap was reached).
 
 Why: issue 30's "telemetry that scales": tracing every span of the demo wrote hundreds of
 MB and cost several percent of the wall time.
 
 How: `python benchmarks/tracing.py [--quick] [--repeats N] [--steps N] [--sample R]`.
-Full mode: the demo as shipped (its config's steps), 3 repeats per mode. `--quick`: 20 steps and
-half the prompts per step, 2 repeats per mode (a few minutes on a quiet machine). The last
-line of output is one JSON object.
+Full mode: the demo as shipped (its config's steps), 3 repeats per mode. `--quick`: 20
+steps and half the prompts per step, 2 repeats per mode (a few minutes on a quiet machine).
+The last line of output is one JSON object.
 """
 
 from __future__ import annotations
