@@ -21,7 +21,7 @@ from _common import ROOT, Report, parse_args
 
 
 def demo(rep: Report, device: str, steps: int) -> None:
-    sets = [f"trainer.device={device}", f"trainer.lr_decay_steps={steps}", "name=gpu-demo"]
+    sets = [f"trainer.device={device}", "name=gpu-demo"]  # the rate decays over --steps by default
     if device == "cuda":
         import torch
 
