@@ -28,7 +28,7 @@ a mismatched, stale sampler. benchmarks/ablation.py checks that over a few dozen
 enough for the full recipe to plateau (default: the demo's own step count) and counts
 collapses, which short runs cannot show. Seeds are `seed` and `model.seed` together.
 
-Run:  .venv/bin/python benchmarks/stability.py            (6 variants x 3 seeds x the demo's steps; up to ~1 h on 2 quiet cores)
+Run:  .venv/bin/python benchmarks/stability.py            (6 variants x 3 seeds x the demo's steps; about 90 min on 2 quiet cores at 800 steps)
       .venv/bin/python benchmarks/stability.py --quick    (6 variants x 1 seed x 4 steps: a smoke test of the pipeline)
 Options: --steps N, --seeds K, --variants a,b,..., --budget B (FP8 staleness budget),
 --record FILE (append each run's figures; runs already there are skipped, so a stopped
