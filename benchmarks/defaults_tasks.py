@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from _runs import config_hash, load_average
-from demo_seeds import build_raw, run_seed, summary
+from demo_seeds import build_raw, meets_bar, run_seed, summary
 
 ROOT = Path(__file__).resolve().parents[1]
 TASKS = ["guess_number", "arithmetic", "reverse", "sort"]  # item 3's set
@@ -105,6 +105,27 @@ def tasks_reaching(per_task: dict[str, dict[str, Any]], runs: int | None = None)
     )
 
 
+def markdown_table(rows: dict[str, dict[str, Any]]) -> list[str]:
+    """One task's runs as a markdown table (the figures of `run_seed`), in run order."""
+    out = [
+        "| seed.repeat | step to 0.8 | run clock to 0.8 | final | peak | final entropy "
+        "| 10-step mean every 100 steps | run took | bar |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for key, f in rows.items():
+        step, clock = "never", "-"
+        if f["step_to_target"] is not None:
+            step, clock = str(f["step_to_target"]), f"{f['wall_to_target_s']:.0f} s"
+        entropy = "-" if f.get("final_entropy") is None else f"{f['final_entropy']:.3f}"
+        curve = " ".join(f"{v:.2f}" for v in f.get("curve", {}).values())
+        bar = "yes" if meets_bar(f) else "**no**"
+        out.append(
+            f"| {key} | {step} | {clock} | {f['final']:.3f} | {f['peak']:.3f} | {entropy} | {curve} "
+            f"| {f['total_s']:.0f} s | {bar} |"
+        )
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
@@ -123,6 +144,7 @@ def main() -> None:
         "skipped (a stopped set resumes)",
     )
     p.add_argument("--report", action="store_true", help="with --record: the figures of the recorded runs, run nothing")
+    p.add_argument("--markdown", action="store_true", help="also print each task's runs as a markdown table")
     args = p.parse_args()
     if args.report and args.record is None:
         p.error("--report needs --record")
@@ -190,6 +212,8 @@ def main() -> None:
                     flush=True,
                 )
         per_task[path.stem] = entry | (summary(rows) if rows else {"runs": 0, "runs_meeting_bar": 0})
+        if args.markdown and rows:
+            print("\n".join([f"\n## {path.stem}\n", *markdown_table(rows)]))
     reaching = tasks_reaching(per_task, None if args.quick else len(seeds) * repeats)
     print(
         f"\n{reaching} of {len(per_task)} tasks met the bar on every run"

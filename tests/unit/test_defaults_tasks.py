@@ -82,6 +82,9 @@ def _figures(reach: bool) -> dict[str, Any]:
         "startup_and_shutdown_s": 5.0,
         "sampler_per_trained_token": 1.0,
         "load_avg": [0.0, 0.0, 0.0],
+        "peak": 0.95 if reach else 0.6,
+        "final_entropy": 0.05,
+        "curve": {100: 0.5, 200: 0.9 if reach else 0.5},
     }
 
 
@@ -113,11 +116,14 @@ def test_a_recorded_set_resumes_where_it_stopped(
     assert ran == [0, 1]
     assert len(record.read_text().splitlines()) == 4
 
-    monkeypatch.setattr(sys, "argv", [*argv, "--report"])
+    monkeypatch.setattr(sys, "argv", [*argv, "--report", "--markdown"])
     monkeypatch.setattr(dt, "run_seed", lambda raw: pytest.fail("--report ran a run"))
     capsys.readouterr()
     dt.main()
-    report = json.loads(capsys.readouterr().out.splitlines()[-1])
+    printed = capsys.readouterr().out.splitlines()
+    assert "| 1.0 | never | - | 0.500 | 0.600 | 0.050 | 0.50 0.50 | 80 s | **no** |" in printed
+    assert "| 0.1 | 100 | 50 s | 0.900 | 0.950 | 0.050 | 0.50 0.90 | 80 s | yes |" in printed
+    report = json.loads(printed[-1])
     tiny = report["per_task"]["tiny"]
     assert (tiny["runs"], tiny["runs_meeting_bar"], report["defaults_tasks_reaching"]) == (4, 3, 0)
     assert report["runtime_code"] == ["abc"]
