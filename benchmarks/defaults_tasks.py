@@ -165,6 +165,7 @@ def main() -> None:
             raise SystemExit(f"defaults_tasks: cannot read {path}: {e}") from None
 
     code = code_version()
+    commit = _git("rev-parse", "--short", "HEAD").strip()  # at the start: later commits do not change this run
     if args.record is not None and code.endswith("+dirty") and not args.report:
         raise SystemExit(f"defaults_tasks: uncommitted changes under {', '.join(CODE_DIRS)}; commit before recording")
     recorded = read_record(args.record)
@@ -198,7 +199,7 @@ def main() -> None:
                 rows[key] = fig
                 if args.record is not None:
                     line = {"task": path.stem, "run": key, "config": config_hash(raw), "code": code}
-                    line |= {"commit": _git("rev-parse", "--short", "HEAD").strip(), "figures": fig}
+                    line |= {"commit": commit, "figures": fig}
                     with args.record.open("a") as f:
                         f.write(json.dumps(line) + "\n")
                     codes.add(code)
