@@ -30,7 +30,7 @@ and recording refuses uncommitted changes there. A recorded run with another con
 code is ignored (and run again). `--report` prints what the record holds, running nothing.
 
 Run:  .venv/bin/python benchmarks/defaults_tasks.py
-      .venv/bin/python benchmarks/defaults_tasks.py --record benchmarks/records/defaults-tasks.jsonl
+      .venv/bin/python benchmarks/defaults_tasks.py --record benchmarks/records/defaults-tasks-one-code.jsonl
       .venv/bin/python benchmarks/defaults_tasks.py examples/sort.toml examples/reverse.toml --seeds 0,1
       .venv/bin/python benchmarks/defaults_tasks.py --quick   (the configs checked; one 5-step run of the first)
 """
@@ -185,8 +185,9 @@ def main() -> None:
             for seed in seeds:
                 key = f"{seed}" if repeats == 1 else f"{seed}.{r}"
                 raw = build_raw(base, seed, 5 if args.quick else None, [])
+                digest = config_hash(raw)
                 prior = recorded.get((path.stem, key))
-                if prior is not None and prior["config"] == config_hash(raw) and (args.report or prior["code"] == code):
+                if prior is not None and prior["config"] == digest and (args.report or prior["code"] == code):
                     rows[key] = prior["figures"]
                     codes.add(prior["code"])
                     commits.add(prior["commit"])
@@ -198,12 +199,11 @@ def main() -> None:
                 fig = run_seed(raw)
                 rows[key] = fig
                 if args.record is not None:
-                    line = {"task": path.stem, "run": key, "config": config_hash(raw), "code": code}
-                    line |= {"commit": commit, "figures": fig}
+                    line = {"task": path.stem, "run": key, "config": digest, "code": code, "commit": commit}
                     with args.record.open("a") as f:
-                        f.write(json.dumps(line) + "\n")
+                        f.write(json.dumps(line | {"figures": fig}) + "\n")
                     codes.add(code)
-                    commits.add(line["commit"])
+                    commits.add(commit)
                 reach = "never"
                 if fig["step_to_target"] is not None:
                     reach = f"step {fig['step_to_target']} at {fig['wall_to_target_s']:.0f} s"
