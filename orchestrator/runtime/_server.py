@@ -146,7 +146,7 @@ class Server:
             log(f"{self.name}[{self.rank}]: {what} raised:\n" + exception_info(exc)["tb"])
 
     # -- dispatch --------------------------------------------------------------
-    def _on_message(self, frames: list[Any]) -> None:
+    def _on_message(self, frames: list[Any]) -> bool | None:
         if len(frames) < 2:
             self._rejected(frames[0] if frames else None, f"dropped a message with {len(frames)} frame(s)")
             return
@@ -204,7 +204,13 @@ class Server:
         ):
             self._started += 1
             self._run_inline(ep, ident, rid, args, kwargs, reply, tp)
-            return
+            # A call adopted here ends the drain: until its trap is yielded to trio, this
+            # task must run nothing else. A later message's handler could wake that trap
+            # early (a cancel aborts another call's wait, whose abort sends on a connection
+            # and completes the replies read there, this call's among them); trio then
+            # finds the task scheduled twice if the call is cancelled too. The next reader
+            # drains what is left before it waits.
+            return self._adopted is not None
         self._queued.add((ident, rid))
         self._hand_on((seq, ep, ident, rid, args, kwargs, reply, tp))
 
