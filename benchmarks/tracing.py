@@ -11,6 +11,21 @@ each run a fresh `flotilla run` process tree. Reported, medians over the repeats
 * `tracing_cpu_overhead`: the same ratio of the CPU seconds (user + system) of every
   process of the run (the CLI and its actors, from `getrusage(RUSAGE_CHILDREN)`), which a
   machine shared with other work disturbs less than wall time.
+* `tracing_cpu_share`: what tracing adds to a rollout's CPU, measured by replaying: the span
+  tree of one sampled rollout from a traced run's file (the median one by span count: the
+  controller's `rollout`, the env actor's `rollout`, `env.step` and `generate` spans, the
+  samplers' `sampler.generate`, each with the attributes it was written with; a child in
+  another process than its parent is opened as the runtime does across a call: the
+  caller's `traceparent`, then `remote_parent` on the callee's side) is opened again in
+  one fresh process many times over, with tracing at the default rate (`on`: the run's
+  rules, spans of the sampled 1 in 100 written to a file) and with tracing not configured
+  (`off`, as in a `traces = false` run), rounds of each alternating. `replay_us_per_rollout`
+  holds the two medians; their difference over the off runs' CPU per rollout (every
+  process's CPU seconds / the rollouts the metrics count) is the share. Side by side in
+  one process, the difference resolves what whole runs cannot: run-to-run drift here is
+  several percent. It counts the tracing calls a rollout makes, warm; not what they cost
+  in cache misses on a busy machine, nor the spans kept whatever the rate (a few per
+  step, against a rollout's dozen per rollout).
 * `traces_mb`: size of `traces.jsonl` of a traced run (MB, 10^6 bytes). Target <= 10 for
   the shipped demo (the full mode runs its own 800 steps; issue 30 set the bound for 500).
   `traces_mb_per_step` and `spans` too, and `traces_not_written` (spans left out at
@@ -19,7 +34,9 @@ each run a fresh `flotilla run` process tree. Reported, medians over the repeats
 Why: issue 30's "telemetry that scales": tracing every span of the demo wrote hundreds of
 MB and cost several percent of the wall time.
 
-How: `python benchmarks/tracing.py [--quick] [--repeats N] [--steps N] [--sample R]`.
+How: `python benchmarks/tracing.py [--quick] [--repeats N] [--steps N] [--sample R]
+[--save-tree FILE]`; `--replay-tree FILE` (a tree saved by `--save-tree`) runs only the
+replay and prints its JSON line, e.g. to compare two checkouts on the same tree.
 Full mode: the demo as shipped (its config's steps), 3 repeats per mode. `--quick`: 20
 steps and half the prompts per step, 2 repeats per mode (a few minutes on a quiet machine).
 The last line of output is one JSON object.
@@ -74,16 +91,131 @@ def _one_run(root: Path, name: str, steps: int, sets: list[str]) -> dict[str, An
         "traces_bytes": size,
         "spans": spans,
         "traces_not_written": max((r.get("traces_not_written", 0) for r in rows), default=0),
+        "rollouts": sum(r.get("rollouts", 0) + r.get("dropped_total", 0) for r in rows),
+        "tree": _rollout_tree(trace) if trace.exists() else None,
     }
 
 
+def _rollout_tree(trace: Path) -> dict[str, Any] | None:
+    """The span tree of the median sampled rollout in a traced run's file (by span count),
+    as nested ``{"name", "service", "attributes", "children"}``; None when it has none."""
+    by_trace: dict[str, list[dict[str, Any]]] = {}
+    for line in trace.read_text().splitlines():
+        try:
+            s = json.loads(line)
+        except ValueError:  # a line cut off at the end of a run
+            continue
+        by_trace.setdefault(s["trace_id"], []).append(s)
+    trees = []
+    for spans in by_trace.values():
+        roots = [s for s in spans if s["parent_span_id"] is None]
+        if len(roots) != 1 or roots[0]["name"] != "rollout" or any(s.get("sampled") is False for s in spans):
+            continue
+        kids: dict[str, list[dict[str, Any]]] = {}
+        for s in sorted(spans, key=lambda s: s["start_ns"]):
+            kids.setdefault(s["parent_span_id"], []).append(s)
+        trees.append((len(spans), _node(roots[0], kids)))
+    if not trees:
+        return None
+    trees.sort(key=lambda t: t[0])
+    return trees[len(trees) // 2][1]
+
+
+def _node(s: dict[str, Any], kids: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    return {
+        "name": s["name"],
+        "service": s["service"].split("[")[0],
+        "attributes": s["attributes"],
+        "children": [_node(c, kids) for c in kids.get(s["span_id"], [])],
+    }
+
+
+def _replay(tree: dict[str, Any], mode: str, sample: float, count: int, rounds: int) -> list[float]:
+    """Open ``tree``'s spans ``count`` times per round in this process; seconds per rollout of
+    each round. ``on``: tracing configured as a run configures it, writing to a temporary file."""
+    from orchestrator.runtime import configure_tracing, span
+    from orchestrator.runtime._tracing import current_traceparent, remote_parent
+    from orchestrator.state.telemetry import ALWAYS_KEPT, KEPT_IF_FAILED
+
+    def open_(n: dict[str, Any], service: str) -> None:
+        if n["service"] != service:  # across a call: the request carries the trace context
+            with remote_parent(current_traceparent()):
+                open_(n, n["service"])
+            return
+        with span(n["name"], **n["attributes"]):
+            for c in n["children"]:
+                open_(c, service)
+
+    with tempfile.TemporaryDirectory(prefix="flotilla-replay-") as tmp:
+        if mode == "on":
+            configure_tracing(
+                Path(tmp) / "traces.jsonl", "replay", sample=sample, always=ALWAYS_KEPT, tail=KEPT_IF_FAILED
+            )
+        per = []
+        for _ in range(rounds):
+            t0 = time.process_time()
+            for _ in range(count):
+                open_(tree, tree["service"])
+            per.append((time.process_time() - t0) / count)
+    return per
+
+
+def _count(tree: dict[str, Any]) -> int:
+    return 1 + sum(_count(c) for c in tree["children"])
+
+
+def _replay_pair(tree_file: Path, sample: float, count: int, rounds: int) -> dict[str, float]:
+    """Median seconds per replayed rollout, ``off`` and ``on``, each mode in its own fresh
+    process (tracing can be configured once per process), their rounds alternating."""
+    per: dict[str, list[float]] = {"off": [], "on": []}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    for r in range(rounds):
+        for mode in ("off", "on") if r % 2 == 0 else ("on", "off"):
+            out = subprocess.run(
+                [sys.executable, __file__, "--replay-child", str(tree_file), mode, str(sample), str(count)],
+                cwd=ROOT,
+                env=env,
+                capture_output=True,
+                text=True,
+            )
+            if out.returncode != 0:
+                raise SystemExit(f"tracing benchmark: the {mode} replay failed:\n{out.stderr[-3000:]}")
+            per[mode] += json.loads(out.stdout.strip().splitlines()[-1])
+    return {m: statistics.median(v) for m, v in per.items()}
+
+
 def main() -> None:
+    if len(sys.argv) == 6 and sys.argv[1] == "--replay-child":
+        tree = json.loads(Path(sys.argv[2]).read_text())
+        print(json.dumps(_replay(tree, sys.argv[3], float(sys.argv[4]), int(sys.argv[5]), rounds=3)))
+        return
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="20 steps, half the prompts per step, 2 repeats")
     p.add_argument("--repeats", type=int, default=None, help="runs per mode (default 3; 2 with --quick)")
     p.add_argument("--steps", type=int, default=None, help="steps per run (default: the demo's; 20 with --quick)")
     p.add_argument("--sample", type=float, default=None, help="trace_sample of the traced runs (default: the config's)")
+    p.add_argument("--save-tree", type=Path, help="write the replayed rollout's span tree here (JSON)")
+    p.add_argument("--replay-tree", type=Path, help="only replay this saved tree (no runs); print its JSON line")
+    p.add_argument(
+        "--replay-count", type=int, default=None, help="rollouts per replay round (default 5000; 1000 quick)"
+    )
     args = p.parse_args()
+    count = args.replay_count or (1000 if args.quick else 5000)
+    if args.replay_tree is not None:
+        sample = TelemetrySection().trace_sample if args.sample is None else args.sample
+        per = _replay_pair(args.replay_tree, sample, count, rounds=2 if args.quick else 4)
+        print(
+            json.dumps(
+                {
+                    "benchmark": "tracing-replay",
+                    "tree": str(args.replay_tree),
+                    "trace_sample": sample,
+                    "replay_us_per_rollout": {m: round(v * 1e6, 2) for m, v in per.items()},
+                    "tracing_us_per_rollout": round((per["on"] - per["off"]) * 1e6, 2),
+                }
+            )
+        )
+        return
     steps = args.steps or (20 if args.quick else int(demo_raw()["steps"]))
     repeats = args.repeats or (2 if args.quick else 3)
     sample = TelemetrySection().trace_sample if args.sample is None else args.sample
@@ -93,11 +225,13 @@ def main() -> None:
     modes = {"off": ["telemetry.traces=false", *scale], "on": [f"telemetry.trace_sample={sample}", *scale]}
     load_before = load_average()
     runs: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
+    tree: dict[str, Any] | None = None
     with tempfile.TemporaryDirectory(prefix="flotilla-tracing-") as tmp:
         for r in range(repeats):
             for mode in ("off", "on") if r % 2 == 0 else ("on", "off"):
                 out = _one_run(Path(tmp), f"{mode}-{r}", steps, modes[mode])
                 runs[mode].append(out)
+                tree = tree or out.pop("tree")
                 print(
                     f"{mode:>3} #{r}: {out['steps']} steps, training {out['train_s']:.1f} s, "
                     f"total {out['total_s']:.1f} s, cpu {out['cpu_s']:.1f} s, "
@@ -109,6 +243,16 @@ def main() -> None:
         return statistics.median(r[key] for r in runs[mode])
 
     on_bytes = med("on", "traces_bytes")
+    if tree is None:
+        raise SystemExit("tracing benchmark: no traced run wrote a sampled rollout to replay")
+    with tempfile.TemporaryDirectory(prefix="flotilla-tree-") as tmp:
+        tree_file = args.save_tree or Path(tmp) / "tree.json"
+        tree_file.write_text(json.dumps(tree))
+        replay = _replay_pair(tree_file, sample, count, rounds=2 if args.quick else 4)
+    # Every process's CPU per rollout in the off runs, start-up taken out in proportion to
+    # its share of the wall time (it uses less CPU than training, so this errs high).
+    cpu_per_rollout = statistics.median(r["cpu_s"] * r["train_s"] / r["total_s"] / r["rollouts"] for r in runs["off"])
+    tracing_s = replay["on"] - replay["off"]
     result = {
         "benchmark": "tracing",
         "quick": args.quick,
@@ -117,6 +261,11 @@ def main() -> None:
         "trace_sample": sample,
         "tracing_overhead": round(med("on", "train_s") / med("off", "train_s") - 1, 4),
         "tracing_cpu_overhead": round(med("on", "cpu_s") / med("off", "cpu_s") - 1, 4),
+        "tracing_cpu_share": round(tracing_s / cpu_per_rollout, 4),
+        "replay_us_per_rollout": {m: round(v * 1e6, 2) for m, v in replay.items()},
+        "tracing_us_per_rollout": round(tracing_s * 1e6, 2),
+        "cpu_us_per_rollout_off": round(cpu_per_rollout * 1e6, 1),
+        "replay_spans": _count(tree),
         "traces_mb": round(on_bytes / 1e6, 3),
         "traces_mb_per_step": round(on_bytes / 1e6 / steps, 5),
         "spans": int(med("on", "spans")),

@@ -1,7 +1,9 @@
 """Tracing helpers: ``span``, ``traced``, ``configure_tracing`` and W3C trace context on the wire.
 
-OpenTelemetry is imported lazily: a process that never opens a span never
-imports it, and the per-call cost of propagation is one ``sys.modules`` lookup.
+OpenTelemetry is imported lazily: a process that does not trace (no
+``configure_tracing``) never imports it, its spans are one shared no-op (unless the
+program installed an OpenTelemetry SDK provider of its own: then they go there), and
+the per-call cost of propagation is one ``sys.modules`` lookup.
 ``configure_tracing`` installs an SDK tracer provider with a parent-based ratio
 sampler and a JSONL exporter (one JSON object per written span, appended with
 ``O_APPEND`` so many processes can share one file, up to an optional size cap;
@@ -14,13 +16,14 @@ processes spawned afterwards trace into the same file by the same rules.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import inspect
 import os
 import random
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar, overload
 
 __all__ = [
@@ -50,39 +53,130 @@ def _tracer() -> Any:
     return _cached_tracer
 
 
-@contextlib.contextmanager
-def span(name: str, **attributes: Any) -> Iterator[Any]:
+def span(name: str, **attributes: Any) -> contextlib.AbstractContextManager[Any]:
     """Open a span (child of the current one, which may live in the calling process).
 
     Exceptions propagate unchanged and are recorded on the span. Outside the sample (see
     ``_traceio``), the SDK is spared: a span that is neither an ``always`` nor a ``tail``
     kind is not made (a no-op span stands in; the current span, and what calls propagate,
     stay the parent's); a ``tail`` kind keeps its attributes in a light stand-in
-    (``_Unsampled``), which is turned into a real span only if it ends failed.
+    (``_Unsampled``), which is turned into a real span only if it ends failed. Those two
+    paths are what almost every span of a run takes at the default rate, so they are
+    plain objects, not generators.
     """
     policy = _policy
-    if policy is not None and name not in policy.always:
+    if policy is None:  # this process does not trace: nothing is made, unless another
+        # part of the program installed an OpenTelemetry SDK provider of its own
+        trace = sys.modules.get("opentelemetry.trace")
+        if trace is None or type(trace.get_tracer_provider()) is trace.ProxyTracerProvider:
+            return _OFF
+    elif name not in policy.always:
+        out = _outside.get()
+        if out is not None:  # the current trace is outside the sample
+            if name in policy.tail:
+                return _UnsampledScope(name, attributes, out.trace_id, root=False)
+            return out.quiet
         trace = sys.modules["opentelemetry.trace"]  # imported by configure_tracing
         ctx = trace.get_current_span().get_span_context()
         if ctx.is_valid and not ctx.trace_flags.sampled:
             if name in policy.tail:
-                with _unsampled(trace, name, attributes, ctx.trace_id) as s:
-                    yield s
-            else:
-                yield trace.NonRecordingSpan(ctx)
-            return
+                return _UnsampledScope(name, attributes, ctx.trace_id, root=False)
+            return _Quiet(trace.NonRecordingSpan(ctx))
         if not ctx.is_valid and name in policy.tail:
             trace_id = _random.getrandbits(128) or 1
             if not policy.root_sampled(trace_id):
-                with _unsampled(trace, name, attributes, trace_id) as s:
-                    yield s
-                return
+                return _UnsampledScope(name, attributes, trace_id, root=True)
             if _ids is not None:  # in the sample: the SDK's root takes this trace id
                 _ids.next_trace_id = trace_id
-    with _tracer().start_as_current_span(name, attributes=attributes or None) as s:
-        yield s
+    elif _outside.get() is not None:  # a kept kind inside a trace outside the sample
+        return _Kept(_tracer().start_as_current_span(name, attributes=attributes or None))
+    return _tracer().start_as_current_span(name, attributes=attributes or None)
 
 
+class _Outside:
+    """The current trace, when it is outside the sample, as ``span`` and
+    ``current_traceparent`` read it without asking OpenTelemetry: its trace id, the no-op
+    span each child gives, the traceparent each call carries. Set (in ``_outside``) where
+    such a context becomes current (an unsampled ``tail`` span, a remote parent whose
+    flags say unsampled) beside OpenTelemetry's own context, which stays the same as
+    without it; a kept kind opened inside sets it to None for its children."""
+
+    __slots__ = ("quiet", "trace_id", "traceparent")
+
+    def __init__(self, sc: Any, traceparent: str) -> None:
+        self.trace_id, self.traceparent = sc.trace_id, traceparent
+        self.quiet = _Quiet(sys.modules["opentelemetry.trace"].NonRecordingSpan(sc))
+
+
+_outside: contextvars.ContextVar[_Outside | None] = contextvars.ContextVar("flotilla_outside_sample", default=None)
+
+
+class _Kept:
+    """A kept kind's SDK span under a trace outside the sample: its children follow it."""
+
+    __slots__ = ("_cm", "_token")
+
+    def __init__(self, cm: Any) -> None:
+        self._cm = cm
+
+    def __enter__(self) -> Any:
+        self._token = _outside.set(None)
+        return self._cm.__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        try:
+            return self._cm.__exit__(*exc)
+        finally:
+            _outside.reset(self._token)
+
+
+class _NoSpan:
+    """The span a process that does not trace gives: every method a no-op."""
+
+    __slots__ = ()
+
+    def get_span_context(self) -> Any:
+        from opentelemetry.trace import INVALID_SPAN_CONTEXT
+
+        return INVALID_SPAN_CONTEXT
+
+    def is_recording(self) -> bool:
+        return False
+
+    def set_attribute(self, key: str, value: Any) -> None:
+        pass
+
+    def set_attributes(self, attributes: dict[str, Any]) -> None:
+        pass
+
+    def set_status(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def record_exception(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def add_event(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+class _Quiet:
+    """A span outside the sample that is not made: its block runs under the parent's
+    context unchanged, and the span it gives is a no-op one with the parent's context."""
+
+    __slots__ = ("span",)
+
+    def __init__(self, span: Any) -> None:
+        self.span = span
+
+    def __enter__(self) -> Any:
+        return self.span
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+_OFF = _Quiet(_NoSpan())
+_UNSAMPLED: Any = None  # OpenTelemetry's TraceFlags(0), made by configure_tracing
 _random = random.Random()
 _ids: Any = None  # the provider's id generator (`configure_tracing`)
 
@@ -136,30 +230,42 @@ class _Unsampled:
         pass
 
 
-@contextlib.contextmanager
-def _unsampled(trace: Any, name: str, attributes: dict[str, Any], trace_id: int) -> Iterator[_Unsampled]:
-    """Run the block under an `_Unsampled` stand-in; if it raised or set ``failed`` true,
-    write it as the SDK span it stood for (its own start time and attributes; the sampler
-    records a failed ``tail`` kind outside the sample, and the processor writes it)."""
-    from opentelemetry import context
+class _UnsampledScope:
+    """Runs a block under an `_Unsampled` stand-in (its context current, flags unsampled);
+    if the block raised or set ``failed`` true, writes it as the SDK span it stood for (its
+    own start time and attributes, under the parent it had, and a root under the trace id
+    its children were given; the sampler records a failed ``tail`` kind outside the
+    sample, and the processor writes it)."""
 
-    sc = trace.SpanContext(trace_id, _random.getrandbits(64) or 1, is_remote=False, trace_flags=trace.TraceFlags(0))
-    s = _Unsampled(name, attributes, sc)
-    token = context.attach(trace.set_span_in_context(trace.NonRecordingSpan(sc)))
-    error: BaseException | None = None
-    try:
-        yield s
-    except BaseException as e:
-        error = e
-        raise
-    finally:
-        context.detach(token)
-        if error is not None or s.attributes.get("failed") is True:
-            real = _tracer().start_span(name, attributes=s.attributes or None, start_time=s.start_ns)
-            if error is not None:
-                real.record_exception(error)
-                real.set_status(trace.Status(trace.StatusCode.ERROR, f"{type(error).__name__}: {error}"))
-            real.end()
+    __slots__ = ("_root", "_token", "_vtoken", "stand_in")
+
+    def __init__(self, name: str, attributes: dict[str, Any], trace_id: int, *, root: bool) -> None:
+        trace = sys.modules["opentelemetry.trace"]
+        sc = trace.SpanContext(trace_id, _random.getrandbits(64) or 1, False, _UNSAMPLED)
+        self._root = root
+        self.stand_in = _Unsampled(name, attributes, sc)
+
+    def __enter__(self) -> _Unsampled:
+        trace, sc = sys.modules["opentelemetry.trace"], self.stand_in._context
+        out = _Outside(sc, f"00-{sc.trace_id:032x}-{sc.span_id:016x}-00")
+        self._token = sys.modules["opentelemetry.context"].attach(trace.set_span_in_context(out.quiet.span))
+        self._vtoken = _outside.set(out)
+        return self.stand_in
+
+    def __exit__(self, kind: Any, error: BaseException | None, tb: Any) -> None:
+        _outside.reset(self._vtoken)
+        sys.modules["opentelemetry.context"].detach(self._token)
+        s = self.stand_in
+        if error is None and s.attributes.get("failed") is not True:
+            return
+        trace = sys.modules["opentelemetry.trace"]
+        if self._root and _ids is not None:
+            _ids.next_trace_id = s._context.trace_id
+        real = _tracer().start_span(s.name, attributes=s.attributes or None, start_time=s.start_ns)
+        if error is not None:
+            real.record_exception(error)
+            real.set_status(trace.Status(trace.StatusCode.ERROR, f"{type(error).__name__}: {error}"))
+        real.end()
 
 
 @overload
@@ -192,6 +298,9 @@ def traced(fn: Any = None, *, name: str | None = None) -> Any:
 
 def current_traceparent() -> str | None:
     """The W3C traceparent of the current span, or None (free when no span was ever opened)."""
+    out = _outside.get()
+    if out is not None:
+        return out.traceparent
     trace = sys.modules.get("opentelemetry.trace")
     if trace is None:
         return None
@@ -212,19 +321,29 @@ def remote_parent(traceparent: Any) -> contextlib.AbstractContextManager[Any]:
         trace_id, span_id, flags = int(parts[1], 16), int(parts[2], 16), int(parts[3], 16)
     except ValueError:
         return _NULL
-    return _attached(trace_id, span_id, flags)
+    return _Attached(trace_id, span_id, flags, traceparent)
 
 
-@contextlib.contextmanager
-def _attached(trace_id: int, span_id: int, flags: int) -> Iterator[None]:
-    from opentelemetry import context, trace
+class _Attached:
+    """The block runs with a remote span context as the current span."""
 
-    sc = trace.SpanContext(trace_id, span_id, is_remote=True, trace_flags=trace.TraceFlags(flags))
-    token = context.attach(trace.set_span_in_context(trace.NonRecordingSpan(sc)))
-    try:
-        yield
-    finally:
-        context.detach(token)
+    __slots__ = ("_ctx", "_out", "_token", "_vtoken")
+
+    def __init__(self, trace_id: int, span_id: int, flags: int, traceparent: str) -> None:
+        trace = sys.modules.get("opentelemetry.trace")
+        if trace is None:
+            from opentelemetry import trace
+        sc = trace.SpanContext(trace_id, span_id, True, trace.TraceFlags(flags))
+        self._out = None if flags & 1 else _Outside(sc, traceparent)
+        self._ctx = trace.set_span_in_context(self._out.quiet.span if self._out else trace.NonRecordingSpan(sc))
+
+    def __enter__(self) -> None:
+        self._token = sys.modules["opentelemetry.context"].attach(self._ctx)
+        self._vtoken = _outside.set(self._out)
+
+    def __exit__(self, *exc: Any) -> None:
+        _outside.reset(self._vtoken)
+        sys.modules["opentelemetry.context"].detach(self._token)
 
 
 ENV_FILE = "FLOTILLA_TRACE_FILE"
@@ -256,8 +375,12 @@ def configure_tracing(
     provider itself can be installed only once per process). Raises ValueError for a
     ``sample`` outside [0, 1] or a ``max_bytes`` below 1.
     """
-    global _exporter, _policy, _cached_tracer, _ids
+    global _exporter, _policy, _cached_tracer, _ids, _UNSAMPLED
+    from opentelemetry.trace import TraceFlags
+
     from ._traceio import JsonlExporter, SamplingPolicy, make_processor, make_sampler
+
+    _UNSAMPLED = TraceFlags(0)
 
     path = os.fspath(path)
     always, tail = frozenset(always), frozenset(tail)

@@ -211,6 +211,18 @@ class Relay(Actor):
         with span("relay.inner", label=label):
             pass
 
+    @endpoint
+    async def failing_episode(self, label: str) -> None:
+        """A ``rollout`` that opens a step, a kept kind with a child, another step, and fails."""
+        with span("rollout", label=label):
+            with span("env.step", turn=0):
+                pass
+            with span("relay.kept"), span("relay.kept.part"):
+                pass
+            with span("env.step", turn=1):
+                pass
+            raise RuntimeError("episode broke")
+
 
 class BadInit(Actor):
     def __init__(self) -> None:

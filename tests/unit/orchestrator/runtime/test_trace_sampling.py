@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import trio
 
-from orchestrator.runtime import configure_tracing, open_mesh, span, spans_not_written
+from orchestrator.runtime import ActorError, configure_tracing, open_mesh, span, spans_not_written
+from orchestrator.runtime._tracing import current_traceparent
 
 from ._actors import Relay
 
@@ -138,6 +142,84 @@ def test_children_of_an_unsampled_trace_are_not_made_but_kept_kinds_are(tmp_path
     assert sorted(spans) == [("publish", None), ("rollout", "soft"), ("rollout", "t")]
     failed = spans[("rollout", "t")]
     assert failed["attributes"]["reward"] == 0.0 and "episode failed" in json.dumps(failed)
+    # written under the trace id its children were given (and calls carried)
+    assert failed["trace_id"] == f"{root.get_span_context().trace_id:032x}"
+
+
+async def test_a_trace_outside_the_sample_is_followed_across_a_call(tmp_path: Path) -> None:
+    path = tmp_path / "spans.jsonl"
+    configure_tracing(path, "test-controller", sample=0.0, always={"relay.kept"}, tail={"rollout"})
+    with trio.fail_after(60):
+        async with open_mesh(Relay, name="relay") as mesh:
+            with span("rollout", n=1) as root:  # outside the sample
+                ctx = root.get_span_context()
+                assert current_traceparent() == f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-00"
+                with span("generate") as quiet:
+                    assert current_traceparent() == f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-00"
+                    assert quiet.get_span_context() == ctx and not quiet.is_recording()
+                    with pytest.raises(ActorError, match="episode broke"):
+                        await mesh[0].failing_episode.call_one("remote")
+                root.set_attribute("failed", True)
+            assert current_traceparent() is None
+    spans = _spans(path)
+    names = sorted((s["service"], s["name"]) for s in spans)
+    # the kept kind and its child in the actor; neither step; both failed rollouts
+    assert names == [
+        ("relay[0]", "relay.kept"),
+        ("relay[0]", "relay.kept.part"),
+        ("relay[0]", "rollout"),
+        ("test-controller", "rollout"),
+    ]
+    by = {(s["service"], s["name"]): s for s in spans}
+    trace_id = f"{ctx.trace_id:032x}"
+    assert {s["trace_id"] for s in spans} == {trace_id}  # one trace, across the call
+    assert by[("relay[0]", "rollout")]["parent_span_id"] == f"{ctx.span_id:016x}"
+    assert by[("relay[0]", "relay.kept.part")]["parent_span_id"] == by[("relay[0]", "relay.kept")]["span_id"]
+    assert by[("relay[0]", "rollout")]["sampled"] is False and "episode broke" in json.dumps(
+        by[("relay[0]", "rollout")]
+    )
+
+
+def _python(code: str) -> str:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FLOTILLA_TRACE", "OTEL_"))}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH")]))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_a_process_that_does_not_trace_makes_no_spans_and_never_imports_opentelemetry() -> None:
+    code = (
+        "import sys\n"
+        "from orchestrator.runtime import span, traced\n"
+        "from orchestrator.runtime._tracing import current_traceparent\n"
+        "@traced\n"
+        "def work():\n"
+        "    return current_traceparent()\n"
+        "with span('outer', a=1) as s:\n"
+        "    s.set_attribute('b', 2)\n"
+        "    print(s.is_recording(), work(), 'opentelemetry.trace' in sys.modules)\n"
+    )
+    assert _python(code) == "False None False"
+
+
+def test_spans_go_to_an_opentelemetry_provider_the_program_installed_itself() -> None:
+    code = (
+        "from opentelemetry import trace\n"
+        "from opentelemetry.sdk.trace import TracerProvider\n"
+        "from opentelemetry.sdk.trace.export import SimpleSpanProcessor\n"
+        "from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter\n"
+        "from orchestrator.runtime import span\n"
+        "mem = InMemorySpanExporter()\n"
+        "provider = TracerProvider()\n"
+        "provider.add_span_processor(SimpleSpanProcessor(mem))\n"
+        "trace.set_tracer_provider(provider)\n"
+        "with span('mine', k=1), span('child'):\n"
+        "    pass\n"
+        "got = {s.name: s for s in mem.get_finished_spans()}\n"
+        "print(sorted(got), got['child'].parent.span_id == got['mine'].context.span_id, dict(got['mine'].attributes))\n"
+    )
+    assert _python(code) == "['child', 'mine'] True {'k': 1}"
 
 
 def test_a_tail_kinds_roots_are_sampled_at_the_configured_rate(tmp_path: Path) -> None:
