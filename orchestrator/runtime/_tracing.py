@@ -21,6 +21,7 @@ import functools
 import inspect
 import os
 import random
+import re
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -58,11 +59,11 @@ def span(name: str, **attributes: Any) -> contextlib.AbstractContextManager[Any]
 
     Exceptions propagate unchanged and are recorded on the span. Outside the sample (see
     ``_traceio``), the SDK is spared: a span that is neither an ``always`` nor a ``tail``
-    kind is not made (a no-op span stands in; the current span, and what calls propagate,
-    stay the parent's); a ``tail`` kind keeps its attributes in a light stand-in
-    (``_Unsampled``), which is turned into a real span only if it ends failed. Those two
-    paths are what almost every span of a run takes at the default rate, so they are
-    plain objects, not generators.
+    kind is not made (the trace's no-op span stands in; the current trace, and what calls
+    propagate, stay the parent's); a ``tail`` kind keeps its attributes in a light
+    stand-in (``_Unsampled``), which is turned into a real span only if it ends failed.
+    Those two paths are what almost every span of a run takes at the default rate, so
+    they touch neither the SDK nor OpenTelemetry's context (see ``_Outside``).
     """
     policy = _policy
     if policy is None:  # this process does not trace: nothing is made, unless another
@@ -70,68 +71,34 @@ def span(name: str, **attributes: Any) -> contextlib.AbstractContextManager[Any]
         trace = sys.modules.get("opentelemetry.trace")
         if trace is None or type(trace.get_tracer_provider()) is trace.ProxyTracerProvider:
             return _OFF
-    elif name not in policy.always:
-        out = _outside.get()
-        if out is not None:  # the current trace is outside the sample
-            if name in policy.tail:
-                return _UnsampledScope(name, attributes, out.trace_id, root=False)
-            return out.quiet
+        return _tracer().start_as_current_span(name, attributes=attributes or None)
+    out = _outside.get()
+    if out is not None:  # the current trace is outside the sample
+        if name in policy.always:  # kept whatever the sample; its children follow it
+            return _Kept(
+                _tracer().start_as_current_span(name, context=out.otel_context(), attributes=attributes or None)
+            )
+        if name in policy.tail:
+            return _UnsampledScope(name, attributes, out.trace_id, parent=out)
+        return out
+    if name not in policy.always:
         trace = sys.modules["opentelemetry.trace"]  # imported by configure_tracing
         ctx = trace.get_current_span().get_span_context()
-        if ctx.is_valid and not ctx.trace_flags.sampled:
+        if ctx.is_valid and not ctx.trace_flags.sampled:  # set by OpenTelemetry's API directly
             if name in policy.tail:
-                return _UnsampledScope(name, attributes, ctx.trace_id, root=False)
-            return _Quiet(trace.NonRecordingSpan(ctx))
+                return _UnsampledScope(name, attributes, ctx.trace_id, parent=None)
+            return _Outside(f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-00")
         if not ctx.is_valid and name in policy.tail:
             trace_id = _random.getrandbits(128) or 1
             if not policy.root_sampled(trace_id):
-                return _UnsampledScope(name, attributes, trace_id, root=True)
+                return _UnsampledScope(name, attributes, trace_id, parent=None, root=True)
             if _ids is not None:  # in the sample: the SDK's root takes this trace id
                 _ids.next_trace_id = trace_id
-    elif _outside.get() is not None:  # a kept kind inside a trace outside the sample
-        return _Kept(_tracer().start_as_current_span(name, attributes=attributes or None))
     return _tracer().start_as_current_span(name, attributes=attributes or None)
 
 
-class _Outside:
-    """The current trace, when it is outside the sample, as ``span`` and
-    ``current_traceparent`` read it without asking OpenTelemetry: its trace id, the no-op
-    span each child gives, the traceparent each call carries. Set (in ``_outside``) where
-    such a context becomes current (an unsampled ``tail`` span, a remote parent whose
-    flags say unsampled) beside OpenTelemetry's own context, which stays the same as
-    without it; a kept kind opened inside sets it to None for its children."""
-
-    __slots__ = ("quiet", "trace_id", "traceparent")
-
-    def __init__(self, sc: Any, traceparent: str) -> None:
-        self.trace_id, self.traceparent = sc.trace_id, traceparent
-        self.quiet = _Quiet(sys.modules["opentelemetry.trace"].NonRecordingSpan(sc))
-
-
-_outside: contextvars.ContextVar[_Outside | None] = contextvars.ContextVar("flotilla_outside_sample", default=None)
-
-
-class _Kept:
-    """A kept kind's SDK span under a trace outside the sample: its children follow it."""
-
-    __slots__ = ("_cm", "_token")
-
-    def __init__(self, cm: Any) -> None:
-        self._cm = cm
-
-    def __enter__(self) -> Any:
-        self._token = _outside.set(None)
-        return self._cm.__enter__()
-
-    def __exit__(self, *exc: Any) -> Any:
-        try:
-            return self._cm.__exit__(*exc)
-        finally:
-            _outside.reset(self._token)
-
-
-class _NoSpan:
-    """The span a process that does not trace gives: every method a no-op."""
+class _NoopSpan:
+    """The span API, recording nothing; as a context manager it gives itself."""
 
     __slots__ = ()
 
@@ -158,25 +125,74 @@ class _NoSpan:
     def add_event(self, *args: Any, **kwargs: Any) -> None:
         pass
 
-
-class _Quiet:
-    """A span outside the sample that is not made: its block runs under the parent's
-    context unchanged, and the span it gives is a no-op one with the parent's context."""
-
-    __slots__ = ("span",)
-
-    def __init__(self, span: Any) -> None:
-        self.span = span
-
     def __enter__(self) -> Any:
-        return self.span
+        return self
 
     def __exit__(self, *exc: Any) -> None:
         return None
 
 
-_OFF = _Quiet(_NoSpan())
-_UNSAMPLED: Any = None  # OpenTelemetry's TraceFlags(0), made by configure_tracing
+_OFF = _NoopSpan()  # every span of a process that does not trace
+
+
+class _Outside(_NoopSpan):
+    """A trace outside the sample, as its spans see it: the no-op span each of its
+    children gives, and the traceparent each call under it carries.
+
+    It is current in ``_outside`` (a context variable, set by an unsampled ``tail`` span
+    and by a remote parent whose flags say unsampled), not in OpenTelemetry's context,
+    which such a trace leaves as it was: creating and attaching OpenTelemetry's contexts
+    was most of what a rollout outside the sample cost. So spans opened with
+    OpenTelemetry's API directly (not through ``span``) under such a trace start traces of
+    their own. Its ``SpanContext`` is built only if something asks for it (a kept kind or
+    a failed ``tail`` span opened under it)."""
+
+    __slots__ = ("_context", "traceparent")
+
+    def __init__(self, traceparent: str) -> None:
+        self.traceparent = traceparent
+        self._context: Any = None
+
+    @property
+    def trace_id(self) -> int:
+        return int(self.traceparent[3:35], 16)
+
+    def get_span_context(self) -> Any:
+        if self._context is None:
+            from opentelemetry import trace
+
+            tp = self.traceparent
+            self._context = trace.SpanContext(int(tp[3:35], 16), int(tp[36:52], 16), False, trace.TraceFlags(0))
+        return self._context
+
+    def otel_context(self) -> Any:
+        """OpenTelemetry's context with this trace's span as the parent (for the SDK)."""
+        trace = sys.modules["opentelemetry.trace"]
+        return trace.set_span_in_context(trace.NonRecordingSpan(self.get_span_context()))
+
+
+_outside: contextvars.ContextVar[_Outside | None] = contextvars.ContextVar("flotilla_outside_sample", default=None)
+
+
+class _Kept:
+    """A kept kind's SDK span under a trace outside the sample: its children follow it."""
+
+    __slots__ = ("_cm", "_token")
+
+    def __init__(self, cm: Any) -> None:
+        self._cm = cm
+
+    def __enter__(self) -> Any:
+        self._token = _outside.set(None)
+        return self._cm.__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        try:
+            return self._cm.__exit__(*exc)
+        finally:
+            _outside.reset(self._token)
+
+
 _random = random.Random()
 _ids: Any = None  # the provider's id generator (`configure_tracing`)
 
@@ -196,23 +212,19 @@ def _id_generator() -> Any:
     return _Ids()
 
 
-class _Unsampled:
+class _Unsampled(_NoopSpan):
     """A ``tail`` span outside the sample: the attributes it is given, and when it began.
-    Its context (flags unsampled) is the current span's while it is open, so its children
-    and remote calls stay unsampled."""
+    While it is open its trace (``_Outside``, a span id of its own) is current, so its
+    children and remote calls stay unsampled."""
 
-    __slots__ = ("_context", "attributes", "failed", "name", "start_ns")
+    __slots__ = ("_trace", "attributes", "name", "start_ns")
 
-    def __init__(self, name: str, attributes: dict[str, Any], context: Any) -> None:
-        self.name, self.attributes, self._context = name, dict(attributes), context
+    def __init__(self, name: str, attributes: dict[str, Any], trace: _Outside) -> None:
+        self.name, self.attributes, self._trace = name, dict(attributes), trace
         self.start_ns = time.time_ns()
-        self.failed = False
 
     def get_span_context(self) -> Any:
-        return self._context
-
-    def is_recording(self) -> bool:
-        return False
+        return self._trace.get_span_context()
 
     def set_attribute(self, key: str, value: Any) -> None:
         self.attributes[key] = value
@@ -220,48 +232,38 @@ class _Unsampled:
     def set_attributes(self, attributes: dict[str, Any]) -> None:
         self.attributes.update(attributes)
 
-    def set_status(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def record_exception(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def add_event(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
 
 class _UnsampledScope:
-    """Runs a block under an `_Unsampled` stand-in (its context current, flags unsampled);
-    if the block raised or set ``failed`` true, writes it as the SDK span it stood for (its
-    own start time and attributes, under the parent it had, and a root under the trace id
-    its children were given; the sampler records a failed ``tail`` kind outside the
-    sample, and the processor writes it)."""
+    """Runs a block under an `_Unsampled` stand-in; if the block raised or set ``failed``
+    true, writes it as the SDK span it stood for (its own start time and attributes, under
+    the parent it had, and a root under the trace id its children were given; the sampler
+    records a failed ``tail`` kind outside the sample, and the processor writes it).
+    ``parent``: the trace outside the sample it opened under, if any; None: a root, or
+    under OpenTelemetry's current span."""
 
-    __slots__ = ("_root", "_token", "_vtoken", "stand_in")
+    __slots__ = ("_parent", "_root", "_token", "stand_in")
 
-    def __init__(self, name: str, attributes: dict[str, Any], trace_id: int, *, root: bool) -> None:
-        trace = sys.modules["opentelemetry.trace"]
-        sc = trace.SpanContext(trace_id, _random.getrandbits(64) or 1, False, _UNSAMPLED)
-        self._root = root
-        self.stand_in = _Unsampled(name, attributes, sc)
+    def __init__(
+        self, name: str, attributes: dict[str, Any], trace_id: int, *, parent: _Outside | None, root: bool = False
+    ) -> None:
+        self._parent, self._root = parent, root
+        trace = _Outside(f"00-{trace_id:032x}-{_random.getrandbits(64) or 1:016x}-00")
+        self.stand_in = _Unsampled(name, attributes, trace)
 
     def __enter__(self) -> _Unsampled:
-        trace, sc = sys.modules["opentelemetry.trace"], self.stand_in._context
-        out = _Outside(sc, f"00-{sc.trace_id:032x}-{sc.span_id:016x}-00")
-        self._token = sys.modules["opentelemetry.context"].attach(trace.set_span_in_context(out.quiet.span))
-        self._vtoken = _outside.set(out)
+        self._token = _outside.set(self.stand_in._trace)
         return self.stand_in
 
     def __exit__(self, kind: Any, error: BaseException | None, tb: Any) -> None:
-        _outside.reset(self._vtoken)
-        sys.modules["opentelemetry.context"].detach(self._token)
+        _outside.reset(self._token)
         s = self.stand_in
         if error is None and s.attributes.get("failed") is not True:
             return
         trace = sys.modules["opentelemetry.trace"]
         if self._root and _ids is not None:
-            _ids.next_trace_id = s._context.trace_id
-        real = _tracer().start_span(s.name, attributes=s.attributes or None, start_time=s.start_ns)
+            _ids.next_trace_id = s._trace.trace_id
+        parent = self._parent.otel_context() if self._parent is not None else None
+        real = _tracer().start_span(s.name, context=parent, attributes=s.attributes or None, start_time=s.start_ns)
         if error is not None:
             real.record_exception(error)
             real.set_status(trace.Status(trace.StatusCode.ERROR, f"{type(error).__name__}: {error}"))
@@ -310,10 +312,15 @@ def current_traceparent() -> str | None:
     return f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{int(ctx.trace_flags):02x}"
 
 
+_OUTSIDE_TP = re.compile("00-[0-9a-f]{32}-[0-9a-f]{16}-00")  # as this module writes it
+
+
 def remote_parent(traceparent: Any) -> contextlib.AbstractContextManager[Any]:
     """Make the caller's span (from a request header) the current parent; no-op without one."""
     if type(traceparent) is not str:
         return _NULL
+    if _OUTSIDE_TP.fullmatch(traceparent):  # outside the sample: nothing parsed until asked
+        return _Attached(_Outside(traceparent))
     parts = traceparent.split("-")
     if len(parts) != 4 or len(parts[1]) != 32 or len(parts[2]) != 16:
         return _NULL
@@ -321,29 +328,35 @@ def remote_parent(traceparent: Any) -> contextlib.AbstractContextManager[Any]:
         trace_id, span_id, flags = int(parts[1], 16), int(parts[2], 16), int(parts[3], 16)
     except ValueError:
         return _NULL
-    return _Attached(trace_id, span_id, flags, traceparent)
+    if not flags & 1:
+        return _Attached(_Outside(f"00-{trace_id:032x}-{span_id:016x}-00"))
+    from opentelemetry import trace
+
+    return _Attached(trace.NonRecordingSpan(trace.SpanContext(trace_id, span_id, True, trace.TraceFlags(flags))))
 
 
 class _Attached:
-    """The block runs with a remote span context as the current span."""
+    """The block runs under a remote parent: a trace outside the sample (``_Outside``), or
+    OpenTelemetry's span of a sampled one, made its current span."""
 
-    __slots__ = ("_ctx", "_out", "_token", "_vtoken")
+    __slots__ = ("_parent", "_token", "_vtoken")
 
-    def __init__(self, trace_id: int, span_id: int, flags: int, traceparent: str) -> None:
-        trace = sys.modules.get("opentelemetry.trace")
-        if trace is None:
-            from opentelemetry import trace
-        sc = trace.SpanContext(trace_id, span_id, True, trace.TraceFlags(flags))
-        self._out = None if flags & 1 else _Outside(sc, traceparent)
-        self._ctx = trace.set_span_in_context(self._out.quiet.span if self._out else trace.NonRecordingSpan(sc))
+    def __init__(self, parent: Any) -> None:
+        self._parent = parent
+        self._token: Any = None
 
     def __enter__(self) -> None:
-        self._token = sys.modules["opentelemetry.context"].attach(self._ctx)
-        self._vtoken = _outside.set(self._out)
+        if type(self._parent) is _Outside:
+            self._vtoken = _outside.set(self._parent)
+            return
+        trace = sys.modules["opentelemetry.trace"]
+        self._token = sys.modules["opentelemetry.context"].attach(trace.set_span_in_context(self._parent))
+        self._vtoken = _outside.set(None)
 
     def __exit__(self, *exc: Any) -> None:
         _outside.reset(self._vtoken)
-        sys.modules["opentelemetry.context"].detach(self._token)
+        if self._token is not None:
+            sys.modules["opentelemetry.context"].detach(self._token)
 
 
 ENV_FILE = "FLOTILLA_TRACE_FILE"
@@ -375,12 +388,8 @@ def configure_tracing(
     provider itself can be installed only once per process). Raises ValueError for a
     ``sample`` outside [0, 1] or a ``max_bytes`` below 1.
     """
-    global _exporter, _policy, _cached_tracer, _ids, _UNSAMPLED
-    from opentelemetry.trace import TraceFlags
-
+    global _exporter, _policy, _cached_tracer, _ids
     from ._traceio import JsonlExporter, SamplingPolicy, make_processor, make_sampler
-
-    _UNSAMPLED = TraceFlags(0)
 
     path = os.fspath(path)
     always, tail = frozenset(always), frozenset(tail)
