@@ -92,7 +92,6 @@ def _one_run(root: Path, name: str, steps: int, sets: list[str]) -> dict[str, An
         "spans": spans,
         "traces_not_written": max((r.get("traces_not_written", 0) for r in rows), default=0),
         "rollouts": sum(r.get("rollouts", 0) + r.get("dropped_total", 0) for r in rows),
-        "tree": _rollout_tree(trace) if trace.exists() else None,
     }
 
 
@@ -231,7 +230,9 @@ def main() -> None:
             for mode in ("off", "on") if r % 2 == 0 else ("on", "off"):
                 out = _one_run(Path(tmp), f"{mode}-{r}", steps, modes[mode])
                 runs[mode].append(out)
-                tree = tree or out.pop("tree")
+                trace = Path(tmp) / out["name"] / "traces.jsonl"
+                if tree is None and trace.exists():  # the first traced run's, read once
+                    tree = _rollout_tree(trace)
                 print(
                     f"{mode:>3} #{r}: {out['steps']} steps, training {out['train_s']:.1f} s, "
                     f"total {out['total_s']:.1f} s, cpu {out['cpu_s']:.1f} s, "

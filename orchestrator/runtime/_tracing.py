@@ -161,8 +161,8 @@ class _Outside(_NoopSpan):
         if self._context is None:
             from opentelemetry import trace
 
-            tp = self.traceparent
-            self._context = trace.SpanContext(int(tp[3:35], 16), int(tp[36:52], 16), False, trace.TraceFlags(0))
+            span_id = int(self.traceparent[36:52], 16)
+            self._context = trace.SpanContext(self.trace_id, span_id, False, trace.TraceFlags(0))
         return self._context
 
     def otel_context(self) -> Any:
