@@ -296,3 +296,16 @@ class Leaver(Actor):
     async def on_signal(self) -> None:
         self.leave.set()
         await self.answered.wait()
+
+
+class Collector(Actor):
+    """Reports its process's cyclic-collector settings."""
+
+    def __init__(self) -> None:
+        self.made_at_start = [object() for _ in range(1000)]
+
+    @endpoint
+    def gc_state(self) -> tuple[int, int]:
+        import gc
+
+        return gc.get_threshold()[0], gc.get_freeze_count()

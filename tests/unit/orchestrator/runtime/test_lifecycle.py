@@ -14,7 +14,7 @@ import trio
 
 from orchestrator.runtime import ActorDied, ActorError, Curve, open_mesh
 
-from ._actors import BadInit, Counter, Gate, HangsOnRestart, Leaver, Lifecycle
+from ._actors import BadInit, Collector, Counter, Gate, HangsOnRestart, Leaver, Lifecycle
 
 
 def _gone(pids: list[int]) -> bool:
@@ -261,3 +261,17 @@ async def test_the_replies_an_actor_drains_with_reach_their_caller(size: int, tr
                 await mesh[0].wait_waiting.call_one()
                 os.kill(pid, signal.SIGTERM)
             assert len(word[0]) == size
+
+
+async def test_an_actor_process_collects_young_objects_rarely_and_freezes_what_start_up_made() -> None:
+    from orchestrator.runtime._child import GC_GEN0
+
+    async with open_mesh(Collector, procs=1) as mesh:
+        with trio.fail_after(10):
+            while True:
+                gen0, frozen = await mesh[0].gc_state.call_one()
+                if frozen:
+                    break
+                await trio.sleep(0.05)
+    assert gen0 == GC_GEN0
+    assert frozen > 1000  # modules, the actor and what its constructor made
