@@ -148,7 +148,7 @@ class PoolView:
         if oldest < min_version:
             versions = self.versions
             ranks = [r for r in ranks if versions[r] >= min_version]
-        return min(ranks, key=self.in_flight.__getitem__)  # the first minimum: the lowest rank
+        return _least(self.in_flight, ranks)
 
     def receiver(self, rank: int) -> str:
         return f"{self.name}/{rank}"
@@ -202,6 +202,11 @@ class RunContext:
             max_zero_variance_drops=cfg.rollout.zero_variance_drop_bound,
         )
         self.pools = {name: PoolView.of(link) for name, link in links.pools.items()}
+        self._told_scheduler: dict[str, int] = {}  # the held version `update_scheduler` last told
+        # Each pool's staleness budget (0 in sync mode): read several times per placement.
+        self.budgets = {
+            name: 0 if cfg.mode == "sync" else link.config.staleness_budget for name, link in links.pools.items()
+        }
         self.env_health = [Health(f"environment actor {r}", on_flip=self._env_flipped) for r in range(links.envs.size)]
         self._env_flips = 0
         self._env_cache: tuple[Any, list[int]] | None = None
@@ -296,7 +301,7 @@ class RunContext:
         return self.state.version
 
     def budget(self, pool: str) -> int:
-        return 0 if self.cfg.mode == "sync" else self.pools[pool].link.config.staleness_budget
+        return self.budgets[pool]
 
     def all_synced(self) -> bool:
         """Every sampler that answers holds the trainer's version (sync mode waits for it;
@@ -323,18 +328,21 @@ class RunContext:
         """The environment rank for the next episode: usable, fewest episodes in flight
         (ties: the lowest rank); None when none is."""
         ok = self.usable_envs()
-        return min(ok, key=self.env_in_flight.__getitem__) if ok else None  # first minimum: lowest rank
+        return _least(self.env_in_flight, ok) if ok else None
 
     def _env_flipped(self) -> None:
         self._env_flips += 1
 
     def update_scheduler(self) -> None:
         """Tell the scheduler which pools can take rollouts and the weights they hold."""
+        told = self._told_scheduler  # runs once per placement decision: tell changes only
         for name, view in self.pools.items():
             held = view.held_version()
-            self.scheduler.set_available(name, held >= 0)
-            if held >= 0:
-                self.scheduler.set_pool_version(name, held)
+            if told.get(name) != held:
+                told[name] = held
+                self.scheduler.set_available(name, held >= 0)
+                if held >= 0:
+                    self.scheduler.set_pool_version(name, held)
 
     def now(self) -> float:
         return trio.current_time()
@@ -463,6 +471,15 @@ class RunContext:
     def consume_rate(self) -> float:
         batch = self.cfg.rollout.prompts_per_step * self.cfg.rollout.group_size
         return batch / self.train_s_ewma if self.train_s_ewma > 0 and math.isfinite(self.train_s_ewma) else 0.0
+
+
+def _least(load: list[int], ranks: list[int]) -> int:
+    """The rank in `ranks` (ascending, not empty) with the least `load`, the lowest of equals.
+    When every rank is a candidate, C's `min` and `index` do it (this runs once per placement
+    decision, over hundreds of ranks)."""
+    if len(ranks) == len(load):
+        return load.index(min(load))
+    return min(ranks, key=load.__getitem__)
 
 
 def _sampler_health(link: PoolLink, rank: int) -> Health:

@@ -4,7 +4,8 @@ A dead process is the runtime's to report (`ActorDied`, within seconds); a froze
 (SIGSTOP, a wedged driver, a host that stopped answering) never answers and never dies.
 So every sampler rank and environment rank has a `Health` record and a watcher task that
 pings it every `[faults] ping_every_s` (`runtime_stats`, answered from the actor's
-message loop). A rank that has answered nothing for `unresponsive_after_s` is
+message loop), unless it answered one of the run's own calls since its last ping (an
+episode's end, a weight update: `Health.heard`), which counts as the ping's answer. A rank that has answered nothing for `unresponsive_after_s` is
 *unresponsive*: the console names it once, with the time of its last answer; the calls
 bound to it are abandoned (cancelled: the remote side is told), so its rollouts are
 re-queued and go to ranks that answer, its weight push starts over later with a keyframe,
@@ -78,6 +79,7 @@ class Health:
     retired: bool = False  # given up (its host never came back), or a vacant elastic rank
     present: trio.Event = field(default_factory=trio.Event)  # set while not retired
     on_flip: Callable[[], None] | None = None  # called when it turns (un)responsive, retires, joins or is avoided
+    heard: float = -math.inf  # trio time of its latest answer to one of the run's own calls (`watch`)
 
     def __post_init__(self) -> None:
         self.back.set()
@@ -208,6 +210,12 @@ async def watch(
             if not health.responsive:  # respawned (given up, or died meanwhile): a new process
                 health.mark_responsive()
             await trio.sleep(f.ping_every_s)
+            continue
+        if health.responsive and health.up_since is not None and health.heard > health.last_answer:
+            # It answered one of the run's own calls (an episode, a weight update) since the
+            # last evidence: as good as a ping, and a busy fleet's ranks need none.
+            _answered(ctx, health, health.heard, outage)
+            await trio.sleep_until(health.heard + f.ping_every_s)
             continue
         if health.responsive:
             deadline = health.last_answer + f.unresponsive_after_s

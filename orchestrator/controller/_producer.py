@@ -77,8 +77,17 @@ def _top_up(ctx: RunContext) -> None:
 
 def need_version(ctx: RunContext, slot: Slot, pool: str) -> int:
     """The oldest weights a rollout may start on: its group's due version minus the budget."""
-    due = max(ctx.version, ctx.due.get(slot.group_id, 0))
-    return max(0, due - ctx.budget(pool))
+    return max(0, _due(ctx, slot) - ctx.budgets[pool])
+
+
+def _due(ctx: RunContext, slot: Slot) -> int:
+    return max(ctx.version, ctx.due.get(slot.group_id, 0))
+
+
+def _runnable_now(ctx: RunContext, slot: Slot) -> bool:
+    """Some pool holds weights new enough for `slot` (`need_version`)."""
+    due, budgets = _due(ctx, slot), ctx.budgets
+    return any(view.newest_version() >= max(0, due - budgets[name]) for name, view in ctx.pools.items())
 
 
 def _place(ctx: RunContext) -> str | None:
@@ -144,7 +153,7 @@ async def produce(ctx: RunContext, nursery: trio.Nursery) -> None:
             if task is None:  # its group was skipped meanwhile
                 ctx.buffer.requeue(slot)
                 continue
-            if not any(v.newest_version() >= need_version(ctx, slot, name) for name, v in ctx.pools.items()):
+            if not _runnable_now(ctx, slot):
                 # Due at a version no pool holds yet: the slots behind it (a group due now) may
                 # be what that version waits for, so look past it.
                 waiting.append(slot)
@@ -259,6 +268,7 @@ async def _rollout(ctx: RunContext, a: Attempt, task: TaskSpec) -> None:
             traj = await ctx.links.envs.run_episode(
                 pool.link, rank, task, ctx.sampling, min_version, env_rank=env, hold=ctx.cfg.rollout.hold_trajectories
             )
+            ctx.env_health[env].heard = ctx.now()
             s.set_attribute("policy_version", traj.oldest_version)
             s.set_attribute("policy_version_max", traj.newest_version)
             s.set_attribute("staleness", ctx.version - traj.oldest_version)

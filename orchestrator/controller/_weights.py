@@ -112,6 +112,7 @@ async def sync_worker(ctx: RunContext, pool: PoolView, rank: int) -> None:
                 pool.versions[rank] = UNKNOWN
             continue
         backoff.reset()
+        health.heard = ctx.now()  # it answered (`_liveness.watch`)
         if pool.versions[rank] != -2:  # unless the trainer went back meanwhile
             pool.versions[rank] = now
         ctx.notify()  # the producer tells the scheduler before its next placement

@@ -66,6 +66,53 @@ async def test_a_frozen_sampler_is_named_once_avoided_and_rejoins(autojump_clock
     assert c["groups_in"] == c["groups_trained"] + c["groups_buffered"] + c["groups_skipped"]
 
 
+class CountedPings(FakeEnvs):
+    """FakeEnvs that count the controller's pings."""
+
+    def __init__(self) -> None:
+        super().__init__(episode_s=0.2)
+        self.pings = 0
+
+    async def ping(self, rank: int) -> None:
+        self.pings += 1
+        await super().ping(rank)
+
+
+async def test_ranks_that_answer_the_runs_own_calls_are_not_pinged_and_a_frozen_one_still_is(autojump_clock):
+    # Episodes end every 0.2 s and weights land every step: answers enough that a watcher
+    # pings only when a rank fell silent. A frozen sampler is still named within its limit.
+    h = Harness(run_config(steps=150, faults={"ping_every_s": 0.5, "unresponsive_after_s": 3.0}), envs=CountedPings())
+    out = _console(h)
+    cheap = h.pools["cheap"]
+    pings = {name: 0 for name in h.pools}
+    for name, pool in h.pools.items():
+        ping = pool.ping
+
+        async def counted(rank: int, name: str = name, ping=ping) -> None:
+            pings[name] += 1
+            await ping(rank)
+
+        pool.ping = counted  # type: ignore[method-assign]
+    with trio.fail_after(3600):
+        async with trio.open_nursery() as n:
+            n.start_soon(h.controller.run)
+            await _until(h, 120)
+            quiet = trio.current_time()
+            env_pings, sampler_pings = h.envs.pings, dict(pings)
+            cheap.freeze(0)
+            frozen_at = trio.current_time()
+            while "sampler cheap/0 is unresponsive" not in out.getvalue():
+                await trio.sleep(0.1)
+            named_at = trio.current_time()
+            cheap.thaw(0)
+    # Pinging every ping_every_s would be a ping per rank per 0.5 s.
+    intervals = quiet / h.cfg.faults.ping_every_s
+    assert env_pings <= 0.1 * intervals, (env_pings, intervals)
+    assert all(p <= 0.5 * intervals for p in sampler_pings.values()), (sampler_pings, intervals)
+    assert named_at - frozen_at <= 3.0 + 2 * h.cfg.faults.ping_every_s + 0.5, named_at - frozen_at
+    assert h.state.step == 150
+
+
 async def test_a_sampler_frozen_past_the_limit_is_replaced(autojump_clock):
     h = Harness(run_config(steps=200, faults={"unresponsive_after_s": 2.0, "give_up_after_s": 10.0}))
     out = _console(h)
