@@ -80,9 +80,10 @@ class DataMeter:
     rollouts: int = 0  # trajectories that arrived
     traj_bytes: int = 0  # sum of trajectory_bytes over the rollouts counted in
     trained: int = 0  # trajectories sent to the trainer
+    pings: int = 0  # liveness pings the controller sent to sampler and environment ranks
 
-    def snapshot(self) -> tuple[int, int, int, int, int]:
-        return self.bytes_in, self.bytes_out, self.rollouts, self.traj_bytes, self.trained
+    def snapshot(self) -> tuple[int, int, int, int, int, int]:
+        return self.bytes_in, self.bytes_out, self.rollouts, self.traj_bytes, self.trained, self.pings
 
 
 def _metrics(tokens: int) -> PoolMetrics:
@@ -276,12 +277,14 @@ class _Multiplexed:
     r % mesh.size): their liveness and respawns, as the controller's links need them."""
 
     mesh: Mesh[Any]
+    meter: DataMeter
     _size: int
 
     def _proc(self, rank: int) -> Any:
         return self.mesh[rank % self.mesh.size]
 
     async def ping(self, rank: int) -> None:
+        self.meter.pings += 1
         await self._proc(rank).runtime_stats.call_one()
 
     def dead_ranks(self) -> list[int]:
@@ -299,10 +302,11 @@ class _Multiplexed:
 class FleetPool(_Multiplexed):
     """`size` logical sampler ranks over the processes of one `FleetSampler` mesh."""
 
-    def __init__(self, config: PoolConfig, mesh: Mesh[Any], size: int) -> None:
+    def __init__(self, config: PoolConfig, mesh: Mesh[Any], size: int, meter: DataMeter) -> None:
         self.config = config
         self.mesh = mesh
         self._size = size
+        self.meter = meter
         self.held = [-1] * size  # what each rank answered last (the env fake stamps it)
 
     @property

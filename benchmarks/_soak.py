@@ -91,7 +91,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         ):
             links = Links(
                 trainer=FleetTrainerLink(tmesh, meter, emesh),  # held trajectories (the default) are fetched from emesh
-                pools={pc.name: FleetPool(pc, smesh, pc.count) for pc in cfg.pools},
+                pools={pc.name: FleetPool(pc, smesh, pc.count, meter) for pc in cfg.pools},
                 envs=FleetEnvs(emesh, 4, meter),
             )
             log = MetricsLog(run_dir / "metrics.jsonl")

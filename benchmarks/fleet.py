@@ -16,6 +16,8 @@ over `--pools` pools, one environment rank per sampler rank) it measures, after 
 - `cpu_bound_rollouts_per_s`: rollouts per second of controller CPU, the rate one core
   would sustain (on a machine shared with other jobs the controller may not get its core,
   and `rollouts_per_s` then says more about the machine than about the controller);
+- `pings_per_s`: liveness pings the controller sent (a rank that answered an episode or a
+  weight update since its last ping needs none);
 - `rss_mb`, `in_flight_mean`: the controller's resident memory and rollouts in flight;
 - `decision_us_p50/p99`: the producer's placement decisions (slot -> pool, rank, env rank),
   wall time (on a machine shared with other jobs the tail counts their time slices too).
@@ -170,7 +172,7 @@ async def measure(
     meter = DataMeter()
     links = Links(
         trainer=FleetTrainerLink(tmesh, meter, emesh),
-        pools={pc.name: FleetPool(pc, smesh, pc.count) for pc in cfg.pools},
+        pools={pc.name: FleetPool(pc, smesh, pc.count, meter) for pc in cfg.pools},
         envs=FleetEnvs(emesh, ranks, meter),
     )
     scheduler = Scheduler(
@@ -233,6 +235,7 @@ async def measure(
         "cpu_us_per_rollout": round((c1 - c0) / max(n, 1) * 1e6, 1),
         "cpu_bound_rollouts_per_s": round(n / (c1 - c0), 1) if c1 > c0 else None,
         "cpu_util": round((c1 - c0) / wall, 3),
+        "pings_per_s": round((m1[5] - m0[5]) / wall, 1),
         "gc_share": round(gcw.seconds / max(c1 - c0, 1e-9), 3),
         "bytes_per_rollout": round(through),
         "trajectory_bytes": round(traj_b),

@@ -244,7 +244,8 @@ class FaultsSection(_Section):
 
     ping_every_s: float = Field(default=1.0, gt=0)
     """Seconds between liveness pings of each sampler and environment actor (a cheap call
-    every actor answers from its message loop)."""
+    every actor answers from its message loop); an actor that answered an episode or a
+    weight update since its last ping is not pinged."""
     unresponsive_after_s: float = Field(default=3.0, gt=0)
     """An actor that has answered nothing for this long is unresponsive: the console names it
     once, its rollouts and weight pushes are abandoned and retried elsewhere, it gets no new
