@@ -187,7 +187,10 @@ def _start_hedges(ctx: RunContext, nursery: trio.Nursery) -> None:
     """Start a duplicate of each straggler the next batch waits for (`_hedge`), on a rank of
     another host with a free scheduler slot; one without such a rank waits for the next look."""
     now, buffer = ctx.now(), ctx.buffer
-    seen = (ctx.version, buffer.groups_buffered, buffer.done_rollouts())
+    # What the next batch waits for gains members only when a batch is taken or a group
+    # comes or goes; a rollout finishing only removes one, and a retry started meanwhile
+    # is seen at the next timed look (within RECHECK_S): no scan per finished rollout.
+    seen = (ctx.version, buffer.groups_buffered)
     if not ctx.hedger.due(now, seen):
         return
     late = ctx.hedger.stragglers(buffer.awaited(ctx.cfg.rollout.prompts_per_step), now, seen)
