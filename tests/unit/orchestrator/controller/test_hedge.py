@@ -10,7 +10,7 @@ import math
 
 import trio
 
-from orchestrator.controller._hedge import MIN_DURATIONS, Attempt, Hedger
+from orchestrator.controller._hedge import MIN_DURATIONS, RECHECK_S, Attempt, Hedger
 from orchestrator.state.buffer import Slot
 
 from .fakes import FakeEnvs, Harness, run_config
@@ -221,3 +221,35 @@ async def test_the_first_to_finish_is_the_slots_and_the_last_unfinished_requeues
     assert not h.ended(twin, finished=False, seconds=None)
     assert h.ended(first, finished=False, seconds=None)  # the last one out: re-queue the slot
     assert h.attempts == {}
+
+
+class JitteredEnvs(FakeEnvs):
+    """Episodes of 0.05-0.35 s: rollouts finish one by one, not in lockstep."""
+
+    async def run_episode(self, pool, rank, task, sampling, min_version, env_rank, hold=False):
+        self.episode_s = self.rng.uniform(0.05, 0.35)
+        return await super().run_episode(pool, rank, task, sampling, min_version, env_rank, hold)
+
+
+async def test_stragglers_are_looked_for_on_changes_and_timed_looks_not_per_finished_rollout(autojump_clock):
+    # A finished rollout only shrinks what the next batch waits for: the scan over the
+    # buffer's groups runs when a batch is taken, a group comes or goes, or RECHECK_S passed.
+    h = Harness(_cfg().model_copy(update={"steps": 40}), envs=JitteredEnvs())
+    hedger = h.controller.ctx.hedger
+    looks = 0
+    stragglers = hedger.stragglers
+
+    def counted(*args):
+        nonlocal looks
+        looks += 1
+        return stragglers(*args)
+
+    hedger.stragglers = counted  # type: ignore[method-assign]
+    with trio.fail_after(600):
+        await h.controller.run()
+    assert h.state.step == 40
+    finished = h.controller.counts()["rollouts_trained"]
+    groups = h.controller.counts()["groups_in"]
+    bound = h.state.step + groups + trio.current_time() / RECHECK_S
+    assert looks <= bound < finished, (looks, bound, finished)
+    _check_accounting(h)
