@@ -5,11 +5,11 @@ A dead process is the runtime's to report (`ActorDied`, within seconds); a froze
 So every sampler rank and environment rank has a `Health` record and a watcher task that
 pings it every `[faults] ping_every_s` (`runtime_stats`, answered from the actor's
 message loop), unless it answered one of the run's own calls since its last ping (an
-episode's end, a weight update: `Health.heard`), which counts as the ping's answer. A rank that has answered nothing for `unresponsive_after_s` is
-*unresponsive*: the console names it once, with the time of its last answer; the calls
-bound to it are abandoned (cancelled: the remote side is told), so its rollouts are
-re-queued and go to ranks that answer, its weight push starts over later with a keyframe,
-and it gets no new work. Its statistics wait (`refresh_stats` never waits for a call that
+episode's end, a weight update: `Health.heard`), which counts as the ping's answer. A
+rank that has answered nothing for `unresponsive_after_s` is *unresponsive*: the console
+names it once, with the time of its last answer; the calls bound to it are abandoned
+(cancelled: the remote side is told), so its rollouts are re-queued and go to ranks that
+answer, its weight push starts over later with a keyframe, and it gets no new work. Its statistics wait (`refresh_stats` never waits for a call that
 already missed a step's deadline). When it answers again it rejoins: its sync worker
 brings it to the newest weights, and rollouts it produced before the freeze are judged by
 the staleness budgets as always. Unresponsive for `give_up_after_s`, it is given up: its
