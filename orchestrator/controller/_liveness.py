@@ -9,8 +9,9 @@ episode's end, a weight update: `Health.heard`), which counts as the ping's answ
 rank that has answered nothing for `unresponsive_after_s` is *unresponsive*: the console
 names it once, with the time of its last answer; the calls bound to it are abandoned
 (cancelled: the remote side is told), so its rollouts are re-queued and go to ranks that
-answer, its weight push starts over later with a keyframe, and it gets no new work. Its statistics wait (`refresh_stats` never waits for a call that
-already missed a step's deadline). When it answers again it rejoins: its sync worker
+answer, its weight push starts over later with a keyframe, and it gets no new work. Its
+statistics wait (`refresh_stats` never waits for a call that already missed a step's
+deadline). When it answers again it rejoins: its sync worker
 brings it to the newest weights, and rollouts it produced before the freeze are judged by
 the staleness budgets as always. Unresponsive for `give_up_after_s`, it is given up: its
 process is stopped and a fresh one started.
