@@ -239,6 +239,8 @@ class RunContext:
         self.train_pending = False  # sync mode: a batch was issued and not trained yet
         self.train_started: float | None = None
         self.train_s_ewma = 0.0
+        self.accounted = trio.Event()  # set while no trained step's record is still being written
+        self.accounted.set()
         self.t_start = trio.current_time()
         self.step_t0 = self.t_start
         self.last_checkpoint_t = self.t_start

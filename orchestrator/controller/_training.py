@@ -14,7 +14,10 @@ restored the same way, without waiting for a batch that could not come; so is a 
 during a checkpoint save (the previous complete checkpoint survives it).
 
 No step waits on a sampler: its counters are asked for with a deadline
-(`_liveness.refresh_stats`), and a rank that misses it is accounted at a later step.
+(`_liveness.refresh_stats`), and a rank that misses it is accounted at a later step. Nor
+does the trainer wait for that accounting: a step's metrics line is completed and written
+beside the next step (one at a time, in step order), and a checkpoint or the run's end
+waits for the last one.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ async def train_loop(ctx: RunContext) -> None:
             await ctx.wait_change()
             continue
         await _train_on(ctx, groups)
+    await ctx.accounted.wait()  # the last step's record is written before the run ends
 
 
 async def _train_on(ctx: RunContext, groups: list[Group]) -> None:
@@ -99,7 +103,14 @@ async def _train_on(ctx: RunContext, groups: list[Group]) -> None:
     ctx.train_pending = False
     ctx.bump_versions()
     ctx.release(trajs)
-    await _account(ctx, trajs, stale, result)
+    # The step's record is written beside the next step (its pool counters take up to
+    # STATS_WAIT_S to come back, and the trainer need not wait for them): one step's
+    # accounting at a time, in step order.
+    await ctx.accounted.wait()
+    ctx.accounted = trio.Event()
+    now = ctx.now()
+    record = _step_record(ctx, trajs, stale, result, now)
+    ctx.nursery.start_soon(_account, ctx, record, trajs, stale, result, now)
     ctx.notify()
     if _checkpoint_due(ctx):
         try:
@@ -120,7 +131,9 @@ def _checkpoint_due(ctx: RunContext) -> bool:
 
 
 async def checkpoint(ctx: RunContext) -> None:
-    """The trainer's state and the controller's, as one checkpoint."""
+    """The trainer's state and the controller's, as one checkpoint (after the last trained
+    step's record, so the checkpointed ledger holds its rollouts)."""
+    await ctx.accounted.wait()
     ctx.state.buffered = ctx.buffer.buffered_prompts()
     ctx.state.ledger = ctx.ledger.state()
     ctx.state.scheduler = ctx.scheduler.state()
@@ -157,6 +170,7 @@ async def restart_trainer(ctx: RunContext, death: ActorDied) -> None:
             await backoff.wait()
     ctx.trainer_death = None  # whoever saw it, this restore answers it
     ctx.state.version, ctx.state.step = version, step
+    await ctx.accounted.wait()  # a lost step's line is written, then cut with the others
     ctx.metrics.truncate(step)
     ctx.due.clear()  # due versions were counted from the lost steps
     ctx.paths.clear()  # the restored trainer's versions name other weights
@@ -170,22 +184,18 @@ async def restart_trainer(ctx: RunContext, death: ActorDied) -> None:
     ctx.notify()
 
 
-async def _account(ctx: RunContext, trajs: list[Trajectory], stale: list[int], result: StepResult) -> None:
-    now = ctx.now()
-    async with trio.open_nursery() as nursery:  # every pool's counters at once, bounded
-        for view in ctx.pools.values():
-            nursery.start_soon(refresh_stats, ctx, view)
-    pool_stats = {name: _pool_step_stats(ctx, name, now) for name in ctx.pools}
-    by_pool: dict[str, list[int]] = {}
+def _step_record(
+    ctx: RunContext, trajs: list[Trajectory], stale: list[int], result: StepResult, now: float
+) -> dict[str, Any]:
+    """The step's metrics line as of its end, but for what its pools' counters add
+    (`_account`); its rollouts and mismatch go to the cost ledger now."""
     for t, st in zip(trajs, stale, strict=False):
-        by_pool.setdefault(t.pool, []).append(st)
         ctx.ledger.record_rollout(t.pool, tokens=t.num_generated, staleness=st)
-    per_pool = result.per_pool
-    for name, m in per_pool.items():
+    for name, m in result.per_pool.items():
         ctx.ledger.record_mismatch(name, kl=m.mismatch_kl, masked_fraction=m.masked_fraction, tokens=m.tokens)
     counts = ctx.buffer.counters
     rewards = [float(t.reward) for t in trajs]
-    record: dict[str, Any] = {
+    return {
         "step": ctx.state.step,
         "version": ctx.version,
         "wall_s": round(now - ctx.t_start, 3),
@@ -210,9 +220,27 @@ async def _account(ctx: RunContext, trajs: list[Trajectory], stale: list[int], r
         "mean_weight": result.overall.mean_weight,
         "entropy": result.overall.entropy,
         "train_s": result.seconds,
-        "cost_usd": ctx.ledger.report().totals.cost_usd,
         "segments_mean": sum(t.segments for t in trajs) / len(trajs),
-        "pools": {
+    }
+
+
+async def _account(
+    ctx: RunContext, record: dict[str, Any], trajs: list[Trajectory], stale: list[int], result: StepResult, now: float
+) -> None:
+    """Complete the record of the step trained at `now` with its pools' counters
+    (`refresh_stats`, which waits up to STATS_WAIT_S), its cost and host presence, write
+    it, and set `ctx.accounted`."""
+    try:
+        async with trio.open_nursery() as nursery:  # every pool's counters at once, bounded
+            for view in ctx.pools.values():
+                nursery.start_soon(refresh_stats, ctx, view)
+        pool_stats = {name: _pool_step_stats(ctx, name, now) for name in ctx.pools}
+        by_pool: dict[str, list[int]] = {}
+        for t, st in zip(trajs, stale, strict=False):
+            by_pool.setdefault(t.pool, []).append(st)
+        per_pool = result.per_pool
+        record["cost_usd"] = ctx.ledger.report().totals.cost_usd
+        record["pools"] = {
             name: {
                 **pool_stats[name],
                 **ctx.host_stats(name, now),
@@ -223,14 +251,15 @@ async def _account(ctx: RunContext, trajs: list[Trajectory], stale: list[int], r
                 "masked_fraction": per_pool[name].masked_fraction if name in per_pool else None,
             }
             for name in ctx.pools
-        },
-    }
-    if result.memory is not None:  # a trainer process's first step: its sizes and peak
-        record["trainer_memory"] = result.memory
-        ctx.progress.message(memory_line(result.memory))
-    ctx.metrics.write(record)
-    ctx.progress.step(record)
-    ctx.step_t0 = now
+        }
+        if result.memory is not None:  # a trainer process's first step: its sizes and peak
+            record["trainer_memory"] = result.memory
+            ctx.progress.message(memory_line(result.memory))
+        ctx.metrics.write(record)
+        ctx.progress.step(record)
+        ctx.step_t0 = now
+    finally:
+        ctx.accounted.set()
 
 
 def _pool_step_stats(ctx: RunContext, name: str, now: float) -> dict[str, Any]:

@@ -144,6 +144,7 @@ async def _evaluate_every(ctx: RunContext) -> None:
             continue
         step = ctx.state.step
         line = await evaluate(ctx, step)
+        await ctx.accounted.wait()  # after the step's own line
         ctx.metrics.write(line)
         ctx.progress.message(
             f"eval @ step {step} (version {line['eval_version']}): reward "

@@ -75,6 +75,7 @@ class FakeTrainer:
         self.acked: dict[str, int] = {}
         self.path_calls: list[tuple[str, int]] = []  # (receiver, have) of each update_path
         self.ack_calls = 0
+        self.step_starts: list[float] = []  # trio time each train_step was entered
 
     def is_dead(self) -> bool:
         return self.dead
@@ -93,6 +94,7 @@ class FakeTrainer:
 
     async def train_step(self, batch: list[Trajectory]) -> StepResult:
         self._alive()
+        self.step_starts.append(trio.current_time())
         self.entered.set()
         if self.gate is not None:
             await self.gate.wait()
@@ -186,6 +188,7 @@ class FakePool:
         self.down_until = -1.0  # respawns before this trio time fail (an unreachable host)
         self.respawn_calls = 0
         self.thawed = trio.Event()
+        self.stats_s = 0.001  # how long a rank takes to answer for its counters
 
     @property
     def size(self) -> int:
@@ -247,7 +250,7 @@ class FakePool:
 
     async def rank_stats(self, rank: int) -> dict[str, Any] | None:
         await self._thawed(rank)
-        await trio.sleep(0.001)
+        await trio.sleep(self.stats_s)
         if rank in self.dead:
             return None
         return {
@@ -347,9 +350,11 @@ class FakeEnvs:
 class Metrics:
     def __init__(self) -> None:
         self.rows: list[dict[str, Any]] = []
+        self.written_at: list[float] = []  # trio time of each write
 
     def write(self, record: dict[str, Any]) -> None:
         self.rows.append(record)
+        self.written_at.append(trio.current_time())
 
     def truncate(self, last_step: int) -> None:
         self.rows = [r for r in self.rows if r["step"] <= last_step]

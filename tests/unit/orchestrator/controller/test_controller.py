@@ -37,6 +37,23 @@ async def test_trained_trajectories_stay_within_each_pools_budget(autojump_clock
     _balanced(h)
 
 
+async def test_the_trainer_does_not_wait_for_a_steps_accounting(autojump_clock):
+    # Every rank takes 0.15 s to answer for its counters (a step's accounting waits up to
+    # STATS_WAIT_S for them): the next train step starts meanwhile, and the lines are still
+    # written once each, in step order, with their step's figures, before the run returns.
+    cfg = run_config(steps=6, checkpoint={"every_steps": 100})
+    h = Harness(cfg)
+    for pool in h.pools.values():
+        pool.stats_s = 0.15
+    await h.controller.run()
+    rows, starts = h.metrics.rows, h.trainer.step_starts
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    assert [r["version"] for r in rows] == list(range(1, 7))
+    assert all(r["pools"]["cheap"]["tokens"] > 0 for r in rows[1:])
+    overlapped = [k for k in range(5) if starts[k + 1] < h.metrics.written_at[k]]
+    assert len(overlapped) >= 3, (starts, h.metrics.written_at)
+
+
 async def test_ranks_holding_the_same_weights_share_one_path_and_their_acks_travel_together(autojump_clock):
     # 16 ranks per pool: each version is asked of the trainer once per (precision, held
     # version), not once per rank, and every rank's acknowledgement arrives, in batches.
