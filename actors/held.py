@@ -32,7 +32,7 @@ import torch
 import trio
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from actors.types import TENSOR_FIELDS, MissingTrajectories, Trajectory, TrajectoryRef
+from actors.types import LAYOUTS_CHECKED, TENSOR_FIELDS, MissingTrajectories, Trajectory, TrajectoryRef, check_layouts
 from orchestrator.runtime import ActorDied, ActorError
 
 __all__ = ["FETCH_TIMEOUT_S", "HeldBatch", "TrajectoryStore", "fetch_held"]
@@ -135,9 +135,13 @@ class HeldBatch(BaseModel):
         for k, t, col in zip(TENSOR_FIELDS, self.tensors, self.lengths.T, strict=True):
             if t.dim() != 1 or t.numel() != int(col.sum()) or bool((col < 0).any()):
                 raise ValueError(f"held batch: {k} holds {t.numel()} values, its lengths sum to {int(col.sum())}")
+        check_layouts(self.tensors, self.lengths)
         parts = [torch.split(t, col.tolist()) for t, col in zip(self.tensors, self.lengths.T, strict=True)]
+        checked = {LAYOUTS_CHECKED: True}  # just now, for the whole batch
         held = iter(
-            Trajectory(**m, **{k: p[i] for k, p in zip(TENSOR_FIELDS, parts, strict=True)})
+            Trajectory.model_validate(
+                {**m, **{k: p[i] for k, p in zip(TENSOR_FIELDS, parts, strict=True)}}, context=checked
+            )
             for i, m in enumerate(self.meta)
         )
         return [next(held) if f else None for f in self.found]

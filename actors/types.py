@@ -13,9 +13,17 @@ import itertools
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validator
 
-__all__ = ["MissingTrajectories", "SamplingParams", "TaskSpec", "Trajectory", "TrajectoryRef"]
+__all__ = [
+    "LAYOUTS_CHECKED",
+    "MissingTrajectories",
+    "SamplingParams",
+    "TaskSpec",
+    "Trajectory",
+    "TrajectoryRef",
+    "check_layouts",
+]
 
 
 class TaskSpec(BaseModel):
@@ -121,7 +129,9 @@ class Trajectory(BaseModel):
     """Wall time of the episode."""
 
     @model_validator(mode="after")
-    def _check_layout(self) -> Trajectory:
+    def _check_layout(self, info: ValidationInfo) -> Trajectory:
+        if info.context is not None and info.context.get(LAYOUTS_CHECKED):
+            return self  # one of a batch whose layouts `check_layouts` checked together
         i32 = (torch.int32,)
         _check_1d("tokens", self.tokens, (torch.int64,))
         _check_1d("loss_mask", self.loss_mask, (torch.bool,))
@@ -261,6 +271,55 @@ class MissingTrajectories(BaseModel):
 
 TENSOR_FIELDS = ("tokens", "loss_mask", "support_ids", "support_offsets", "support_logq", "versions")
 """The tensors of a `Trajectory`."""
+_DTYPES = (torch.int64, torch.bool, torch.int32, torch.int32, torch.float32, torch.int32)  # of TENSOR_FIELDS
+
+LAYOUTS_CHECKED = "flotilla.layouts_checked"
+"""Validation context key: `Trajectory.model_validate(data, context={LAYOUTS_CHECKED:
+True})` skips the per-trajectory layout check, for trajectories cut from a batch that
+`check_layouts` has just checked whole."""
+
+
+def check_layouts(tensors: list[torch.Tensor], lengths: torch.Tensor) -> None:
+    """`Trajectory`'s layout invariants for a batch whose tensor fields are concatenated
+    (`tensors`, in `TENSOR_FIELDS` order; `lengths`: int64 [n, 6], each trajectory's
+    length in each, non-negative and summing to the tensors' lengths): the checks of
+    `Trajectory._check_layout` in a few tensor operations for the whole batch instead of
+    several per trajectory. ValueError naming the first trajectory that breaks one."""
+    for name, t, dtype in zip(TENSOR_FIELDS, tensors, _DTYPES, strict=True):
+        _check_1d(name, t, (dtype,))
+    if lengths.shape[0] == 0:
+        return
+    ln = lengths.to(torch.int64)
+    tok, msk, ids, off, logq, ver = ln.unbind(1)
+    mask_end = msk.cumsum(0)
+    marked = torch.cat([torch.zeros(1, dtype=torch.int64), tensors[1].to(torch.int64).cumsum(0)])
+    n = marked[mask_end] - marked[mask_end - msk]  # generated tokens per trajectory
+    for bad, what in (
+        (msk != tok, "loss_mask and tokens differ in length"),
+        (off != n + 1, "support_offsets does not have one entry per generated token + 1"),
+        (ver != n, "versions does not have one entry per generated token"),
+        (logq != ids, "support_logq and support_ids differ in length"),
+    ):
+        _first_bad(bad, what)
+    o = tensors[3]
+    off_end = off.cumsum(0)
+    off_start = off_end - off
+    _first_bad(
+        (o[off_start] != 0) | (o[off_end - 1] != ids), "support_offsets must start at 0 and end at len(support_ids)"
+    )
+    falls = o[1:] < o[:-1]
+    falls[off_start[1:] - 1] = False  # one trajectory's last offset to the next one's first
+    if bool(falls.any()):
+        at = int(falls.nonzero()[0, 0]) + 1  # an offset below the one before it
+        i = int(torch.searchsorted(off_end, torch.tensor([at]), right=True)[0])
+        raise ValueError(f"trajectory {i} of the batch: support_offsets must be non-decreasing")
+
+
+def _first_bad(bad: torch.Tensor, what: str) -> None:
+    if bool(bad.any()):
+        raise ValueError(f"trajectory {int(bad.nonzero()[0, 0])} of the batch: {what}")
+
+
 _META = (
     "task",
     "prompt_id",

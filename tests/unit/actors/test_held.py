@@ -57,6 +57,39 @@ def test_a_batch_whose_parts_do_not_fit_is_refused_by_name():
         swapped.unpack()
 
 
+def _broken(**fields: torch.Tensor) -> Trajectory:
+    """A trajectory of 3 generated tokens with some tensors replaced, not validated."""
+    t = _traj(3, 1)
+    return Trajectory.model_construct(
+        **{**t.model_dump(exclude=set(TENSOR_FIELDS)), **{k: getattr(t, k) for k in TENSOR_FIELDS}, **fields}
+    )
+
+
+_i32 = torch.int32
+BROKEN = {
+    "mask shorter than tokens": dict(loss_mask=torch.tensor([0, 0, 1, 1], dtype=torch.bool)),
+    "one offset too many": dict(support_offsets=torch.tensor([0, 2, 4, 6, 6], dtype=_i32)),
+    "one version too few": dict(versions=torch.ones(2, dtype=_i32)),
+    "logq shorter than ids": dict(support_logq=-torch.rand(5)),
+    "offsets start past 0": dict(support_offsets=torch.tensor([1, 2, 4, 6], dtype=_i32)),
+    "offsets end short of the ids": dict(support_offsets=torch.tensor([0, 2, 4, 5], dtype=_i32)),
+    "offsets fall": dict(support_offsets=torch.tensor([0, 4, 2, 6], dtype=_i32)),
+    "versions of another dtype": dict(versions=torch.ones(3, dtype=torch.int64)),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(BROKEN))
+def test_a_batch_checks_each_trajectorys_layout_as_its_own_validation_would(fault):
+    # The batch is checked whole (`check_layouts`), not trajectory by trajectory: each
+    # fault the trajectory's own validation refuses is refused here, naming the trajectory.
+    broken = _broken(**BROKEN[fault])
+    with pytest.raises(ValueError):
+        Trajectory.model_validate(broken.model_dump())
+    batch = HeldBatch.pack([_traj(2, 0), None, broken, _traj(4, 3)])
+    with pytest.raises(ValueError, match="trajectory 1 of the batch|versions must have dtype"):
+        batch.unpack()
+
+
 def test_the_store_holds_until_released_and_evicts_the_oldest_past_its_bound():
     store = TrajectoryStore(max_held=2)
     failed = store.put(_traj(1, 9, failed=True))
