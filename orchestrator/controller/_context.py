@@ -241,6 +241,7 @@ class RunContext:
         self.train_s_ewma = 0.0
         self.accounted = trio.Event()  # set while no trained step's record is still being written
         self.accounted.set()
+        self.counters_wait = trio.CancelScope()  # cancelled: that record waits no longer for pool counters
         self.t_start = trio.current_time()
         self.step_t0 = self.t_start
         self.last_checkpoint_t = self.t_start

@@ -103,14 +103,15 @@ async def _train_on(ctx: RunContext, groups: list[Group]) -> None:
     ctx.train_pending = False
     ctx.bump_versions()
     ctx.release(trajs)
-    # The step's record is written beside the next step (its pool counters take up to
-    # STATS_WAIT_S to come back, and the trainer need not wait for them): one step's
-    # accounting at a time, in step order.
+    # The step's record is written beside the next step: its pool counters get up to
+    # STATS_WAIT_S to come back, or until the next step is trained, whichever is first
+    # (the trainer never waits for them). One step's accounting at a time, in step order.
+    ctx.counters_wait.cancel()
     await ctx.accounted.wait()
-    ctx.accounted = trio.Event()
+    ctx.accounted, ctx.counters_wait = trio.Event(), trio.CancelScope()
     now = ctx.now()
     record = _step_record(ctx, trajs, stale, result, now)
-    ctx.nursery.start_soon(_account, ctx, record, trajs, stale, result, now)
+    ctx.nursery.start_soon(_account, ctx, record, trajs, stale, result, now, ctx.counters_wait)
     ctx.notify()
     if _checkpoint_due(ctx):
         try:
@@ -225,15 +226,23 @@ def _step_record(
 
 
 async def _account(
-    ctx: RunContext, record: dict[str, Any], trajs: list[Trajectory], stale: list[int], result: StepResult, now: float
+    ctx: RunContext,
+    record: dict[str, Any],
+    trajs: list[Trajectory],
+    stale: list[int],
+    result: StepResult,
+    now: float,
+    counters_wait: trio.CancelScope,
 ) -> None:
     """Complete the record of the step trained at `now` with its pools' counters
-    (`refresh_stats`, which waits up to STATS_WAIT_S), its cost and host presence, write
-    it, and set `ctx.accounted`."""
+    (`refresh_stats`, which waits up to STATS_WAIT_S, or until `counters_wait` is
+    cancelled; calls still out land later), its cost and host presence, write it, and set
+    `ctx.accounted`."""
     try:
-        async with trio.open_nursery() as nursery:  # every pool's counters at once, bounded
-            for view in ctx.pools.values():
-                nursery.start_soon(refresh_stats, ctx, view)
+        with counters_wait:
+            async with trio.open_nursery() as nursery:  # every pool's counters at once, bounded
+                for view in ctx.pools.values():
+                    nursery.start_soon(refresh_stats, ctx, view)
         pool_stats = {name: _pool_step_stats(ctx, name, now) for name in ctx.pools}
         by_pool: dict[str, list[int]] = {}
         for t, st in zip(trajs, stale, strict=False):
