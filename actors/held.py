@@ -32,7 +32,15 @@ import torch
 import trio
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from actors.types import LAYOUTS_CHECKED, TENSOR_FIELDS, MissingTrajectories, Trajectory, TrajectoryRef, check_layouts
+from actors.types import (
+    LAYOUTS_CHECKED,
+    TENSOR_DTYPES,
+    TENSOR_FIELDS,
+    MissingTrajectories,
+    Trajectory,
+    TrajectoryRef,
+    check_layouts,
+)
 from orchestrator.runtime import ActorDied, ActorError
 
 __all__ = ["FETCH_TIMEOUT_S", "HeldBatch", "TrajectoryStore", "fetch_held"]
@@ -116,7 +124,7 @@ class HeldBatch(BaseModel):
         fields = [[getattr(t, k) for t in held] for k in TENSOR_FIELDS]
         lengths = torch.tensor([[x.numel() for x in col] for col in fields], dtype=torch.int64).T.reshape(-1, 6)
         tensors = [
-            torch.cat(col) if col else torch.empty(0, dtype=_DTYPES[k])
+            torch.cat(col) if col else torch.empty(0, dtype=TENSOR_DTYPES[k])
             for k, col in zip(TENSOR_FIELDS, fields, strict=True)
         ]
         return cls(
@@ -145,16 +153,6 @@ class HeldBatch(BaseModel):
             for i, m in enumerate(self.meta)
         )
         return [next(held) if f else None for f in self.found]
-
-
-_DTYPES = {
-    "tokens": torch.int64,
-    "loss_mask": torch.bool,
-    "support_ids": torch.int32,
-    "support_offsets": torch.int32,
-    "support_logq": torch.float32,
-    "versions": torch.int32,
-}
 
 
 def _matches(t: Trajectory, ref: TrajectoryRef) -> bool:

@@ -132,13 +132,8 @@ class Trajectory(BaseModel):
     def _check_layout(self, info: ValidationInfo) -> Trajectory:
         if info.context is not None and info.context.get(LAYOUTS_CHECKED):
             return self  # one of a batch whose layouts `check_layouts` checked together
-        i32 = (torch.int32,)
-        _check_1d("tokens", self.tokens, (torch.int64,))
-        _check_1d("loss_mask", self.loss_mask, (torch.bool,))
-        _check_1d("support_ids", self.support_ids, i32)
-        _check_1d("support_offsets", self.support_offsets, i32)
-        _check_1d("support_logq", self.support_logq, (torch.float32,))
-        _check_1d("versions", self.versions, i32)
+        for name, dtype in TENSOR_DTYPES.items():
+            _check_1d(name, getattr(self, name), (dtype,))
         # Most trajectories are short, and each torch call costs microseconds on a small
         # tensor: up to SHORT_RECORD entries the counts and offsets are checked as Python values.
         L, mask = self.tokens.numel(), self.loss_mask
@@ -271,7 +266,10 @@ class MissingTrajectories(BaseModel):
 
 TENSOR_FIELDS = ("tokens", "loss_mask", "support_ids", "support_offsets", "support_logq", "versions")
 """The tensors of a `Trajectory`."""
-_DTYPES = (torch.int64, torch.bool, torch.int32, torch.int32, torch.float32, torch.int32)  # of TENSOR_FIELDS
+TENSOR_DTYPES = dict(
+    zip(TENSOR_FIELDS, (torch.int64, torch.bool, torch.int32, torch.int32, torch.float32, torch.int32), strict=True)
+)
+"""The dtype of each tensor of a `Trajectory`."""
 
 LAYOUTS_CHECKED = "flotilla.layouts_checked"
 """Validation context key: `Trajectory.model_validate(data, context={LAYOUTS_CHECKED:
@@ -285,7 +283,7 @@ def check_layouts(tensors: list[torch.Tensor], lengths: torch.Tensor) -> None:
     length in each, non-negative and summing to the tensors' lengths): the checks of
     `Trajectory._check_layout` in a few tensor operations for the whole batch instead of
     several per trajectory. ValueError naming the first trajectory that breaks one."""
-    for name, t, dtype in zip(TENSOR_FIELDS, tensors, _DTYPES, strict=True):
+    for (name, dtype), t in zip(TENSOR_DTYPES.items(), tensors, strict=True):
         _check_1d(name, t, (dtype,))
     if lengths.shape[0] == 0:
         return
