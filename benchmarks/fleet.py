@@ -16,6 +16,10 @@ over `--pools` pools, one environment rank per sampler rank) it measures, after 
 - `cpu_bound_rollouts_per_s`: rollouts per second of controller CPU, the rate one core
   would sustain (on a machine shared with other jobs the controller may not get its core,
   and `rollouts_per_s` then says more about the machine than about the controller);
+- `steps_per_s`, `train_call_s`: train steps, and the train step call's wall time (the
+  controller's recent average: the fake trainer's fetch of held trajectories and its
+  consuming time); a period (1 / `steps_per_s`) close to `train_call_s` means the trainer's
+  side bounds the rate, not the producer;
 - `pings_per_s`: liveness pings the controller sent (a rank that answered an episode or a
   weight update since its last ping needs none);
 - `rss_mb`, `in_flight_mean`: the controller's resident memory and rollouts in flight;
@@ -218,6 +222,7 @@ async def measure(
         m1, c1, t1, s1 = meter.snapshot(), cpu_s(), time.perf_counter(), metrics.steps
         gc.callbacks.remove(gcw)
         decisions = [d / 1000 for d in ctx.decision_ns]
+        train_call_s = ctx.train_s_ewma
         nursery.cancel_scope.cancel()
     os.sched_setaffinity(0, range(os.cpu_count() or 1))
     n = m1[2] - m0[2]
@@ -232,6 +237,7 @@ async def measure(
         "rollouts_per_s": round(n / wall, 1),
         "tokens_per_s": round(n * args.tokens / wall),
         "steps_per_s": round((s1 - s0) / wall, 2),
+        "train_call_s": round(train_call_s, 3),
         "cpu_us_per_rollout": round((c1 - c0) / max(n, 1) * 1e6, 1),
         "cpu_bound_rollouts_per_s": round(n / (c1 - c0), 1) if c1 > c0 else None,
         "cpu_util": round((c1 - c0) / wall, 3),
