@@ -28,11 +28,16 @@ DECISIONS_KEPT = 4096
 
 class Versions(list[int]):
     """Each rank's held weights version (-1: none, -2: must forget first); counts writes, so
-    views derived from it (`PoolView.usable`) know when to recompute."""
+    views derived from it (`PoolView.usable`) know when to recompute: `writes` counts every
+    write, `holds` only those that change whether a rank holds weights at all (one that
+    moves a rank from one version to a newer one leaves the usable ranks as they were)."""
 
     writes = 0
+    holds = 0
 
-    def __setitem__(self, index: Any, value: Any) -> None:
+    def __setitem__(self, index: int, value: int) -> None:  # type: ignore[override]
+        if (self[index] < 0) != (value < 0):
+            self.holds += 1
         super().__setitem__(index, value)
         self.writes += 1
 
@@ -50,9 +55,10 @@ class PoolView:
     stats_call: list[trio.Event | None]  # set when the rank's outstanding stats call ends
     epochs: list[int]  # bumped when a rank's process is replaced
     flips: int = 0  # liveness changes of any rank (invalidates the usable-ranks cache)
-    # (version writes, flips, dead ranks, starting ranks) it was computed for, (usable ranks,
-    # oldest, newest version), and when an avoidance it excluded a rank for runs out
-    _cache: tuple[int, int, list[int], list[int], tuple[list[int], int, int], float] | None = None
+    # (version holds, flips, dead ranks, starting ranks) it was computed for, (usable ranks,
+    # oldest, newest version), when an avoidance it excluded a rank for runs out, and the
+    # version writes the oldest and newest were taken at
+    _cache: tuple[int, int, list[int], list[int], tuple[list[int], int, int], float, int] | None = None
 
     @classmethod
     def of(cls, link: PoolLink) -> PoolView:
@@ -79,25 +85,34 @@ class PoolView:
         return self.link.config.name
 
     def _usable(self) -> tuple[list[int], int, int]:
-        """(usable ranks ascending, oldest and newest version among them), recomputed only
-        when a rank's version, liveness, death, start, retirement or avoidance changed since
-        the last call, or an avoidance it excluded a rank for has run out."""
+        """(usable ranks ascending, oldest and newest version among them). The ranks are
+        recomputed only when a rank's holding weights at all, liveness, death, start,
+        retirement or avoidance changed since the last call, or an avoidance it excluded a
+        rank for has run out; the versions only when one was written."""
         dead, starting = self.link.dead_ranks(), self.link.starting_ranks()
         cache = self._cache
+        versions = self.versions
         # The check runs several times per placement decision: plain comparisons, and the
         # clock only while an avoidance is due to run out.
         if (
             cache is not None
-            and cache[0] == self.versions.writes
+            and cache[0] == versions.holds
             and cache[1] == self.flips
             and cache[2] == dead
             and cache[3] == starting
             and (cache[5] == math.inf or trio.current_time() < cache[5])
         ):
-            return cache[4]
+            if cache[6] == versions.writes:
+                return cache[4]
+            # A rank moved to other weights (each rank's weights update once per step):
+            # the same ranks, their oldest and newest taken again.
+            ranks = cache[4][0]
+            held = list(map(versions.__getitem__, ranks))
+            usable = (ranks, min(held, default=-1), max(held, default=-1))
+            self._cache = (*cache[:4], usable, cache[5], versions.writes)
+            return usable
         now = trio.current_time()
         down = set(dead) | set(starting)
-        versions = self.versions
         ranks, expires = [], math.inf
         for r, h in enumerate(self.health):
             if h.since is not None or h.retired or r in down or versions[r] < 0:
@@ -109,7 +124,7 @@ class PoolView:
         held = [versions[r] for r in ranks]
         usable = (ranks, min(held, default=-1), max(held, default=-1))
         # Copies of the lists: a link may hand out one list and change it in place.
-        self._cache = (versions.writes, self.flips, list(dead), list(starting), usable, expires)
+        self._cache = (versions.holds, self.flips, list(dead), list(starting), usable, expires, versions.writes)
         return usable
 
     def usable(self) -> list[int]:

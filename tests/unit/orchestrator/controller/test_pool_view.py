@@ -58,3 +58,21 @@ async def test_retired_and_avoided_ranks_leave_the_view_and_avoided_ones_come_ba
     assert view.usable() == [1, 2] and view.pick_rank(1) == 1
     await trio.sleep(0.06)  # the avoidance ran out: the cached view is recomputed
     assert view.usable() == [0, 1, 2]
+
+
+async def test_oldest_and_newest_follow_each_update_and_a_forgotten_rank_leaves():
+    _, view = _view(3)
+    for r in range(3):
+        view.versions[r] = 1
+    assert view.usable() == [0, 1, 2] and (view.held_version(), view.newest_version()) == (1, 1)
+    view.versions[1] = 2  # one rank applied the next update: the same ranks, a newer newest
+    assert (view.held_version(), view.newest_version()) == (1, 2) and view.pick_rank(2) == 1
+    view.versions[0] = view.versions[2] = 2  # the others too: the oldest moves up
+    assert (view.held_version(), view.newest_version()) == (2, 2)
+    view.versions[2] = 5
+    view.versions[2] = 3  # written twice between two looks: the last write counts
+    assert (view.held_version(), view.newest_version()) == (2, 3)
+    view.versions[2] = -2  # must forget its weights first: out until it holds some again
+    assert view.usable() == [0, 1] and view.newest_version() == 2 and view.pick_rank(3) is None
+    view.versions[2] = 4
+    assert view.usable() == [0, 1, 2] and (view.held_version(), view.newest_version()) == (2, 4)
