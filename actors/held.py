@@ -41,7 +41,7 @@ from actors.types import (
     TrajectoryRef,
     check_layouts,
 )
-from orchestrator.runtime import ActorDied, ActorError
+from orchestrator.runtime import ActorDied, ActorError, lend_buffer
 
 __all__ = ["FETCH_TIMEOUT_S", "HeldBatch", "TrajectoryStore", "fetch_held"]
 
@@ -120,12 +120,15 @@ class HeldBatch(BaseModel):
 
     @classmethod
     def pack(cls, trajs: list[Trajectory | None]) -> HeldBatch:
+        """The batch to send; its large tensors are concatenated into memory lent by the
+        runtime (`lend_buffer`), so a peer on this machine gets them without another copy:
+        send it once, then drop it."""
         held = [t for t in trajs if t is not None]
         fields = [[getattr(t, k) for t in held] for k in TENSOR_FIELDS]
-        lengths = torch.tensor([[x.numel() for x in col] for col in fields], dtype=torch.int64).T.reshape(-1, 6)
+        counts = [[x.numel() for x in col] for col in fields]
+        lengths = torch.tensor(counts, dtype=torch.int64).T.reshape(-1, 6)
         tensors = [
-            torch.cat(col) if col else torch.empty(0, dtype=TENSOR_DTYPES[k])
-            for k, col in zip(TENSOR_FIELDS, fields, strict=True)
+            _concat(col, TENSOR_DTYPES[k], sum(n)) for k, col, n in zip(TENSOR_FIELDS, fields, counts, strict=True)
         ]
         return cls(
             found=[t is not None for t in trajs],
@@ -153,6 +156,18 @@ class HeldBatch(BaseModel):
             for i, m in enumerate(self.meta)
         )
         return [next(held) if f else None for f in self.found]
+
+
+def _concat(parts: list[torch.Tensor], dtype: torch.dtype, numel: int) -> torch.Tensor:
+    """``torch.cat(parts)`` written into a lent buffer (memory already mapped: no page
+    faults on fresh pages, and no copy into shared memory when sent). Parts of another
+    dtype are concatenated as they are, not cast: the receiver refuses them by name."""
+    if not parts:
+        return torch.empty(0, dtype=dtype)
+    if numel == 0 or any(p.dtype != dtype for p in parts):
+        return torch.cat(parts)
+    out = torch.frombuffer(lend_buffer(numel * dtype.itemsize), dtype=dtype)
+    return torch.cat(parts, out=out)
 
 
 def _matches(t: Trajectory, ref: TrajectoryRef) -> bool:

@@ -23,6 +23,7 @@ from ._curve import Curve
 from ._errors import ActorDied, ActorError, WireError
 from ._mesh import ActorRef, HostSpec, Mesh, host_mesh, open_mesh
 from ._ratelimit import CLIP_CHARS, RateLimiter, clip
+from ._shm import lend_buffer
 from ._traceio import spans_not_written
 from ._tracing import configure_tracing, span, traced
 
@@ -44,6 +45,7 @@ __all__ = [
     "current_rank",
     "endpoint",
     "host_mesh",
+    "lend_buffer",
     "open_mesh",
     "span",
     "spans_not_written",

@@ -22,6 +22,11 @@ owned by its own user, regular files at least as large as declared. A segment it
 use becomes an empty frame (logged), so decoding the message fails with a ``WireError``
 naming the size mismatch instead of the message vanishing.
 
+A sender may also lend a segment's memory out before sending (``lend_buffer``): what it
+writes there (a batch concatenated in place) then travels without the copy. Sending that
+buffer hands the segment to the receiver as above; a lent buffer never sent returns to
+the pool when the sender drops it.
+
 Lifetime: a process unlinks its free segments when it exits; a segment still marked in
 use stays for its receiver, which unlinks it when done with it if the sender has exited.
 The next process that creates a pool removes the segments of processes that no longer
@@ -46,7 +51,15 @@ from typing import Any
 
 from ._ratelimit import clip
 
-__all__ = ["ENABLED", "SHM_MIN_BYTES", "SegmentPool", "export_frames", "import_frames", "segments_created"]
+__all__ = [
+    "ENABLED",
+    "SHM_MIN_BYTES",
+    "SegmentPool",
+    "export_frames",
+    "import_frames",
+    "lend_buffer",
+    "segments_created",
+]
 
 ENABLED = os.environ.get("FLOTILLA_SHM", "1") != "0" and os.path.isdir("/dev/shm")
 SHM_MIN_BYTES = int(os.environ.get("FLOTILLA_SHM_MIN_BYTES", str(1 << 20)))
@@ -62,13 +75,16 @@ _ids = itertools.count()  # segment names, unique in this process
 
 
 class _Segment:
-    __slots__ = ("mm", "name", "size")
+    __slots__ = ("lent", "mm", "name", "sent", "size")
 
     def __init__(self, name: str, size: int, mm: mmap.mmap) -> None:
         self.name, self.size, self.mm = name, size, mm
+        self.lent = False  # this process still refers to its memory (`SegmentPool.lend`)
+        self.sent = False  # the lent memory was sent: the receiver frees the segment
 
     def busy(self) -> bool:
-        return _STATE.unpack_from(self.mm, 0)[0] != _FREE
+        """In use by a receiver, or lent out here."""
+        return self.lent or _STATE.unpack_from(self.mm, 0)[0] != _FREE
 
 
 class SegmentPool:
@@ -84,11 +100,55 @@ class SegmentPool:
         self.idle_bytes = idle_bytes
         self.segments: list[_Segment] = []
         self.created = 0  # segments made (a reused one is not counted again)
+        self._lent: dict[int, _Segment] = {}  # lent segments not sent yet, by data address
         _sweep_dead()
         atexit.register(self.close)
 
+    def lend(self, n: int) -> memoryview | None:
+        """``n`` writable bytes in a segment (marked in use), or None when none can be had.
+
+        ``put`` of this very buffer (all of it, from its start) sends the segment without
+        copying, once; the segment is then the receiver's to free. Dropped unsent (every
+        reference to the memory gone), it is free again.
+        """
+        seg = self._free_fitting(n) or self._create(n)
+        if seg is None:
+            return None
+        _STATE.pack_into(seg.mm, 0, _BUSY)
+        data = (ctypes.c_uint8 * n).from_buffer(seg.mm, _HEAD)
+        seg.lent, seg.sent = True, False
+        address = ctypes.addressof(data)
+        self._lent[address] = seg
+        weakref.finalize(data, self._returned, seg, address)
+        return memoryview(data).cast("B")
+
+    def _returned(self, seg: _Segment, address: int) -> None:
+        """The lent memory is no longer referenced here: unsent, the segment is free again."""
+        self._lent.pop(address, None)
+        seg.lent = False
+        if not seg.sent:
+            _STATE.pack_into(seg.mm, 0, _FREE)
+
+    def _sending_lent(self, buf: memoryview) -> str | None:
+        """The name of the lent segment ``buf`` is (marked sent), or None if it is not one."""
+        if not self._lent or buf.readonly:
+            return None
+        try:
+            address = ctypes.addressof(ctypes.c_uint8.from_buffer(buf))
+        except (TypeError, ValueError):  # not a plain writable buffer
+            return None
+        seg = self._lent.get(address)
+        if seg is None or buf.nbytes > seg.size - _HEAD:
+            return None
+        del self._lent[address]  # sent once: a second send of it copies
+        seg.sent = True
+        return seg.name
+
     def put(self, buf: memoryview) -> str | None:
         n = buf.nbytes
+        name = self._sending_lent(buf)
+        if name is not None:
+            return name
         seg = self._free_fitting(n)
         if seg is None:
             seg = self._create(n)
@@ -145,12 +205,16 @@ class SegmentPool:
             os.unlink(os.path.join(_DIR, seg.name))
         except FileNotFoundError:
             pass
-        seg.mm.close()
+        try:
+            seg.mm.close()
+        except BufferError:  # lent memory still referenced at exit: the mapping goes with the process
+            pass
 
     def close(self) -> None:
-        """Unlink the free segments; one a receiver still holds stays for it."""
+        """Unlink the free segments and those lent and never sent; one a receiver still
+        holds stays for it."""
         for seg in list(self.segments):
-            if not seg.busy():
+            if not seg.busy() or (seg.lent and not seg.sent):
                 self._drop(seg)
         self.segments.clear()
 
@@ -168,6 +232,22 @@ def _the_pool() -> SegmentPool:
 def segments_created() -> int:
     """Segments this process has made to send frames (0 before any); reuse adds none."""
     return 0 if _pool is None else _pool.created
+
+
+def lend_buffer(nbytes: int) -> memoryview:
+    """``nbytes`` of writable memory that a message to a peer on this machine carries without
+    a copy: it is handed to the receiver through shared memory. Elsewhere (a remote peer, no
+    ``/dev/shm``, fewer than ``SHM_MIN_BYTES``) it is a plain buffer and travels as any.
+
+    Fill it, send it once (as a frame, or as the storage of a tensor built on it), then
+    drop it: the receiver may reuse the memory as soon as it is done with it, so the sender
+    must not read or write it after sending.
+    """
+    if ENABLED and nbytes >= SHM_MIN_BYTES:
+        buf = _the_pool().lend(nbytes)
+        if buf is not None:
+            return buf
+    return memoryview(bytearray(nbytes))
 
 
 def _nbytes(frame: Any) -> int:

@@ -179,6 +179,15 @@ class Echo(Actor):
         return value
 
     @endpoint
+    def lent(self, nbytes: int, value: int) -> torch.Tensor:
+        """A tensor written straight into memory the runtime lends for sending."""
+        import torch
+
+        from orchestrator.runtime import lend_buffer
+
+        return torch.frombuffer(lend_buffer(nbytes), dtype=torch.uint8).fill_(value)
+
+    @endpoint
     async def tensor(self, t: torch.Tensor) -> torch.Tensor:
         return t
 

@@ -75,6 +75,51 @@ def test_a_segment_is_busy_while_its_tensor_lives_and_reused_after() -> None:
         pool.segments.clear()
 
 
+def test_a_lent_buffer_is_sent_without_a_copy_once_and_is_free_again_when_dropped() -> None:
+    pool = SegmentPool()
+    try:
+        buf = pool.lend(SHM_MIN_BYTES)
+        assert buf is not None and pool.segments[0].busy()
+        buf[:4] = b"abcd"
+        name = pool.put(buf)
+        assert name == pool.segments[0].name and pool.created == 1
+        header = b"S" + json.dumps([[1, name, SHM_MIN_BYTES]]).encode() + b'\n{"h":1}'
+        got = import_frames([header, b""], 0, log=lambda m: pytest.fail(m))
+        assert bytes(got[1][:4]) == b"abcd"
+        buf[:4] = b"wxyz"  # the receiver maps the very memory that was written: no copy
+        assert bytes(got[1][:4]) == b"wxyz"
+        again = pool.put(buf)  # sent a second time: copied into a segment of its own
+        assert again is not None and again != name and pool.created == 2
+        del buf
+        gc.collect()
+        assert pool.segments[0].busy()  # sent: its receiver still maps it
+        del got
+        gc.collect()
+        assert not pool.segments[0].busy()
+        unsent = pool.lend(SHM_MIN_BYTES // 2)
+        assert unsent is not None and pool.segments[0].busy() and pool.created == 2  # reused
+        del unsent  # never sent: nobody else will free it
+        gc.collect()
+        assert not pool.segments[0].busy()
+    finally:
+        for seg in pool.segments:  # the copied one stays busy (never received): unlink by hand
+            os.unlink(f"/dev/shm/{seg.name}")
+        pool.segments.clear()
+
+
+async def test_a_tensor_an_actor_writes_into_lent_memory_arrives_and_the_segment_is_reused() -> None:
+    with trio.fail_after(60):
+        async with open_mesh(Echo) as mesh:
+            before = await mesh[0].shm_segments_created.call_one()
+            for value in range(1, 7):
+                t = await mesh[0].lent.call_one(2 * SHM_MIN_BYTES, value)
+                assert t.numel() == 2 * SHM_MIN_BYTES and bool((t == value).all())
+                del t
+                gc.collect()
+            # one segment, lent and sent each time; a copy of it would make a second
+            assert await mesh[0].shm_segments_created.call_one() - before == 1
+
+
 def test_forged_missing_or_short_segments_become_empty_frames_and_are_logged() -> None:
     logged: list[str] = []
     evil = [[1, "../../etc/passwd", 10], [2, f"flotilla-{os.getpid()}-999999", 10]]
