@@ -1,4 +1,4 @@
-"""What the controller's tasks share: links, state, buffer, per-pool views and wake-ups."""
+"""What the controller's tasks share: links, state, buffer, per-pool views (`_pools`) and wake-ups."""
 
 from __future__ import annotations
 
@@ -13,160 +13,18 @@ from actors.types import SamplingParams, TaskSpec, TrajectoryRef
 from hardware import CostLedger, Scheduler
 from orchestrator.controller._hedge import Hedger
 from orchestrator.controller._liveness import Health, respawn_due
+from orchestrator.controller._pools import PoolView, least_loaded
 from orchestrator.controller._stream import PendingAcks, SharedPaths
-from orchestrator.controller.links import Checkpointer, Links, PoolLink
+from orchestrator.controller.links import Checkpointer, Links
 from orchestrator.controller.state import ControllerState
 from orchestrator.runtime import ActorDied, span
 from orchestrator.state.buffer import Drop, RolloutBuffer
 from orchestrator.state.config import RunConfig
 from orchestrator.state.progress import Progress
 
-__all__ = ["DECISIONS_KEPT", "Backoff", "PoolView", "RunContext", "Versions"]
+__all__ = ["DECISIONS_KEPT", "Backoff", "RunContext"]
 
 DECISIONS_KEPT = 4096
-
-
-class Versions(list[int]):
-    """Each rank's held weights version (-1: none, -2: must forget first); counts writes, so
-    views derived from it (`PoolView.usable`) know when to recompute: `writes` counts every
-    write, `holds` only those that change whether a rank holds weights at all (one that
-    moves a rank from one version to a newer one leaves the usable ranks as they were)."""
-
-    writes = 0
-    holds = 0
-
-    def __setitem__(self, index: int, value: int) -> None:  # type: ignore[override]
-        if (self[index] < 0) != (value < 0):
-            self.holds += 1
-        super().__setitem__(index, value)
-        self.writes += 1
-
-
-@dataclass
-class PoolView:
-    """The controller's view of one pool: what each rank holds and runs, and its liveness."""
-
-    link: PoolLink
-    versions: Versions  # weights each rank holds; -1: none (start, respawn, refused update)
-    in_flight: list[int]  # rollouts running on each rank
-    marks: list[tuple[int, float]]  # each rank's (tokens, busy seconds) at the last step
-    health: list[Health]  # each rank's liveness (`_liveness`)
-    stats: list[dict[str, Any] | None]  # each rank's latest counters; None: none yet, or dead
-    stats_call: list[trio.Event | None]  # set when the rank's outstanding stats call ends
-    epochs: list[int]  # bumped when a rank's process is replaced
-    flips: int = 0  # liveness changes of any rank (invalidates the usable-ranks cache)
-    # (version holds, flips, dead ranks, starting ranks) it was computed for, (usable ranks,
-    # oldest, newest version), when an avoidance it excluded a rank for runs out, and the
-    # version writes the oldest and newest were taken at
-    _cache: tuple[int, int, list[int], list[int], tuple[list[int], int, int], float, int] | None = None
-
-    @classmethod
-    def of(cls, link: PoolLink) -> PoolView:
-        n = link.size
-        view = cls(
-            link,
-            Versions([-1] * n),
-            [0] * n,
-            [(0, 0.0)] * n,
-            [_sampler_health(link, r) for r in range(n)],
-            [None] * n,
-            [None] * n,
-            [0] * n,
-        )
-        for h in view.health:
-            h.on_flip = view._flipped
-        return view
-
-    def _flipped(self) -> None:
-        self.flips += 1
-
-    @property
-    def name(self) -> str:
-        return self.link.config.name
-
-    def _usable(self) -> tuple[list[int], int, int]:
-        """(usable ranks ascending, oldest and newest version among them). The ranks are
-        recomputed only when a rank's holding weights at all, liveness, death, start,
-        retirement or avoidance changed since the last call, or an avoidance it excluded a
-        rank for has run out; the versions only when one was written."""
-        dead, starting = self.link.dead_ranks(), self.link.starting_ranks()
-        cache = self._cache
-        versions = self.versions
-        # The check runs several times per placement decision: plain comparisons, and the
-        # clock only while an avoidance is due to run out.
-        if (
-            cache is not None
-            and cache[0] == versions.holds
-            and cache[1] == self.flips
-            and cache[2] == dead
-            and cache[3] == starting
-            and (cache[5] == math.inf or trio.current_time() < cache[5])
-        ):
-            if cache[6] == versions.writes:
-                return cache[4]
-            # A rank moved to other weights (each rank's weights update once per step):
-            # the same ranks, their oldest and newest taken again.
-            ranks = cache[4][0]
-            held = list(map(versions.__getitem__, ranks))
-            usable = (ranks, min(held, default=-1), max(held, default=-1))
-            self._cache = (*cache[:4], usable, cache[5], versions.writes)
-            return usable
-        now = trio.current_time()
-        down = set(dead) | set(starting)
-        ranks, expires = [], math.inf
-        for r, h in enumerate(self.health):
-            if h.since is not None or h.retired or r in down or versions[r] < 0:
-                continue
-            if h.avoid_until > now:
-                expires = min(expires, h.avoid_until)
-                continue
-            ranks.append(r)
-        held = [versions[r] for r in ranks]
-        usable = (ranks, min(held, default=-1), max(held, default=-1))
-        # Copies of the lists: a link may hand out one list and change it in place.
-        self._cache = (versions.holds, self.flips, list(dead), list(starting), usable, expires, versions.writes)
-        return usable
-
-    def usable(self) -> list[int]:
-        """Ranks that can take a rollout now: constructed, answering, holding weights, not
-        given up, not avoided."""
-        return list(self._usable()[0])
-
-    def present_hosts(self) -> list[str]:
-        """Hosts serving the pool now: joined, not given up, answering."""
-        return [h.host for h in self.health if h.host is not None and not h.retired and h.lost_at is None]
-
-    def outage_stats(self, now: float) -> dict[str, Any]:
-        """`up` (ranks usable now), `outages` (times a rank was lost) and `outage_s` (rank-
-        seconds lost, the outages in progress included), for `metrics.jsonl`."""
-        return {
-            "up": len(self.usable()),
-            "hosts": sum(1 for h in self.health if h.host is not None and not h.retired),
-            "outages": sum(h.outages for h in self.health),
-            "outage_s": round(sum(h.outage_total(now) for h in self.health), 3),
-        }
-
-    def held_version(self) -> int:
-        """The oldest weights among the usable ranks (-1 when none is usable)."""
-        return self._usable()[1]
-
-    def newest_version(self) -> int:
-        """The newest weights among the usable ranks (-1 when none is usable)."""
-        return self._usable()[2]
-
-    def pick_rank(self, min_version: int) -> int | None:
-        """The usable rank holding weights no older than `min_version` with the fewest
-        rollouts in flight (ties: the lowest rank); None if there is none."""
-        ranks, oldest, newest = self._usable()
-        if newest < min_version or not ranks:
-            return None
-        if oldest < min_version:
-            versions = self.versions
-            ranks = [r for r in ranks if versions[r] >= min_version]
-        return _least(self.in_flight, ranks)
-
-    def receiver(self, rank: int) -> str:
-        return f"{self.name}/{rank}"
 
 
 @dataclass
@@ -346,7 +204,7 @@ class RunContext:
         """The environment rank for the next episode: usable, fewest episodes in flight
         (ties: the lowest rank); None when none is."""
         ok = self.usable_envs()
-        return _least(self.env_in_flight, ok) if ok else None
+        return least_loaded(self.env_in_flight, ok) if ok else None
 
     def _env_flipped(self) -> None:
         self._env_flips += 1
@@ -489,23 +347,6 @@ class RunContext:
     def consume_rate(self) -> float:
         batch = self.cfg.rollout.prompts_per_step * self.cfg.rollout.group_size
         return batch / self.train_s_ewma if self.train_s_ewma > 0 and math.isfinite(self.train_s_ewma) else 0.0
-
-
-def _least(load: list[int], ranks: list[int]) -> int:
-    """The rank in `ranks` (ascending, not empty) with the least `load`, the lowest of equals.
-    When every rank is a candidate, C's `min` and `index` do it (this runs once per placement
-    decision, over hundreds of ranks)."""
-    if len(ranks) == len(load):
-        return load.index(min(load))
-    return min(ranks, key=load.__getitem__)
-
-
-def _sampler_health(link: PoolLink, rank: int) -> Health:
-    """A sampler rank's liveness record; a vacant rank of an elastic pool starts retired."""
-    health = Health(f"sampler {link.config.name}/{rank}", host=link.host_of(rank))
-    if link.config.elastic and health.host is None:
-        health.retire()
-    return health
 
 
 def _one_line(text: str, limit: int = 800) -> str:

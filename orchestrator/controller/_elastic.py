@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import trio
 
-from orchestrator.controller._context import PoolView, RunContext
+from orchestrator.controller._context import RunContext
+from orchestrator.controller._pools import PoolView
 from orchestrator.runtime import span
 
 __all__ = ["JOIN_POLL_S", "elastic_worker"]

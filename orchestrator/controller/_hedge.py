@@ -41,7 +41,7 @@ import trio
 from orchestrator.state.buffer import Slot
 
 if TYPE_CHECKING:
-    from orchestrator.controller._context import PoolView
+    from orchestrator.controller._pools import PoolView
 
 __all__ = ["Attempt", "Hedger"]
 

@@ -48,7 +48,8 @@ import trio
 from orchestrator.runtime import ActorDied, span
 
 if TYPE_CHECKING:
-    from orchestrator.controller._context import PoolView, RunContext
+    from orchestrator.controller._context import RunContext
+    from orchestrator.controller._pools import PoolView
 
 __all__ = ["STATS_WAIT_S", "Health", "bind", "refresh_stats", "watch"]
 

@@ -23,9 +23,10 @@ import time
 import trio
 
 from actors.types import TaskSpec, Trajectory
-from orchestrator.controller._context import PoolView, RunContext
+from orchestrator.controller._context import RunContext
 from orchestrator.controller._hedge import Attempt
 from orchestrator.controller._liveness import bind
+from orchestrator.controller._pools import PoolView
 from orchestrator.runtime import ActorDied, span
 from orchestrator.state.buffer import Slot
 

@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import trio
 
-from orchestrator.controller._context import Backoff, PoolView, RunContext
+from orchestrator.controller._context import Backoff, RunContext
 from orchestrator.controller._liveness import bind
+from orchestrator.controller._pools import PoolView
 from orchestrator.controller._stream import KeyframeGone, send_path
 from orchestrator.runtime import ActorDied, ActorError, span
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import trio
 
 from hardware import PoolConfig
-from orchestrator.controller._context import PoolView
+from orchestrator.controller._pools import PoolView
 
 from .fakes import FakePool
 
