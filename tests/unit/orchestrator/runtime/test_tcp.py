@@ -21,7 +21,7 @@ from orchestrator.runtime._conn import Connection
 from orchestrator.runtime._wire import dumps, loads
 from orchestrator.runtime._zsock import context
 
-from ._actors import Counter, Relay
+from ._actors import Counter, Echo, Relay
 
 
 async def test_curve_mesh_serves_allowed_and_refuses_unknown_keys() -> None:
@@ -53,6 +53,21 @@ async def test_curve_mesh_serves_allowed_and_refuses_unknown_keys() -> None:
                     rogue.request({"kind": "call", "endpoint": "incr", "args": [100]}, [], reply=True)
                 rogue.scope.cancel()
             assert await mesh.value.call() == [3, 3]  # the rogue call never ran
+
+
+async def test_lent_memory_answered_over_tcp_travels_as_a_plain_frame_and_goes_back_to_its_pool() -> None:
+    from orchestrator.runtime._shm import ENABLED, SHM_MIN_BYTES
+
+    if not ENABLED:
+        pytest.skip("no /dev/shm here: nothing is lent")
+    with trio.fail_after(60):
+        async with open_mesh(Echo, transport="tcp", curve=Curve.generate()) as mesh:
+            for value in range(1, 5):  # not shared memory over tcp: ZeroMQ sends the lent bytes
+                t = await mesh[0].lent.call_one(2 * SHM_MIN_BYTES, value)
+                assert t.numel() == 2 * SHM_MIN_BYTES and bool((t == value).all())
+            # once ZeroMQ has sent it, the actor's lent segment is free and lent again (a
+            # second one if a call came before ZeroMQ let go of the last; never one a call)
+            assert await mesh[0].shm_segments_created.call_one() <= 2
 
 
 async def test_tcp_needs_curve() -> None:
