@@ -259,7 +259,8 @@ async def _flotilla(quick: bool, part: str = "all", pin: bool = True) -> dict[st
 
 # -- Bare pyzmq: the floor under a call ---------------------------------------------
 # The runtime's sockets (DEALER caller, ROUTER actor, ipc://, orchestrator/runtime/_conn.py
-# and _server.py) with nothing above them: one small frame each way, no header encoding,
+# and _server.py, made by the runtime's context: its threads' scheduling policy, _zsock.py)
+# with nothing above them: one small frame each way, no header encoding,
 # no endpoint dispatch, no trio. Both sides wait as the runtime's do (orchestrator/runtime/
 # _zsock.py): the caller polls for up to SPIN_S while its recent replies came back within
 # 2 * SPIN_S, the echo polls for up to SPIN_S after a request while requests have been
@@ -280,9 +281,9 @@ def _bare_server(address: str, parse: bool = False) -> None:
     import zmq
 
     from orchestrator.runtime._wire import dumps, loads
-    from orchestrator.runtime._zsock import SPIN_S, tune
+    from orchestrator.runtime._zsock import SPIN_S, context, tune
 
-    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock = context().socket(zmq.ROUTER)
     tune(sock, tcp=False)
     sock.bind(address)
     print("ready", flush=True)
@@ -311,7 +312,7 @@ class _BareEcho:
     def __init__(self, tmp: str, parse: bool = False) -> None:
         import zmq
 
-        from orchestrator.runtime._zsock import tune
+        from orchestrator.runtime._zsock import context, tune
 
         self.parse = parse
         self.address = f"ipc://{tmp}/{'json' if parse else 'bare'}-echo"
@@ -322,7 +323,7 @@ class _BareEcho:
             env={**os.environ, "OMP_NUM_THREADS": "1"},
         )
         assert self.proc.stdout is not None and self.proc.stdout.readline().strip() == "ready"
-        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock = context().socket(zmq.DEALER)
         tune(self.sock, tcp=False)
         self.sock.connect(self.address)
         self.rtt_ewma = 0.0

@@ -179,6 +179,17 @@ class Echo(Actor):
         return value
 
     @endpoint
+    def thread_policies(self) -> dict[str, int]:
+        """This process's threads by name (its main thread as "main"; ZeroMQ's are "ZMQbg/..."),
+        with their scheduling policy."""
+        pid = os.getpid()
+        tasks = f"/proc/{pid}/task"
+        return {
+            "main" if int(t) == pid else open(f"{tasks}/{t}/comm").read().strip(): os.sched_getscheduler(int(t))
+            for t in os.listdir(tasks)
+        }
+
+    @endpoint
     def lent(self, nbytes: int, value: int) -> torch.Tensor:
         """A tensor written straight into memory the runtime lends for sending."""
         import torch

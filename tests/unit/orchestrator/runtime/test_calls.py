@@ -232,3 +232,15 @@ async def test_trace_parent_reaches_the_call_and_goes_no_further(
                     assert await mesh[0].trace_seen.call_one(suspend) == mine
                 assert await mesh[0].trace_seen.call_one(suspend) is None
                 assert await mesh[0].trace_seen.call_one(not suspend) is None
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is Linux's")
+async def test_zeromqs_threads_in_an_actor_run_batch_unless_turned_off() -> None:
+    with trio.fail_after(30):
+        async with open_mesh(Echo) as mesh, open_mesh(Echo, env={"FLOTILLA_ZMQ_BATCH": "0"}) as plain:
+            batch, default = await mesh[0].thread_policies.call_one(), await plain[0].thread_policies.call_one()
+    zmq_threads = [name for name in batch if name.startswith("ZMQbg/")]
+    assert "ZMQbg/IO/0" in zmq_threads  # its I/O thread: woken by a send, it waits for the sender to yield
+    assert all(batch[name] == os.SCHED_BATCH for name in zmq_threads)
+    assert batch["main"] == os.SCHED_OTHER  # the actor's own thread keeps the default
+    assert all(default[name] == os.SCHED_OTHER for name in default if name.startswith("ZMQbg/"))
