@@ -27,8 +27,8 @@ thread does not preempt the thread that sent: it runs when that thread next yiel
 (a spinning caller yields right after its send) or on an idle core. Under the default
 policy it preempts the sender at once, and on a machine whose cores are all busy the
 sender may then wait out other processes' time slices before it gets its core back
-(sends of a few hundred bytes took 2-21 ms in the fleet benchmark). The policy only
-changes who runs first on a wake-up, not anyone's share of the CPU.
+(benchmarks/records/2026-12-06-zmq-batch-threads.md). The policy only changes who runs
+first on a wake-up, not anyone's share of the CPU.
 ``FLOTILLA_ZMQ_BATCH=0`` keeps the default policy.
 """
 
@@ -68,7 +68,10 @@ def context() -> zmq.Context[Any]:
     ctx = zmq.Context.instance()
     if ctx is not _tuned:
         if _BATCH_THREADS:
-            ctx.set(zmq.THREAD_SCHED_POLICY, os.SCHED_BATCH)
+            try:
+                ctx.set(zmq.THREAD_SCHED_POLICY, os.SCHED_BATCH)
+            except zmq.ZMQError as exc:  # a libzmq without the option: the default policy
+                log(f"ZeroMQ's threads keep the default scheduling policy: {exc}")
         _tuned = ctx
     return ctx
 
