@@ -111,10 +111,9 @@ class SegmentPool:
         copying, once; the segment is then the receiver's to free. Dropped unsent (every
         reference to the memory gone), it is free again.
         """
-        seg = self._free_fitting(n) or self._create(n)
+        seg = self._take(n)
         if seg is None:
             return None
-        _STATE.pack_into(seg.mm, 0, _BUSY)
         data = (ctypes.c_uint8 * n).from_buffer(seg.mm, _HEAD)
         seg.lent, seg.sent = True, False
         address = ctypes.addressof(data)
@@ -149,14 +148,19 @@ class SegmentPool:
         name = self._sending_lent(buf)
         if name is not None:
             return name
-        seg = self._free_fitting(n)
+        seg = self._take(n)
         if seg is None:
-            seg = self._create(n)
-            if seg is None:
-                return None
-        _STATE.pack_into(seg.mm, 0, _BUSY)
+            return None
         seg.mm[_HEAD : _HEAD + n] = buf
         return seg.name
+
+    def _take(self, n: int) -> _Segment | None:
+        """A free segment for ``n`` data bytes (reused, else made), marked in use; None when
+        none can be had."""
+        seg = self._free_fitting(n) or self._create(n)
+        if seg is not None:
+            _STATE.pack_into(seg.mm, 0, _BUSY)
+        return seg
 
     def _free_fitting(self, n: int) -> _Segment | None:
         best = None
