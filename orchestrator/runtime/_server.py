@@ -127,13 +127,12 @@ class Server:
         self._reply(ident, {"id": rid if type(rid) is int else None, "kind": "bad", "message": msg})
 
     def _answer(self, ident: bytes, rid: Any, value: Any, spec: _Spec | None) -> None:
+        if type(value) in SCALARS:
+            self._reply(ident, {"id": rid, "kind": "ok", "value": value})
+            return
         frames: list[Any] = []
         try:
-            tree = (
-                value
-                if type(value) in SCALARS
-                else encode(value, frames, where="return value" if spec is None else f"{spec.qualname} return value")
-            )
+            tree = encode(value, frames, where="return value" if spec is None else f"{spec.qualname} return value")
         except TypeError as exc:
             self._reply(ident, {"id": rid, "kind": "err", "error": exception_info(exc)})
             return

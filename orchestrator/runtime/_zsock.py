@@ -24,7 +24,9 @@ actors).
 
 ZeroMQ's own threads run under ``SCHED_BATCH`` (Linux). Woken by a send, such a
 thread does not preempt the thread that sent: it runs when that thread next yields
-(a spinning caller yields right after its send) or on an idle core. Under the default
+or on an idle core. So a send that a spin will follow yields at once: a caller about to
+poll for its reply, and a spinning actor's reply to a lone request (within a burst of
+requests the replies leave together, when the drain yields). Under the default
 policy it preempts the sender at once, and on a machine whose cores are all busy the
 sender may then wait out other processes' time slices before it gets its core back
 (benchmarks/records/2026-12-06-zmq-batch-threads.md). The policy only changes who runs
@@ -54,6 +56,10 @@ CHECKPOINT_S = 50e-6  # while spinning, the longest stretch between two trio che
 _EVENTS, _POLLIN, _RCVMORE = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.RCVMORE)
 _NOBLOCK, _NOBLOCK_MORE = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE)
 _BATCH = 256  # messages the reader handles before yielding
+_COPY_BELOW = zmq.COPY_THRESHOLD  # smaller frames are copied even when sent with copy=False
+# pyzmq's compiled send. Its Python layer above (zmq.Socket.send) only adds draft-API
+# options (routing_id, group), which the runtime never uses, and costs about 1 µs a frame.
+_send_copy = zmq.backend.Socket.send
 
 
 _BATCH_THREADS = os.environ.get("FLOTILLA_ZMQ_BATCH", "1") != "0" and hasattr(os, "SCHED_BATCH")
@@ -138,12 +144,15 @@ class ZSocket:
         self._last = 0.0  # arrival time of the last message (spinning sockets only)
         self.gap_ewma = 1.0  # seconds between arrivals, recent average (spinning sockets only)
         self.spins = 0  # times the reader polled instead of parking
+        self._handled = 0  # messages handled by the drain under way (or the last one)
 
     def send(self, frames: list[Any], *, copy: bool = False, check: bool = True) -> None:
         """Queue one multipart message without blocking (large frames are not copied).
 
         ``check=False`` skips handling input that became pending during the send: only
-        for a caller that polls (``poll``) before it next waits.
+        for a caller that polls (``poll``) before it next waits. Such a caller, and a
+        spinning socket answering a lone request, yield the core right after the send so
+        that ZeroMQ's I/O thread passes the message on at once (see the module's notes).
         """
         if self.closed:
             raise zmq.ZMQError(zmq.ENOTSOCK, "socket closed")
@@ -152,7 +161,17 @@ class ZSocket:
             frames = _shm.export_frames(frames, self._copy_parts - 1)
         last = len(frames) - 1
         for i, f in enumerate(frames):
-            sock.send(f, _NOBLOCK_MORE if i < last else _NOBLOCK, copy=copy)
+            flags = _NOBLOCK_MORE if i < last else _NOBLOCK
+            if type(f) is bytes and len(f) < _COPY_BELOW:  # ids and headers: copied either way
+                _send_copy(sock, f, flags)
+            else:
+                sock.send(f, flags, copy=copy)
+        if not check or (self._spin and (not self._draining or self._handled == 1)):
+            # The message leaves now: ZeroMQ's I/O thread (SCHED_BATCH) runs when this
+            # thread yields, which a caller about to spin for its reply or an actor answering
+            # a lone request would otherwise do only after more of its own work (returning
+            # to the wait, finishing the drain). Replies within a burst leave together.
+            os.sched_yield()
         if check and not self._draining and sock.get(_EVENTS) & _POLLIN:
             self._drain()
 
@@ -168,6 +187,7 @@ class ZSocket:
         """
         sock, handle = self.sock, self._on_message
         self._draining = True
+        self._handled = 0
         try:
             while not self.closed and (pending or sock.get(_EVENTS) & _POLLIN):
                 pending = False
@@ -192,6 +212,7 @@ class ZSocket:
                     now = perf_counter()
                     self.gap_ewma += 0.2 * (now - self._last - self.gap_ewma)
                     self._last = now
+                self._handled += 1
                 try:
                     if handle(frames):
                         break

@@ -270,3 +270,38 @@ async def test_a_spinning_reader_checkpoints_when_input_is_already_there() -> No
     finally:
         client.close(linger=0)
         server.close()
+
+
+def test_a_send_that_a_spin_follows_yields_the_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ZeroMQ's I/O thread runs under SCHED_BATCH: a message leaves when the sending thread
+    yields. A spinning socket yields right after its reply to a lone request, and once per
+    drain within a burst; a caller that polls next (``check=False``) yields after its send;
+    any other send does not."""
+    from orchestrator.runtime import _zsock
+    from orchestrator.runtime._zsock import ZSocket
+
+    ctx = zmq.Context.instance()
+    addr = f"inproc://yield-test-{os.getpid()}"
+    yields: list[int] = []
+    monkeypatch.setattr(_zsock.os, "sched_yield", lambda: yields.append(1))
+    server = ZSocket(ctx.socket(zmq.PAIR), lambda frames: server.send([b"re:" + frames[0]]), spin=True)
+    server.sock.bind(addr)
+    replies: list[bytes] = []
+    client = ZSocket(ctx.socket(zmq.PAIR), lambda frames: replies.append(frames[0]))
+    client.sock.connect(addr)
+    try:
+        client.send([b"lone"])
+        assert yields == []  # an ordinary send
+        server.poll()
+        assert len(yields) == 1
+        for i in range(5):
+            client.send([b"%d" % i])
+        server.poll()
+        assert len(yields) == 2  # five replies, one yield
+        client.send([b"next"], check=False)
+        assert len(yields) == 3
+        client.poll()
+        assert replies == [b"re:lone", *(b"re:%d" % i for i in range(5))]
+    finally:
+        client.close()
+        server.close()
