@@ -166,11 +166,12 @@ class ZSocket:
                 _send_copy(sock, f, flags)
             else:
                 sock.send(f, flags, copy=copy)
-        if not check or (self._spin and (not self._draining or self._handled == 1)):
+        if not check or (self._spinning() and (not self._draining or self._handled == 1)):
             # The message leaves now: ZeroMQ's I/O thread (SCHED_BATCH) runs when this
-            # thread yields, which a caller about to spin for its reply or an actor answering
-            # a lone request would otherwise do only after more of its own work (returning
-            # to the wait, finishing the drain). Replies within a burst leave together.
+            # thread yields, which a caller about to spin for its reply or a spinning actor
+            # answering a lone request would otherwise do only after more of its own work
+            # (returning to the wait, finishing the drain). Replies within a burst leave
+            # together, and so do those of an actor that parks between requests.
             os.sched_yield()
         if check and not self._draining and sock.get(_EVENTS) & _POLLIN:
             self._drain()
@@ -248,9 +249,14 @@ class ZSocket:
                 pending = False
                 await trio.lowlevel.checkpoint()  # a flood must not starve other tasks
             else:
-                pending = self._spin and self.gap_ewma < 2 * SPIN_S and await self._spin_wait()
+                pending = self._spinning() and await self._spin_wait()
                 if not pending:
                     await trio.lowlevel.wait_readable(self._fd)
+
+    def _spinning(self) -> bool:
+        """Whether the reader polls for the next message rather than parking: a spinning
+        socket whose messages have been arriving within ``2 * SPIN_S`` of each other."""
+        return self._spin and self.gap_ewma < 2 * SPIN_S
 
     async def _spin_wait(self) -> bool:
         """Poll for input until ``SPIN_S`` after the last arrival; True if some came."""

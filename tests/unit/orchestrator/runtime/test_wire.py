@@ -275,8 +275,9 @@ async def test_a_spinning_reader_checkpoints_when_input_is_already_there() -> No
 def test_a_send_that_a_spin_follows_yields_the_core(monkeypatch: pytest.MonkeyPatch) -> None:
     """ZeroMQ's I/O thread runs under SCHED_BATCH: a message leaves when the sending thread
     yields. A spinning socket yields right after its reply to a lone request, and once per
-    drain within a burst; a caller that polls next (``check=False``) yields after its send;
-    any other send does not."""
+    drain within a burst; one whose requests come sparsely (it parks between them) does not;
+    a caller that polls next (``check=False``) yields after its send; any other send does
+    not."""
     from orchestrator.runtime import _zsock
     from orchestrator.runtime._zsock import ZSocket
 
@@ -290,8 +291,12 @@ def test_a_send_that_a_spin_follows_yields_the_core(monkeypatch: pytest.MonkeyPa
     client = ZSocket(ctx.socket(zmq.PAIR), lambda frames: replies.append(frames[0]))
     client.sock.connect(addr)
     try:
-        client.send([b"lone"])
+        client.send([b"sparse"])
         assert yields == []  # an ordinary send
+        server.poll()
+        assert yields == []  # requests have been coming far apart: the reader parks next
+        server.gap_ewma = 0.0  # ... and now back to back
+        client.send([b"lone"])
         server.poll()
         assert len(yields) == 1
         for i in range(5):
@@ -301,7 +306,7 @@ def test_a_send_that_a_spin_follows_yields_the_core(monkeypatch: pytest.MonkeyPa
         client.send([b"next"], check=False)
         assert len(yields) == 3
         client.poll()
-        assert replies == [b"re:lone", *(b"re:%d" % i for i in range(5))]
+        assert replies == [b"re:sparse", b"re:lone", *(b"re:%d" % i for i in range(5))]
     finally:
         client.close()
         server.close()
