@@ -53,7 +53,7 @@ __all__ = ["CHECKPOINT_S", "SPIN_S", "ZSocket", "context", "tune"]
 SPIN_S = float(os.environ.get("FLOTILLA_SPIN_US", "250")) * 1e-6
 CHECKPOINT_S = 50e-6  # while spinning, the longest stretch between two trio checkpoints
 
-_EVENTS, _POLLIN, _RCVMORE = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.RCVMORE)
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 _NOBLOCK, _NOBLOCK_MORE = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE)
 _BATCH = 256  # messages the reader handles before yielding
 _COPY_BELOW = zmq.COPY_THRESHOLD  # smaller frames are copied even when sent with copy=False
@@ -195,14 +195,20 @@ class ZSocket:
                 if limit == 0:
                     return False
                 limit -= 1
+                frames: list[Any] = []
                 try:
-                    frames = [sock.recv(_NOBLOCK)]
+                    if self._routed:  # a ROUTER's message: its routing id, then at least one frame
+                        frames.append(sock.recv(_NOBLOCK))
+                    frame = sock.recv(_NOBLOCK, copy=False)
                 except zmq.Again:
                     break
-                if self._routed:  # a ROUTER's message: its routing id, then at least one frame
-                    frames.append(sock.recv(_NOBLOCK, copy=self._copy_parts > 1))
-                while sock.get(_RCVMORE):  # the rest of a message is already here
-                    frames.append(sock.recv(_NOBLOCK, copy=len(frames) < self._copy_parts))
+                # A frame received as a zmq.Frame says whether more follow, which is cheaper
+                # than asking the socket (ZMQ_RCVMORE); the leading parts are kept as bytes.
+                while True:
+                    frames.append(frame.bytes if len(frames) < self._copy_parts else frame)
+                    if not frame.more:
+                        break
+                    frame = sock.recv(_NOBLOCK, copy=False)  # the rest is already here
                 if self._shm and len(frames) > self._copy_parts and frames[self._copy_parts - 1][:1] == b"S":
                     try:
                         frames = _shm.import_frames(frames, self._copy_parts - 1, log)
