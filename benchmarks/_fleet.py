@@ -295,6 +295,9 @@ class _Multiplexed:
         starting = self.mesh.starting_ranks
         return [r for r in range(self._size) if r % self.mesh.size in starting] if starting else []
 
+    def state_changes(self) -> int:
+        return self.mesh.state_changes
+
     def respawn(self, rank: int) -> None:
         self.mesh.respawn(rank % self.mesh.size)
 

@@ -192,10 +192,9 @@ class RunContext:
         """Environment ranks that can take an episode now: constructed and answering
         (recomputed only when one turned (un)responsive, died or started)."""
         envs = self.links.envs
-        dead, starting = envs.dead_ranks(), envs.starting_ranks()
-        key = (self._env_flips, tuple(dead), tuple(starting))
+        key = (self._env_flips, envs.state_changes())
         if self._env_cache is None or self._env_cache[0] != key:
-            down = set(dead) | set(starting)
+            down = set(envs.dead_ranks()) | set(envs.starting_ranks())
             ok = [r for r, h in enumerate(self.env_health) if h.since is None and r not in down]
             self._env_cache = (key, ok)
         return self._env_cache[1]

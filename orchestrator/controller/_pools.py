@@ -5,6 +5,7 @@ asks several times per decision, over pools of hundreds of ranks)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,10 +46,10 @@ class PoolView:
     stats_call: list[trio.Event | None]  # set when the rank's outstanding stats call ends
     epochs: list[int]  # bumped when a rank's process is replaced
     flips: int = 0  # liveness changes of any rank (invalidates the usable-ranks cache)
-    # (version holds, flips, dead ranks, starting ranks) it was computed for, (usable ranks,
+    # (version holds, flips, the link's state changes) it was computed for, (usable ranks,
     # oldest, newest version), when an avoidance it excluded a rank for runs out, and the
     # version writes the oldest and newest were taken at
-    _cache: tuple[int, int, list[int], list[int], tuple[list[int], int, int], float, int] | None = None
+    _cache: tuple[int, int, Hashable, tuple[list[int], int, int], float, int] | None = None
 
     @classmethod
     def of(cls, link: PoolLink) -> PoolView:
@@ -79,7 +80,7 @@ class PoolView:
         recomputed only when a rank's holding weights at all, liveness, death, start,
         retirement or avoidance changed since the last call, or an avoidance it excluded a
         rank for has run out; the versions only when one was written."""
-        dead, starting = self.link.dead_ranks(), self.link.starting_ranks()
+        changes = self.link.state_changes()
         cache = self._cache
         versions = self.versions
         # The check runs several times per placement decision: plain comparisons, and the
@@ -88,21 +89,20 @@ class PoolView:
             cache is not None
             and cache[0] == versions.holds
             and cache[1] == self.flips
-            and cache[2] == dead
-            and cache[3] == starting
-            and (cache[5] == math.inf or trio.current_time() < cache[5])
+            and cache[2] == changes
+            and (cache[4] == math.inf or trio.current_time() < cache[4])
         ):
-            if cache[6] == versions.writes:
-                return cache[4]
+            if cache[5] == versions.writes:
+                return cache[3]
             # A rank moved to other weights (each rank's weights update once per step):
             # the same ranks, their oldest and newest taken again.
-            ranks = cache[4][0]
+            ranks = cache[3][0]
             held = list(map(versions.__getitem__, ranks))
             usable = (ranks, min(held, default=-1), max(held, default=-1))
-            self._cache = (*cache[:4], usable, cache[5], versions.writes)
+            self._cache = (*cache[:3], usable, cache[4], versions.writes)
             return usable
         now = trio.current_time()
-        down = set(dead) | set(starting)
+        down = set(self.link.dead_ranks()) | set(self.link.starting_ranks())
         ranks, expires = [], math.inf
         for r, h in enumerate(self.health):
             if h.since is not None or h.retired or r in down or versions[r] < 0:
@@ -113,8 +113,7 @@ class PoolView:
             ranks.append(r)
         held = [versions[r] for r in ranks]
         usable = (ranks, min(held, default=-1), max(held, default=-1))
-        # Copies of the lists: a link may hand out one list and change it in place.
-        self._cache = (versions.holds, self.flips, list(dead), list(starting), usable, expires, versions.writes)
+        self._cache = (versions.holds, self.flips, changes, usable, expires, versions.writes)
         return usable
 
     def usable(self) -> list[int]:

@@ -11,6 +11,7 @@ frozen process): the controller binds each call to the liveness of the actor it 
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -103,6 +104,11 @@ class PoolLink(Protocol):
     def starting_ranks(self) -> list[int]:
         """Ranks being (re)started, not constructed yet."""
 
+    def state_changes(self) -> Hashable:
+        """A value that differs (by `==`) whenever `dead_ranks` or `starting_ranks` would
+        answer differently (a count of state changes will do): the controller reads it
+        several times per placement decision and the rank lists only when it moved."""
+
     def respawn(self, rank: int) -> None:
         """Start a fresh process for `rank` (stopping the old one, also a frozen one);
         calls wait until it is constructed."""
@@ -156,6 +162,9 @@ class EnvLink(Protocol):
     def dead_ranks(self) -> list[int]: ...
 
     def starting_ranks(self) -> list[int]: ...
+
+    def state_changes(self) -> Hashable:
+        """As `PoolLink.state_changes`."""
 
     def respawn(self, rank: int) -> None: ...
 

@@ -122,6 +122,9 @@ class MeshPool:
     def dead_ranks(self) -> list[int]:
         return self.mesh.dead_ranks
 
+    def state_changes(self) -> int:
+        return self.mesh.state_changes
+
     def respawn(self, rank: int) -> None:
         self.mesh.respawn(rank)
 
@@ -181,6 +184,9 @@ class MeshEnvs:
 
     def dead_ranks(self) -> list[int]:
         return self.mesh.dead_ranks
+
+    def state_changes(self) -> int:
+        return self.mesh.state_changes
 
     def respawn(self, rank: int) -> None:
         self.mesh.respawn(rank)

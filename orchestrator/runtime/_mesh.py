@@ -228,6 +228,12 @@ class Mesh(Generic[A]):
         return self._owner.ranks_in("dead")
 
     @property
+    def state_changes(self) -> int:
+        """A count that moves whenever a rank starts, comes up or dies (owner only; 0
+        elsewhere): what `dead_ranks` and `starting_ranks` report changed only if it moved."""
+        return 0 if self._owner is None else self._owner.state_changes
+
+    @property
     def starting_ranks(self) -> list[int]:
         """Ranks being (re)started: spawned or respawned, not constructed yet (owner only;
         empty elsewhere)."""

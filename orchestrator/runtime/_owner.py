@@ -74,6 +74,7 @@ class Owner:
         self.restart_timeout = restart_timeout
         self.slots = [RankSlot() for _ in range(procs + vacant)]
         self._in_state: dict[str, list[int]] | None = None  # see ranks_in
+        self.state_changes = 0  # bumped by every write of a slot's state (see Mesh.state_changes)
         # The host of each rank (None: this machine, or a vacant rank not placed yet).
         self.rank_hosts: list[Mesh[Any] | None] = [
             hosts[r % len(hosts)] if hosts and r < procs else None for r in range(procs + vacant)
@@ -91,6 +92,7 @@ class Owner:
         slot = self.slots[rank]
         slot.state, slot.died = state, died
         self._in_state = None
+        self.state_changes += 1
 
     def ranks_in(self, state: Literal["starting", "live", "dead"]) -> list[int]:
         """The ranks whose slot is in `state`, ascending (a fresh list). Read several times

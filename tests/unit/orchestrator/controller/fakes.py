@@ -271,6 +271,9 @@ class FakePool:
     def starting_ranks(self) -> list[int]:
         return []
 
+    def state_changes(self) -> tuple[int, ...]:
+        return tuple(sorted(self.dead))  # tests change `dead` directly: the lists themselves
+
     def respawn(self, rank: int) -> None:
         self.respawn_calls += 1
         if trio.current_time() < self.down_until:  # its host is unreachable: it stays dead
@@ -342,6 +345,9 @@ class FakeEnvs:
 
     def starting_ranks(self) -> list[int]:
         return []
+
+    def state_changes(self) -> int:
+        return 0
 
     def respawn(self, rank: int) -> None:
         raise AssertionError("no env rank dies in these tests")

@@ -65,6 +65,7 @@ async def test_sigkill_fails_pending_and_later_calls_until_respawn() -> None:
                 await died.wait()  # the owner learns of the death (supervision hook)
             assert [(d.rank, d.reason) for d in deaths] == [(0, "killed by SIGKILL")]
             assert mesh.dead_ranks == [0]
+            changes = mesh.state_changes  # moves with every change of what these lists say
             with trio.fail_after(1):
                 with pytest.raises(ActorDied, match=r"gate\[0\] died"):
                     await mesh[0].pid.call_one()
@@ -74,12 +75,16 @@ async def test_sigkill_fails_pending_and_later_calls_until_respawn() -> None:
             assert mesh.starting_ranks == []
             mesh.dead_ranks.append(1)  # each read is a fresh list: the mesh's own view is untouched
             assert mesh.dead_ranks == [0]
+            assert mesh.state_changes == changes  # calls and reads change nothing
             mesh.respawn(0)
             assert (mesh.dead_ranks, mesh.starting_ranks) == ([], [0])
+            assert mesh.state_changes != changes
+            changes = mesh.state_changes
             new_pid = await mesh[0].pid.call_one()
             assert new_pid != pid
             assert await mesh[0].counts.call_one() == {"parked": 0, "cancelled": 0}
             assert (mesh.dead_ranks, mesh.starting_ranks) == ([], [])
+            assert mesh.state_changes != changes
 
 
 async def test_pending_calls_fail_within_five_seconds_of_kill() -> None:
