@@ -13,7 +13,7 @@ from actors.types import SamplingParams, TaskSpec, TrajectoryRef
 from hardware import CostLedger, Scheduler
 from orchestrator.controller._hedge import Hedger
 from orchestrator.controller._liveness import Health, respawn_due
-from orchestrator.controller._pools import PoolView, least_loaded
+from orchestrator.controller._pools import Loads, PoolView
 from orchestrator.controller._stream import PendingAcks, SharedPaths
 from orchestrator.controller.links import Checkpointer, Links
 from orchestrator.controller.state import ControllerState
@@ -84,7 +84,7 @@ class RunContext:
         self._env_flips = 0
         self._env_cache: tuple[Any, list[int]] | None = None
         self.trainer_health = Health("trainer")
-        self.env_in_flight = [0] * links.envs.size  # episodes running on each env rank
+        self.env_in_flight = Loads(links.envs.size)  # episodes running on each env rank
         self.nursery: trio.Nursery | None = None  # the controller's, for background calls
         self.sampling = SamplingParams(
             temperature=cfg.recipe.temperature,
@@ -202,8 +202,7 @@ class RunContext:
     def pick_env(self) -> int | None:
         """The environment rank for the next episode: usable, fewest episodes in flight
         (ties: the lowest rank); None when none is."""
-        ok = self.usable_envs()
-        return least_loaded(self.env_in_flight, ok) if ok else None
+        return self.env_in_flight.least(self.usable_envs())
 
     def _env_flipped(self) -> None:
         self._env_flips += 1

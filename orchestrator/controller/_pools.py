@@ -4,6 +4,7 @@ asks several times per decision, over pools of hundreds of ranks)."""
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Hashable
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ import trio
 from orchestrator.controller._liveness import Health
 from orchestrator.controller.links import PoolLink
 
-__all__ = ["PoolView", "Versions", "least_loaded"]
+__all__ = ["Loads", "PoolView", "Versions", "least_loaded"]
 
 
 class Versions(list[int]):
@@ -33,13 +34,53 @@ class Versions(list[int]):
         self.writes += 1
 
 
+class Loads(list[int]):
+    """Rollouts in flight on each rank (written `loads[r] += 1` and `-= 1`), and `least`: the
+    least loaded of a set of ranks without a pass over all of them. Placement asks once per
+    decision, over hundreds of ranks; every write pushes the rank's new load on a heap of the
+    set last asked about, and `least` drops the entries that later writes made stale."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__([0] * n)
+        self._ranks: list[int] | None = None  # the set the heap is for (the caller's list)
+        self._members: set[int] = set()
+        self._heap: list[tuple[int, int]] = []  # (load, rank); stale where the load moved on
+
+    def __setitem__(self, rank: int, value: int) -> None:  # type: ignore[override]
+        super().__setitem__(rank, value)
+        if rank in self._members:
+            heap = self._heap
+            heapq.heappush(heap, (value, rank))
+            if len(heap) > 4 * len(self._members) + 64:  # stale entries that never came up
+                self._rebuild()
+
+    def _rebuild(self) -> None:
+        self._heap = [(self[r], r) for r in self._ranks or ()]
+        heapq.heapify(self._heap)
+
+    def least(self, ranks: list[int]) -> int | None:
+        """The rank in `ranks` with the fewest rollouts in flight, the lowest of equals; None
+        if `ranks` is empty. `ranks` is a list its owner does not change: a view's cached
+        usable ranks (the heap is rebuilt when another list is asked about)."""
+        if ranks is not self._ranks:
+            self._ranks, self._members = ranks, set(ranks)
+            self._rebuild()
+        heap = self._heap
+        while heap:
+            load, rank = heap[0]
+            if self[rank] == load:
+                return rank
+            heapq.heappop(heap)
+        return None
+
+
 @dataclass
 class PoolView:
     """The controller's view of one pool: what each rank holds and runs, and its liveness."""
 
     link: PoolLink
     versions: Versions  # weights each rank holds; -1: none (start, respawn, refused update)
-    in_flight: list[int]  # rollouts running on each rank
+    in_flight: Loads  # rollouts running on each rank
     marks: list[tuple[int, float]]  # each rank's (tokens, busy seconds) at the last step
     health: list[Health]  # each rank's liveness (`_liveness`)
     stats: list[dict[str, Any] | None]  # each rank's latest counters; None: none yet, or dead
@@ -57,7 +98,7 @@ class PoolView:
         view = cls(
             link,
             Versions([-1] * n),
-            [0] * n,
+            Loads(n),
             [(0, 0.0)] * n,
             [_sampler_health(link, r) for r in range(n)],
             [None] * n,
@@ -149,10 +190,10 @@ class PoolView:
         ranks, oldest, newest = self._usable()
         if newest < min_version or not ranks:
             return None
-        if oldest < min_version:
+        if oldest < min_version:  # some ranks still hold older weights: a pass over the rest
             versions = self.versions
-            ranks = [r for r in ranks if versions[r] >= min_version]
-        return least_loaded(self.in_flight, ranks)
+            return least_loaded(self.in_flight, [r for r in ranks if versions[r] >= min_version])
+        return self.in_flight.least(ranks)
 
     def receiver(self, rank: int) -> str:
         return f"{self.name}/{rank}"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import trio
 
 from hardware import PoolConfig
-from orchestrator.controller._pools import PoolView
+from orchestrator.controller._pools import Loads, PoolView
 
 from .fakes import FakePool
 
@@ -76,3 +76,28 @@ async def test_oldest_and_newest_follow_each_update_and_a_forgotten_rank_leaves(
     assert view.usable() == [0, 1] and view.newest_version() == 2 and view.pick_rank(3) is None
     view.versions[2] = 4
     assert view.usable() == [0, 1, 2] and (view.held_version(), view.newest_version()) == (2, 4)
+
+
+def test_least_loaded_follows_every_write_and_every_set_of_ranks():
+    """`Loads.least` against a pass over the ranks, through random launches, finishes and
+    changes of the usable set (ranks that die with rollouts in flight, or come back idle)."""
+    import random
+
+    rng = random.Random(7)
+    n = 40
+    loads = Loads(n)
+    ranks = list(range(n))
+    checked = 0
+    for step in range(20_000):
+        if step % 500 == 0:  # another usable set, as a view's cache hands out a new list
+            ranks = sorted(rng.sample(range(n), rng.randint(0, n)))
+        r = rng.randrange(n)
+        if loads[r] > 0 and rng.random() < 0.5:
+            loads[r] -= 1
+        else:
+            loads[r] += 1
+        expected = min(ranks, key=lambda k: (loads[k], k)) if ranks else None
+        assert loads.least(ranks) == expected, (step, ranks)
+        checked += expected is not None
+    assert checked > 10_000
+    assert len(loads._heap) <= 4 * n + 64  # stale entries do not pile up
