@@ -191,8 +191,20 @@ def _encode_tensor(value: Any, frames: list[Any], where: str) -> dict[str, Any]:
     return {"__t": "tensor", "d": dtype, "s": shape, "f": len(frames), "n": buf.nbytes}
 
 
+_SCALAR_TYPES = frozenset(SCALARS)
+_models: dict[type[BaseModel], tuple[str, int]] = {}  # class -> (its path, its number of fields)
+
+
 def _encode_model(value: BaseModel, frames: list[Any], where: str) -> dict[str, Any]:
     cls = type(value)
+    info = _models.get(cls)
+    if info is None:
+        info = _models[cls] = (f"{cls.__module__}:{cls.__qualname__}", len(cls.model_fields))
+    # A model's fields are its instance dict (extra fields and private attributes live
+    # elsewhere): when they are all plain values, the dict travels as it is, checked in C.
+    held = value.__dict__
+    if len(held) == info[1] and _SCALAR_TYPES.issuperset(map(type, held.values())):
+        return {"__t": "model", "c": info[0], "v": dict(held)}
     fields: dict[str, Any] = {}
     for name in cls.model_fields:
         v = getattr(value, name)
@@ -212,7 +224,7 @@ def _encode_model(value: BaseModel, frames: list[Any], where: str) -> dict[str, 
                 raise TypeError(
                     f"{where}.{name}: cannot send a value of type {type(v).__module__}.{type(v).__qualname__}"
                 ) from None
-    return {"__t": "model", "c": f"{cls.__module__}:{cls.__qualname__}", "v": fields}
+    return {"__t": "model", "c": info[0], "v": fields}
 
 
 class _Frames:
@@ -333,8 +345,11 @@ def _decode_model(x: dict[str, Any], fr: _Frames, where: str, depth: int) -> Any
     path, fields = x.get("c"), x.get("v")
     if type(path) is not str or type(fields) is not dict:
         raise WireError(f"{where}: malformed model")
-    values = {k: v if type(v) in SCALARS else _decode(v, fr, f"{where}.{k}", depth + 1) for k, v in fields.items()}
-    cls = _loaded_class(path)
+    if _SCALAR_TYPES.issuperset(map(type, fields.values())):
+        values = fields  # freshly parsed JSON of plain values: nothing to rebuild
+    else:
+        values = {k: v if type(v) in SCALARS else _decode(v, fr, f"{where}.{k}", depth + 1) for k, v in fields.items()}
+    cls = _classes.get(path) or _loaded_class(path)
     if cls is None:
         return values
     try:
@@ -352,5 +367,11 @@ def _loaded_class(path: str) -> type[BaseModel] | None:
         # vars(), not getattr(): a module __getattr__ (lazy imports) must not run for a message
         obj = vars(obj).get(part) if hasattr(obj, "__dict__") else None
     if isinstance(obj, type) and issubclass(obj, BaseModel):
+        _classes[path] = obj
         return obj
     return None
+
+
+_classes: dict[str, type[BaseModel]] = {}
+"""Model classes found by path (only classes already imported here are ever found; a path
+found once is not looked up again)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import json
 import os
 import subprocess
@@ -14,6 +15,7 @@ import pytest
 import torch
 import trio
 import zmq
+from pydantic import BaseModel, ConfigDict, PrivateAttr
 
 from orchestrator.runtime import WireError, open_mesh
 from orchestrator.runtime._wire import decode, dumps, encode, loads
@@ -90,6 +92,55 @@ def test_encode_decode_in_process() -> None:
     z = torch.tensor([1 + 2j, 3 - 1j])
     assert torch.equal(_roundtrip(z.conj()), torch.tensor([1 - 2j, 3 + 1j]))
     assert torch.equal(_roundtrip(z.conj().imag), torch.tensor([-2.0, 1.0]))  # a negative view
+
+
+class Plain(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+    n: int = 3
+    x: float | None = None
+    _note: str = PrivateAttr(default="private")
+
+
+class Color(enum.Enum):
+    RED = "red"
+
+
+class Mixed(BaseModel):
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    color: Color
+    ids: list[int]
+    t: torch.Tensor
+    inner: Plain
+
+
+def test_models_travel_as_their_declared_fields() -> None:
+    """Plain-valued models go as their instance dict; extra fields and private attributes
+    stay behind (as for every model); other fields are encoded one by one."""
+    p = Plain(name="a", x=1.5, extra_one=7)
+    p._note = "changed"
+    tree = encode(p, [])
+    assert tree["v"] == {"name": "a", "n": 3, "x": 1.5}
+    back = _roundtrip(p)
+    assert type(back) is Plain and back == Plain(name="a", x=1.5) and back._note == "private"
+    m = Mixed(color=Color.RED, ids=[1, 2], t=torch.arange(4), inner=Plain(name="b"))
+    back = _roundtrip(m)
+    assert back.color is Color.RED and back.ids == [1, 2] and back.inner == Plain(name="b")
+    assert torch.equal(back.t, torch.arange(4))
+    # fields that do not validate are refused on arrival, naming the model and the field
+    path = f"{__name__}:Plain"
+    with pytest.raises(WireError, match=r"invalid .*Plain.*\n.*name"):
+        decode({"__t": "model", "c": path, "v": {"n": 1}}, [b"{}"])
+
+    def local() -> type[BaseModel]:
+        class Hidden(BaseModel):  # not reachable by its path: arrives as a dict
+            a: int
+
+        return Hidden
+
+    assert _roundtrip(local()(a=1)) == {"a": 1}
 
 
 def test_encode_rejects_unsupported_values_naming_the_position() -> None:
