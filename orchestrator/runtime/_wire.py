@@ -203,11 +203,14 @@ def _encode_model(value: BaseModel, frames: list[Any], where: str) -> dict[str, 
     # A model's fields are its instance dict (extra fields and private attributes live
     # elsewhere): when they are all plain values, the dict travels as it is, checked in C.
     held = value.__dict__
-    if len(held) == info[1] and _SCALAR_TYPES.issuperset(map(type, held.values())):
-        return {"__t": "model", "c": info[0], "v": dict(held)}
+    if len(held) == info[1]:
+        if _SCALAR_TYPES.issuperset(map(type, held.values())):
+            return {"__t": "model", "c": info[0], "v": dict(held)}
+        items: Any = held.items()
+    else:  # not all fields set (`model_construct`): as the class declares them
+        items = ((name, getattr(value, name)) for name in cls.model_fields)
     fields: dict[str, Any] = {}
-    for name in cls.model_fields:
-        v = getattr(value, name)
+    for name, v in items:
         if type(v) in SCALARS:  # most fields: no call, no error label
             fields[name] = v
             continue
