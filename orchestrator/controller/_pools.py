@@ -15,7 +15,7 @@ import trio
 from orchestrator.controller._liveness import Health
 from orchestrator.controller.links import PoolLink
 
-__all__ = ["Loads", "PoolView", "Versions", "least_loaded"]
+__all__ = ["Loads", "PoolView", "Versions"]
 
 
 class Versions(list[int]):
@@ -192,20 +192,11 @@ class PoolView:
             return None
         if oldest < min_version:  # some ranks still hold older weights: a pass over the rest
             versions = self.versions
-            return least_loaded(self.in_flight, [r for r in ranks if versions[r] >= min_version])
+            return min((r for r in ranks if versions[r] >= min_version), key=self.in_flight.__getitem__)
         return self.in_flight.least(ranks)
 
     def receiver(self, rank: int) -> str:
         return f"{self.name}/{rank}"
-
-
-def least_loaded(load: list[int], ranks: list[int]) -> int:
-    """The rank in `ranks` (ascending, not empty) with the least `load`, the lowest of equals.
-    When every rank is a candidate, C's `min` and `index` do it (this runs once per placement
-    decision, over hundreds of ranks)."""
-    if len(ranks) == len(load):
-        return load.index(min(load))
-    return min(ranks, key=load.__getitem__)
 
 
 def _sampler_health(link: PoolLink, rank: int) -> Health:
