@@ -37,12 +37,11 @@ from . import _tracing
 from ._actor import Actor, EndpointDef, _Spec, endpoints_of, wire_rejects
 from ._errors import WireError
 from ._ratelimit import clip
-from ._wire import SCALARS, decode, dumps, encode, loads
+from ._wire import SCALAR_TYPES, SCALARS, decode, dumps, encode, loads
 from ._zsock import ZSocket, log
 
 __all__ = ["Server", "exception_info"]
 
-_SCALAR_TYPES = frozenset(SCALARS)
 _MAX_IDLE = 32  # idle server tasks kept for reuse
 _READ = "read"  # the job of holding the reader role
 
@@ -225,7 +224,7 @@ class Server:
         a, w = header.get("args", []), header.get("kwargs", {})
         if type(a) is not list or type(w) is not dict:
             raise WireError("arguments must be a list and keyword arguments an object")
-        if len(frames) == 1 and not w and _SCALAR_TYPES.issuperset(map(type, a)):
+        if len(frames) == 1 and not w and SCALAR_TYPES.issuperset(map(type, a)):
             return a, w
         args, kwargs = decode([a, w], frames)
         return args, kwargs

@@ -34,9 +34,10 @@ from pydantic_core import PydanticSerializationError, from_json, to_json
 
 from ._errors import WireError
 
-__all__ = ["SCALARS", "decode", "dumps", "encode", "loads", "register_handle_decoder"]
+__all__ = ["SCALARS", "SCALAR_TYPES", "decode", "dumps", "encode", "loads", "register_handle_decoder"]
 
 SCALARS = (int, float, str, bool, type(None))
+SCALAR_TYPES = frozenset(SCALARS)  # for checking many values at once: `SCALAR_TYPES.issuperset(map(type, xs))`
 _SMALL_COPY = 1 << 16  # frames below this are copied into aligned, writable memory
 _handle_decoders: dict[str, Callable[[dict[str, Any]], Any]] = {}
 _dtypes: dict[str, Any] | None = None
@@ -191,7 +192,6 @@ def _encode_tensor(value: Any, frames: list[Any], where: str) -> dict[str, Any]:
     return {"__t": "tensor", "d": dtype, "s": shape, "f": len(frames), "n": buf.nbytes}
 
 
-_SCALAR_TYPES = frozenset(SCALARS)
 _models: dict[type[BaseModel], tuple[str, int]] = {}  # class -> (its path, its number of fields)
 
 
@@ -204,7 +204,7 @@ def _encode_model(value: BaseModel, frames: list[Any], where: str) -> dict[str, 
     # elsewhere): when they are all plain values, the dict travels as it is, checked in C.
     held = value.__dict__
     if len(held) == info[1]:
-        if _SCALAR_TYPES.issuperset(map(type, held.values())):
+        if SCALAR_TYPES.issuperset(map(type, held.values())):
             return {"__t": "model", "c": info[0], "v": dict(held)}
         items: Any = held.items()
     else:  # not all fields set (`model_construct`): as the class declares them
@@ -348,7 +348,7 @@ def _decode_model(x: dict[str, Any], fr: _Frames, where: str, depth: int) -> Any
     path, fields = x.get("c"), x.get("v")
     if type(path) is not str or type(fields) is not dict:
         raise WireError(f"{where}: malformed model")
-    if _SCALAR_TYPES.issuperset(map(type, fields.values())):
+    if SCALAR_TYPES.issuperset(map(type, fields.values())):
         values = fields  # freshly parsed JSON of plain values: nothing to rebuild
     else:
         values = {k: v if type(v) in SCALARS else _decode(v, fr, f"{where}.{k}", depth + 1) for k, v in fields.items()}
