@@ -244,7 +244,7 @@ class TrajectoryRef(BaseModel):
             num_tokens=traj.tokens.numel(),
             oldest_version=traj.oldest_version,
             newest_version=traj.newest_version,
-            nbytes=sum(getattr(traj, k).numel() * getattr(traj, k).element_size() for k in TENSOR_FIELDS),
+            nbytes=sum(getattr(traj, k).nbytes for k in TENSOR_FIELDS),
         )
 
     def staleness(self, trainer_version: int) -> int:
@@ -290,8 +290,12 @@ def check_layouts(tensors: list[torch.Tensor], lengths: torch.Tensor) -> None:
     ln = lengths.to(torch.int64)
     tok, msk, ids, off, logq, ver = ln.unbind(1)
     mask_end = msk.cumsum(0)
-    marked = torch.cat([torch.zeros(1, dtype=torch.int64), tensors[1].to(torch.int64).cumsum(0)])
-    n = marked[mask_end] - marked[mask_end - msk]  # generated tokens per trajectory
+    # Marked tokens before each position, summed straight from the bools into one buffer
+    # (no int64 copy of the mask, no concatenation; int32 while the count fits).
+    mask = tensors[1]
+    marked = torch.zeros(mask.numel() + 1, dtype=torch.int32 if mask.numel() < 2**31 else torch.int64)
+    torch.cumsum(mask, 0, dtype=marked.dtype, out=marked[1:])
+    n = (marked[mask_end] - marked[mask_end - msk]).to(torch.int64)  # generated tokens per trajectory
     for bad, what in (
         (msk != tok, "loss_mask and tokens differ in length"),
         (off != n + 1, "support_offsets does not have one entry per generated token + 1"),
