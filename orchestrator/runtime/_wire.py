@@ -283,6 +283,8 @@ def _decode(x: Any, fr: _Frames, where: str, depth: int) -> Any:
         raise WireError(f"{where}: unexpected JSON value of type {t.__name__}")
     tag = x.get("__t")
     if tag is None:
+        if SCALAR_TYPES.issuperset(map(type, x.values())):
+            return x  # freshly parsed JSON of plain values: nothing to rebuild
         return {k: _decode(v, fr, where, depth + 1) for k, v in x.items()}
     if tag == "bytes":
         return bytes(fr.take(x.get("f"), x.get("n"), where))
