@@ -6,12 +6,15 @@ process r % P of its sampler mesh, and `FleetEnvs` maps environment rank e to pr
 e % Q of the environment mesh; the controller sees every rank as its own actor (its own
 weight version, liveness watcher and weight-sync worker) and pays for each one's calls.
 
-- `FleetEnv.run_episode` waits `episode_s` and returns a synthetic `Trajectory` of
+- `FleetEnv.run_episode` waits `episode_s` (parked, woken by one clock task per process,
+  as a real episode parks on its sampler's reply) and returns a synthetic `Trajectory` of
   `prompt` + `tokens` ids with a support row per generated token (sizes drawn once around
-  `support`, so rows vary like a top-p cut does), stamped with the sampler rank's version.
+  `support`, so rows vary like a top-p cut does), stamped with the sampler rank's version:
+  a copy of one trajectory validated when the actor starts, with the episode's names,
+  reward and versions. With `hold` (the run's `[rollout] hold_trajectories`) it keeps the
+  trajectory in an `actors.held.TrajectoryStore` and answers its `TrajectoryRef`, as
+  `EnvActor` does.
 - `FleetSampler` holds a weight version per logical rank; updates are one small frame.
-  With `hold` (the run's `[rollout] hold_trajectories`) it keeps the trajectory in an
-  `actors.held.TrajectoryStore` and answers its `TrajectoryRef`, as `EnvActor` does.
 - `FleetTrainer.train_step` takes the batch (fetching held trajectories from the
   environment processes, `actors.held.fetch_held`) and sleeps `len(batch) / rollouts_per_s`
   (a trainer consuming at a configured rate); its checkpoint is a file of fixed size.
@@ -26,8 +29,10 @@ from __future__ import annotations
 
 import json
 import random
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
+from time import perf_counter
 from typing import Any
 
 import torch
@@ -185,6 +190,51 @@ class FleetSampler(Actor):
         return {"tokens_generated": 0, "busy_seconds": 0.0, "requests_finished": 0, "prefill_batches": 0}
 
 
+class _Clock:
+    """Wakes each waiter `delay` seconds after it started waiting, all from one task.
+
+    A waiter parks and is rescheduled, as a real environment's episode parks on its
+    sampler's reply, instead of a `trio.sleep` each (a cancel scope with a deadline, ended
+    by raising and catching `Cancelled`: several times the CPU of a park and a wake, on
+    every episode of the fake). Every wait is equally long, so waiters are due in the order
+    they came, and a clock that finds none sleeps one `delay`: none that comes meanwhile
+    can be due before it wakes."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+        self.due: deque[list[Any]] = deque()  # [deadline, task or None once cancelled]
+        self.running = False
+
+    async def wait(self) -> None:
+        if not self.running:  # no clock task (outside an actor process, or no delay)
+            await trio.sleep(self.delay)
+            return
+        entry = [perf_counter() + self.delay, trio.lowlevel.current_task()]
+        self.due.append(entry)
+
+        def abort(_: Any) -> trio.lowlevel.Abort:
+            entry[1] = None
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        await trio.lowlevel.wait_task_rescheduled(abort)
+
+    async def run(self) -> None:
+        if self.delay <= 0:
+            return
+        self.running = True
+        due = self.due
+        try:
+            while True:
+                now = perf_counter()
+                while due and due[0][0] <= now:
+                    task = due.popleft()[1]
+                    if task is not None:
+                        trio.lowlevel.reschedule(task)
+                await trio.sleep(due[0][0] - now if due else self.delay)
+        finally:
+            self.running = False
+
+
 class FleetEnv(Actor):
     """Plays synthetic episodes: `prompt` + `tokens` ids, a support row per generated token
     of about `support` ids, after `episode_s` seconds."""
@@ -199,41 +249,56 @@ class FleetEnv(Actor):
             offsets.append(offsets[-1] + s)
         nnz = offsets[-1]
         g = torch.Generator().manual_seed(seed)
-        self.tokens = torch.randint(0, 50_000, (prompt + tokens,), dtype=torch.int64, generator=g)
-        self.mask = torch.cat([torch.zeros(prompt, dtype=torch.bool), torch.ones(tokens, dtype=torch.bool)])
-        self.ids = torch.randint(0, 50_000, (nnz,), dtype=torch.int32, generator=g)
-        self.ids[torch.tensor(offsets[:-1])] = self.tokens[prompt:].to(torch.int32)  # y_t is in S_t
-        self.offsets = torch.tensor(offsets, dtype=torch.int32)
-        self.logq = -torch.rand(nnz, generator=g) * 5
+        seq = torch.randint(0, 50_000, (prompt + tokens,), dtype=torch.int64, generator=g)
+        ids = torch.randint(0, 50_000, (nnz,), dtype=torch.int32, generator=g)
+        ids[torch.tensor(offsets[:-1])] = seq[prompt:].to(torch.int32)  # y_t is in S_t
+        logq = -torch.rand(nnz, generator=g) * 5
         self.n = tokens
         self.episode_s = episode_s
         self.rng = rng
         self.held = TrajectoryStore()
+        # Every episode is this trajectory with its own names, reward and version stamp:
+        # validated once here, copied per episode (a fake that costs nothing to compute).
+        self.template = Trajectory(
+            task="",
+            prompt_id="",
+            group_id="",
+            pool="",
+            tokens=seq,
+            loss_mask=torch.cat([torch.zeros(prompt, dtype=torch.bool), torch.ones(tokens, dtype=torch.bool)]),
+            support_ids=ids,
+            support_offsets=torch.tensor(offsets, dtype=torch.int32),
+            support_logq=logq,
+            versions=torch.zeros(tokens, dtype=torch.int32),
+            reward=0.0,
+            turns=1,
+            seconds=episode_s,
+        )
+        self._stamp = (0, self.template.versions)  # (version, its versions tensor), reused
+        self.clock = _Clock(episode_s)
+
+    async def on_start(self, nursery: trio.Nursery) -> None:
+        nursery.start_soon(self.clock.run)
+
+    def _versions(self, version: int) -> torch.Tensor:
+        if self._stamp[0] != version:  # held trajectories keep theirs: never written to
+            self._stamp = (version, torch.full((self.n,), version, dtype=torch.int32))
+        return self._stamp[1]
 
     @endpoint
     async def run_episode(
         self, pool: str, version: int, task: TaskSpec, sampling: SamplingParams, hold: bool = False
     ) -> Trajectory | TrajectoryRef:
-        await trio.sleep(self.episode_s)
-        traj = Trajectory.model_construct(
-            task=task.task,
-            prompt_id=task.prompt_id,
-            group_id=task.group_id,
-            pool=pool,
-            tokens=self.tokens,
-            loss_mask=self.mask,
-            support_ids=self.ids,
-            support_offsets=self.offsets,
-            support_logq=self.logq,
-            versions=torch.full((self.n,), version, dtype=torch.int32),
-            reward=float(self.rng.random() < 0.5),
-            failed=False,
-            error=None,
-            error_traceback=None,
-            sampler_lost=False,
-            turns=1,
-            segments=1,
-            seconds=self.episode_s,
+        await self.clock.wait()
+        traj = self.template.model_copy(
+            update={
+                "task": task.task,
+                "prompt_id": task.prompt_id,
+                "group_id": task.group_id,
+                "pool": pool,
+                "versions": self._versions(version),
+                "reward": float(self.rng.random() < 0.5),
+            }
         )
         return self.held.put(traj) if hold else traj
 

@@ -20,6 +20,9 @@ over `--pools` pools, one environment rank per sampler rank) it measures, after 
   controller's recent average: the fake trainer's fetch of held trajectories and its
   consuming time); a period (1 / `steps_per_s`) close to `train_call_s` means the trainer's
   side bounds the rate, not the producer;
+- `actors_cpu_util`: the fake actors' processes' CPU over the same window, in cores, per
+  mesh (`trainer`, `samplers`, `envs`): with `cpu_util`, how much of the machine the run
+  took (on a small machine the fakes and the controller share the cores);
 - `pings_per_s`: liveness pings the controller sent (a rank that answered an episode or a
   weight update since its last ping needs none);
 - `rss_mb`, `in_flight_mean`: the controller's resident memory and rollouts in flight;
@@ -79,6 +82,20 @@ def open_fds() -> int:
 def cpu_s() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
+
+
+def proc_cpu_s(pids: list[int | None]) -> float:
+    """CPU seconds (user + system, every thread) of the live processes among ``pids``."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, TypeError):
+            continue
+        total += (int(fields[11]) + int(fields[12])) / tick
+    return total
 
 
 def fleet_config(
@@ -205,6 +222,8 @@ async def measure(
         ctx.decision_ns.clear()
         gcw = GcWatch()
         gc.callbacks.append(gcw)
+        meshes = {"trainer": tmesh, "samplers": smesh, "envs": emesh}
+        a0 = {k: proc_cpu_s(m.pids) for k, m in meshes.items()}
         m0, c0, t0, s0 = meter.snapshot(), cpu_s(), time.perf_counter(), metrics.steps
         prof = cProfile.Profile() if args.profile else None
         if prof:
@@ -220,6 +239,7 @@ async def measure(
             prof.disable()
             prof.dump_stats(f"{args.profile}.{ranks}")
         m1, c1, t1, s1 = meter.snapshot(), cpu_s(), time.perf_counter(), metrics.steps
+        a1 = {k: proc_cpu_s(m.pids) for k, m in meshes.items()}
         gc.callbacks.remove(gcw)
         decisions = [d / 1000 for d in ctx.decision_ns]
         train_call_s = ctx.train_s_ewma
@@ -241,6 +261,9 @@ async def measure(
         "cpu_us_per_rollout": round((c1 - c0) / max(n, 1) * 1e6, 1),
         "cpu_bound_rollouts_per_s": round(n / (c1 - c0), 1) if c1 > c0 else None,
         "cpu_util": round((c1 - c0) / wall, 3),
+        # The fakes' processes over the same window (cores, summed over a mesh's processes):
+        # with the controller's, how much of the machine the run took.
+        "actors_cpu_util": {k: round((a1[k] - a0[k]) / wall, 3) for k in meshes},
         "pings_per_s": round((m1[5] - m0[5]) / wall, 1),
         "gc_share": round(gcw.seconds / max(c1 - c0, 1e-9), 3),
         "bytes_per_rollout": round(through),
