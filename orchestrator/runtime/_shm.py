@@ -173,8 +173,7 @@ class SegmentPool:
 
     def _create(self, n: int) -> _Segment | None:
         self._trim()
-        size = _HEAD + max(n, SHM_MIN_BYTES)
-        size = -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
+        size = -(-_size_class(_HEAD + max(n, SHM_MIN_BYTES)) // mmap.PAGESIZE) * mmap.PAGESIZE
         name = f"{_PREFIX}{os.getpid()}-{next(_ids)}"
         path = os.path.join(_DIR, name)
         try:
@@ -221,6 +220,15 @@ class SegmentPool:
             if not seg.busy() or (seg.lent and not seg.sent):
                 self._drop(seg)
         self.segments.clear()
+
+
+def _size_class(n: int) -> int:
+    """``n`` rounded up to the next of eight steps per power of two (at most 1/8 more): a
+    frame a little larger than the last (the next batch of trajectories, the next delta)
+    then fits a segment already made, instead of a fresh one whose allocation and first
+    writes cost several times a copy into memory already mapped."""
+    step = 1 << max(0, n.bit_length() - 4)  # an eighth of the power of two at or below n
+    return -(-n // step) * step
 
 
 _pool: SegmentPool | None = None

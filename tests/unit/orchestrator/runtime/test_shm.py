@@ -107,6 +107,27 @@ def test_a_lent_buffer_is_sent_without_a_copy_once_and_is_free_again_when_droppe
         pool.segments.clear()
 
 
+def test_a_frame_a_little_larger_than_the_last_reuses_its_segment() -> None:
+    # Batches of trajectories vary in size from fetch to fetch: a segment is made a size
+    # class larger (at most 1/8 more) than asked for, so the next, slightly larger
+    # frame fits it instead of costing a new segment (allocated and faulted in afresh).
+    pool = SegmentPool()
+    try:
+        for n in (2 * SHM_MIN_BYTES, 2 * SHM_MIN_BYTES + 4096, 2 * SHM_MIN_BYTES + SHM_MIN_BYTES // 8):
+            buf = pool.lend(n)
+            assert buf is not None and buf.nbytes == n
+            del buf  # never sent: free again
+            gc.collect()
+        assert pool.created == 1
+        assert pool.segments[0].size <= (2 * SHM_MIN_BYTES + 4096) * 9 // 8 + 4096  # at most a class more
+        big = pool.lend(3 * SHM_MIN_BYTES)  # past the class: a segment of its own
+        assert big is not None and pool.created == 2
+        del big
+        gc.collect()
+    finally:
+        pool.close()
+
+
 async def test_a_tensor_an_actor_writes_into_lent_memory_arrives_and_the_segment_is_reused() -> None:
     with trio.fail_after(60):
         async with open_mesh(Echo) as mesh:
