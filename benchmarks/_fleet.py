@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import random
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from time import perf_counter
 from typing import Any
@@ -86,6 +86,10 @@ class DataMeter:
     traj_bytes: int = 0  # sum of trajectory_bytes over the rollouts counted in
     trained: int = 0  # trajectories sent to the trainer
     pings: int = 0  # liveness pings the controller sent to sampler and environment ranks
+    # A held ref's bytes as measured when it arrived, by key, until released: the same ref
+    # leaves for the trainer, and measuring it again (a JSON dump) would be the meter's own
+    # CPU counted as the controller's.
+    ref_bytes: dict[str, int] = field(default_factory=dict)
 
     def snapshot(self) -> tuple[int, int, int, int, int, int]:
         return self.bytes_in, self.bytes_out, self.rollouts, self.traj_bytes, self.trained, self.pings
@@ -323,7 +327,10 @@ class FleetTrainerLink(MeshTrainer):
         self.meter = meter
 
     async def train_step(self, batch: list[Trajectory | TrajectoryRef]) -> StepResult | MissingTrajectories:
-        self.meter.bytes_out += sum(path_bytes(t) for t in batch)
+        sizes = self.meter.ref_bytes
+        self.meter.bytes_out += sum(
+            sizes.get(t.key) or path_bytes(t) if isinstance(t, TrajectoryRef) else path_bytes(t) for t in batch
+        )
         self.meter.trained += len(batch)
         return await super().train_step(batch)
 
@@ -439,10 +446,16 @@ class FleetEnvs(_Multiplexed):
         traj = await self.mesh[holder].run_episode.call_one(pool.config.name, pool.held[rank], task, sampling, hold)
         if isinstance(traj, TrajectoryRef):
             traj.holder = holder
-        self.meter.bytes_in += path_bytes(traj)
+        n = path_bytes(traj)
+        if isinstance(traj, TrajectoryRef) and traj.key:
+            self.meter.ref_bytes[traj.key] = n
+        self.meter.bytes_in += n
         self.meter.traj_bytes += trajectory_bytes(traj)
         self.meter.rollouts += 1
         return traj
 
     async def release(self, refs: list[TrajectoryRef]) -> None:
+        sizes = self.meter.ref_bytes
+        for r in refs:
+            sizes.pop(r.key, None)
         await release_by_holder(self.mesh, refs)
