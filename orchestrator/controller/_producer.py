@@ -32,6 +32,12 @@ from orchestrator.state.buffer import Slot
 
 __all__ = ["need_version", "pick_target", "produce", "task_for"]
 
+TELL_NS = 1_000_000
+"""Placement decisions the producer makes one after another, with no wait between them, see
+the same trainer and pools (only other tasks change them, and none runs meanwhile) but for
+the clock, which moves the trainer's horizon: the scheduler is told that state afresh after
+each wait and at least every TELL_NS nanoseconds of such a run, not before every decision."""
+
 
 def task_for(ctx: RunContext, i: int) -> TaskSpec:
     """Prompt `i` of the run: deterministic in the run's seed, so a replay is the same task.
@@ -91,14 +97,13 @@ def _runnable_now(ctx: RunContext, slot: Slot) -> bool:
     return any(view.newest_version() >= max(0, due - budgets[name]) for name, view in ctx.pools.items())
 
 
-def _place(ctx: RunContext) -> str | None:
-    """Ask the cost-aware scheduler; it spills to dearer pools only if the trainer would wait."""
+def _tell(ctx: RunContext) -> None:
+    """Tell the scheduler the trainer's state and which pools can take rollouts."""
     rollout = ctx.cfg.rollout
     batch = rollout.prompts_per_step * rollout.group_size
     demand = max(0, batch - ctx.buffer.done_rollouts())  # in-flight ones: the scheduler weighs them
     ctx.scheduler.set_trainer(ctx.version, demand, ctx.horizon(), ctx.consume_rate(), batch=batch)
     ctx.update_scheduler()  # pools without a usable rank (dead, frozen, no weights) are out
-    return ctx.scheduler.place()
 
 
 def pick_target(ctx: RunContext, slot: Slot, pool: str) -> tuple[PoolView, int | None, int]:
@@ -141,6 +146,7 @@ async def _wait(ctx: RunContext, waiting: list[Slot], *slots: Slot) -> None:
 
 async def produce(ctx: RunContext, nursery: trio.Nursery) -> None:
     waiting: list[Slot] = []  # held back for newer weights; work behind them may start now
+    told = None  # when the scheduler was last told the trainer's and pools' state (TELL_NS)
     try:
         while not ctx.stopping:
             _start_hedges(ctx, nursery)
@@ -148,6 +154,7 @@ async def produce(ctx: RunContext, nursery: trio.Nursery) -> None:
             slot = ctx.buffer.next_slot()
             if slot is None:
                 await _wait(ctx, waiting)
+                told = None
                 continue
             t0 = time.perf_counter_ns()
             task = ctx.buffer.task_of(slot)
@@ -159,15 +166,21 @@ async def produce(ctx: RunContext, nursery: trio.Nursery) -> None:
                 # be what that version waits for, so look past it.
                 waiting.append(slot)
                 continue
-            pool = _place(ctx)
+            if told is None or t0 - told > TELL_NS:
+                _tell(ctx)
+                told = t0
+            # The cost-aware scheduler spills to dearer pools only if the trainer would wait.
+            pool = ctx.scheduler.place()
             if pool is None:
                 await _wait(ctx, waiting, slot)
+                told = None
                 continue
             view, rank, min_version = pick_target(ctx, slot, pool)
             env = ctx.pick_env()
             if not ctx.trainer_alive.is_set() or rank is None or env is None:
                 ctx.scheduler.release(view.name)  # held back: undone, not a finished rollout
                 await _wait(ctx, waiting, slot)
+                told = None
                 continue
             ctx.decision_ns.append(time.perf_counter_ns() - t0)
             _launch(ctx, nursery, Attempt(slot, view, rank, env, min_version, ctx.now()), task)
