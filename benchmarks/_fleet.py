@@ -258,7 +258,6 @@ class FleetEnv(Actor):
         ids[torch.tensor(offsets[:-1])] = seq[prompt:].to(torch.int32)  # y_t is in S_t
         logq = -torch.rand(nnz, generator=g) * 5
         self.n = tokens
-        self.episode_s = episode_s
         self.rng = rng
         self.held = TrajectoryStore()
         # Every episode is this trajectory with its own names, reward and version stamp:
@@ -329,7 +328,7 @@ class FleetTrainerLink(MeshTrainer):
     async def train_step(self, batch: list[Trajectory | TrajectoryRef]) -> StepResult | MissingTrajectories:
         sizes = self.meter.ref_bytes
         self.meter.bytes_out += sum(
-            sizes.get(t.key) or path_bytes(t) if isinstance(t, TrajectoryRef) else path_bytes(t) for t in batch
+            (sizes.get(t.key) or path_bytes(t)) if isinstance(t, TrajectoryRef) else path_bytes(t) for t in batch
         )
         self.meter.trained += len(batch)
         return await super().train_step(batch)

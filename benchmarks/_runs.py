@@ -36,6 +36,7 @@ __all__ = [
     "demo_raw",
     "intervals_union",
     "load_average",
+    "process_cpu_s",
     "run_raw",
     "run_variants",
 ]
@@ -155,6 +156,17 @@ def intervals_union(intervals: list[tuple[int, int]], lo: int, hi: int) -> int:
 def load_average() -> list[float]:
     """The 1, 5 and 15 minute load averages (timings on a loaded machine are noisy)."""
     return [round(x, 2) for x in os.getloadavg()]
+
+
+def process_cpu_s(pid: int) -> float | None:
+    """CPU seconds (user + system, every thread) process `pid` has used so far, from
+    /proc/<pid>/stat; None when it cannot be read (the process is gone, or no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _read_ints(path: str) -> list[int] | None:

@@ -61,7 +61,7 @@ import time
 from typing import Any
 
 import trio
-from _runs import load_average
+from _runs import load_average, process_cpu_s
 
 from hardware import CostLedger, ModelSpec, Scheduler, ThroughputModel
 from orchestrator.controller import Controller, ControllerState, Links
@@ -86,16 +86,7 @@ def cpu_s() -> float:
 
 def proc_cpu_s(pids: list[int | None]) -> float:
     """CPU seconds (user + system, every thread) of the live processes among ``pids``."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0.0
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except (OSError, TypeError):
-            continue
-        total += (int(fields[11]) + int(fields[12])) / tick
-    return total
+    return sum(c for pid in pids if pid is not None and (c := process_cpu_s(pid)) is not None)
 
 
 def fleet_config(

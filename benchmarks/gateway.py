@@ -77,6 +77,8 @@ import sys
 import time
 from pathlib import Path
 
+from _runs import process_cpu_s
+
 
 # ------------------------------------------------------------------------ client process
 class _RawClient:
@@ -260,8 +262,8 @@ def _actor_cpu(name: str) -> float:
                 and argv[argv.index(b"--name") + 1] == name.encode()
                 and argv[argv.index(b"--parent-pid") + 1] == me.encode()
             ):
-                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
-                return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+                cpu = process_cpu_s(int(d.name))
+                return float("nan") if cpu is None else cpu
         except (OSError, ValueError, IndexError):
             continue
     return float("nan")
