@@ -128,13 +128,16 @@ class _Spec:
         # A simple signature whose parameters are all unannotated (or Any): nothing to check.
         self.unchecked = self.simple and all(p.adapter is None for p in self.positional)
         self.required = sum(1 for p in params if p.default is p.empty)
+        # The numbers of positional arguments a call without keywords may pass.
+        self.arity = range(self.required, len(self.positional) + 1) if self.simple else range(0)
         ret = hints.get("return", Any)
         self.ret_none = ret is None or ret is type(None)
-        self.ret = None if self.ret_none else _Param("return", ret)
+        ret_param = _Param("return", ret)
+        self.ret = None if self.ret_none or ret_param.adapter is None else ret_param  # None: nothing to check
 
     def check_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Caller side: the arguments fit the signature (types are checked on arrival)."""
-        if self.simple and not kwargs and self.required <= len(args) <= len(self.positional):
+        if not kwargs and len(args) in self.arity:
             return
         try:
             self.signature.bind(*args, **kwargs)
@@ -143,7 +146,7 @@ class _Spec:
 
     def validate_args(self, args: list[Any], kwargs: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
         """Receiver side: bind and validate; raises TypeError/ValidationError on bad input."""
-        if self.simple and not kwargs and self.required <= len(args) <= len(self.positional):
+        if not kwargs and len(args) in self.arity:
             if self.unchecked:
                 return args, kwargs
             return [p.check(v) for p, v in zip(self.positional, args, strict=False)], kwargs

@@ -23,6 +23,7 @@ bytearray passed to ``broadcast`` right after the call.
 
 from __future__ import annotations
 
+import sys
 from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any, Generic, ParamSpec, TypeVar
@@ -33,7 +34,7 @@ from ._actor import EndpointDef
 from ._conn import Connection, ConnectionSource, Pending, reply_value
 from ._errors import ActorDied
 from ._tracing import current_traceparent
-from ._wire import SCALARS, encode
+from ._wire import SCALAR_TYPES, SCALARS, encode
 
 __all__ = ["EndpointRef"]
 
@@ -50,6 +51,8 @@ class EndpointRef(Generic[P, R]):
         self._name = name
         self._ep = ep
         self._spec = ep.spec if ep is not None else None
+        # The numbers of positional arguments a call without keywords may pass unchecked.
+        self._arity = range(sys.maxsize) if self._spec is None else self._spec.arity
         self._qual = ep.spec.qualname if ep is not None else f"{src.name}.{name}"
 
     def __repr__(self) -> str:
@@ -57,16 +60,22 @@ class EndpointRef(Generic[P, R]):
 
     # -- building requests ------------------------------------------------------
     def _header(self, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
-        if self._spec is not None:
-            self._spec.check_call(args, kwargs)
         frames: list[Any] = []
-        a = [
-            v if type(v) in SCALARS else encode(v, frames, where=f"{self._qual} argument {i}")
-            for i, v in enumerate(args)
-        ]
-        header: dict[str, Any] = {"kind": kind, "endpoint": self._name, "args": a}
-        if kwargs:
-            header["kwargs"] = {k: encode(v, frames, where=f"{self._qual} argument {k!r}") for k, v in kwargs.items()}
+        if not kwargs and len(args) in self._arity and SCALAR_TYPES.issuperset(map(type, args)):
+            # Plain values that fit the signature: most calls.
+            header: dict[str, Any] = {"kind": kind, "endpoint": self._name, "args": list(args)}
+        else:
+            if self._spec is not None:
+                self._spec.check_call(args, kwargs)
+            a = [
+                v if type(v) in SCALARS else encode(v, frames, where=f"{self._qual} argument {i}")
+                for i, v in enumerate(args)
+            ]
+            header = {"kind": kind, "endpoint": self._name, "args": a}
+            if kwargs:
+                header["kwargs"] = {
+                    k: encode(v, frames, where=f"{self._qual} argument {k!r}") for k, v in kwargs.items()
+                }
         tp = current_traceparent()
         if tp is not None:
             header["trace"] = tp
@@ -103,7 +112,8 @@ class EndpointRef(Generic[P, R]):
             await trio.lowlevel.checkpoint()
             raise
         assert p is not None
-        return await self._wait(p)
+        await p.wait()
+        return self._result(p)
 
     async def call(self, *args: P.args, **kwargs: P.kwargs) -> list[R]:
         """Call every actor; values in rank order."""

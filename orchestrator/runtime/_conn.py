@@ -198,9 +198,11 @@ class Connection:
             p = Pending(self, rid, sink, rank)
             self.pending[rid] = p
         try:
-            self.z.send(
-                [dumps(header), *frames], check=not (waits_next and sink is None and self.rtt_ewma < 2 * SPIN_S)
-            )
+            check = not (waits_next and sink is None and self.rtt_ewma < 2 * SPIN_S)
+            if frames:
+                self.z.send([dumps(header), *frames], check=check)
+            else:
+                self.z.send_header(dumps(header), check=check)
         except zmq.ZMQError as exc:
             self.pending.pop(rid, None)
             raise ActorDied(self.name, self.rank, f"send failed: {exc}") from None
@@ -209,7 +211,7 @@ class Connection:
     def cancel(self, rid: int) -> None:
         if self.pending.pop(rid, None) is not None and self.dead is None and not self.z.closed:
             try:
-                self.z.send([dumps({"id": rid, "kind": "cancel"})])
+                self.z.send_header(dumps({"id": rid, "kind": "cancel"}))
             except zmq.ZMQError:
                 pass
 

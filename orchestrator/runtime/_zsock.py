@@ -166,14 +166,30 @@ class ZSocket:
                 _send_copy(sock, f, flags)
             else:
                 sock.send(f, flags, copy=copy)
-        if not check or (self._spinning() and (not self._draining or self._handled == 1)):
+        self._sent(check)
+
+    def send_header(self, header: bytes, ident: bytes | None = None, *, check: bool = True) -> None:
+        """``send`` for a message that is only a header (after ``ident``, the routing id,
+        on a ROUTER socket): no large frames to handle. Most requests and replies are
+        such messages, and this is the hot path of a call."""
+        if self.closed:
+            raise zmq.ZMQError(zmq.ENOTSOCK, "socket closed")
+        sock = self.sock
+        if ident is not None:
+            _send_copy(sock, ident, _NOBLOCK_MORE)
+        _send_copy(sock, header, _NOBLOCK)
+        self._sent(check)
+
+    def _sent(self, check: bool) -> None:
+        """After a send: yield the core, or handle input that became pending (``send``)."""
+        if not check or (self._spin and self.gap_ewma < 2 * SPIN_S and (not self._draining or self._handled == 1)):
             # The message leaves now: ZeroMQ's I/O thread (SCHED_BATCH) runs when this
             # thread yields, which a caller about to spin for its reply or a spinning actor
             # answering a lone request would otherwise do only after more of its own work
             # (returning to the wait, finishing the drain). Replies within a burst leave
             # together, and so do those of an actor that parks between requests.
             os.sched_yield()
-        if check and not self._draining and sock.get(_EVENTS) & _POLLIN:
+        if check and not self._draining and self.sock.get(_EVENTS) & _POLLIN:
             self._drain()
 
     def poll(self) -> None:

@@ -54,6 +54,30 @@ async def test_thousand_concurrent_calls_return_right_results() -> None:
             assert results == {i: i for i in range(1000)}
 
 
+async def test_plain_calls_and_keyword_calls_agree() -> None:
+    """A call of plain positional values takes the actor's short path, the same call by
+    keyword the general one: both give the same values, errors and refusals."""
+    with trio.fail_after(30):
+        async with open_mesh(Counter, 0) as mesh:
+            c = mesh[0]
+            assert [await c.incr.call_one(5), await c.incr.call_one(by=5)] == [5, 10]
+            assert [await c.echo.call_one(3), await c.echo.call_one(x=3)] == [3, 3]  # suspends first
+            assert await c.value.call_one() == 10  # a plain function
+            assert await c.pid.call_one() != os.getpid()
+            for call in (c.fail.call_one("boom"), c.fail.call_one(message="boom")):
+                with pytest.raises(ActorError, match="boom"):
+                    await call
+            for call in (c.incr.call_one("five"), c.incr.call_one(by="five")):
+                with pytest.raises(TypeError, match="incr: invalid arguments"):
+                    await call
+            assert await c.value.call_one() == 10
+        async with open_mesh(Echo) as mesh:
+            assert await mesh[0].echo.call_one(2.5) == 2.5
+            assert await mesh[0].scale.call_one([1.0], 2.0) == [2.0]  # a list: not plain
+            with pytest.raises(TypeError, match="does not match its annotation"):
+                await mesh[0].liar.call_one()
+
+
 async def test_choose_prefers_least_loaded_rank() -> None:
     with trio.fail_after(30):
         async with open_mesh(Gate, procs=2) as mesh, trio.open_nursery() as nursery:
