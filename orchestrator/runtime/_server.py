@@ -172,15 +172,11 @@ class Server:
         if type(rid) is not int:
             self._bad(ident, None, f"request id must be an integer, got {rid!r}")
             return
-        args, kwargs = header.get("args", []), header.get("kwargs")
-        if kwargs is None and len(frames) == 2 and type(args) is list and SCALAR_TYPES.issuperset(map(type, args)):
-            kwargs = {}  # plain values only, the common case: nothing to decode
-        else:
-            try:
-                args, kwargs = self._decode_args(args, {} if kwargs is None else kwargs, frames[1:])
-            except (WireError, TypeError) as exc:
-                self._bad(ident, rid, str(exc))
-                return
+        try:
+            args, kwargs = self._decode_args(header, frames[1:])
+        except (WireError, TypeError) as exc:
+            self._bad(ident, rid, str(exc))
+            return
         if kind == "init":
             assert self._nursery is not None
             self._nursery.start_soon(self._init, ident, rid, args, kwargs)
@@ -278,9 +274,12 @@ class Server:
             assert self._nursery is not None
             self._nursery.start_soon(self._task, job)
 
-    def _decode_args(self, a: Any, w: Any, frames: list[Any]) -> tuple[list[Any], dict[str, Any]]:
+    def _decode_args(self, header: dict[str, Any], frames: list[Any]) -> tuple[list[Any], dict[str, Any]]:
+        a, w = header.get("args", []), header.get("kwargs", {})
         if type(a) is not list or type(w) is not dict:
             raise WireError("arguments must be a list and keyword arguments an object")
+        if len(frames) == 1 and not w and SCALAR_TYPES.issuperset(map(type, a)):
+            return a, w
         args, kwargs = decode([a, w], frames)
         return args, kwargs
 

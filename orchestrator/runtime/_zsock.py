@@ -182,7 +182,7 @@ class ZSocket:
 
     def _sent(self, check: bool) -> None:
         """After a send: yield the core, or handle input that became pending (``send``)."""
-        if not check or (self._spin and self.gap_ewma < 2 * SPIN_S and (not self._draining or self._handled == 1)):
+        if not check or (self._spinning() and (not self._draining or self._handled == 1)):
             # The message leaves now: ZeroMQ's I/O thread (SCHED_BATCH) runs when this
             # thread yields, which a caller about to spin for its reply or a spinning actor
             # answering a lone request would otherwise do only after more of its own work
