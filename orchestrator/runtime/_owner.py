@@ -8,7 +8,8 @@ back; the supervisor waits on the process again then. A host that answers withou
 the process (restarted meanwhile) marks the rank dead. A respawn that does
 not finish within ``restart_timeout`` (when given) is stopped and the rank marked
 dead. An exit the owner did not cause marks the rank dead, fails its calls with ``ActorDied``
-and calls ``on_death``. ``shutdown`` (run shielded when the mesh closes) fails
+and calls ``on_death``, once the replies the process sent before it ended are in (at
+most ``EXIT_SETTLE_S``). ``shutdown`` (run shielded when the mesh closes) fails
 outstanding calls, SIGTERMs every process, SIGKILLs what outlives the grace
 period and reaps everything.
 """
@@ -32,6 +33,9 @@ if TYPE_CHECKING:
     from ._mesh import Mesh
 
 __all__ = ["Owner", "RankSlot"]
+
+EXIT_SETTLE_S = 2.0
+"""Longest the owner waits, once a rank's process ended, for replies still on its link."""
 
 
 class RankSlot:
@@ -176,7 +180,12 @@ class Owner:
         slot = self.slots[rank]
         if self.closing or slot.proc is not proc:
             return
-        self._mark_dead(rank, ActorDied(self.name, rank, how))
+        exc = ActorDied(self.name, rank, how)
+        if slot.conn is not None:  # what the process answered before it ended still counts
+            await slot.conn.settle(exc, EXIT_SETTLE_S)
+            if self.closing or slot.proc is not proc:
+                return
+        self._mark_dead(rank, exc)
 
     def _mark_dead(self, rank: int, exc: ActorDied) -> None:
         slot = self.slots[rank]

@@ -318,6 +318,18 @@ class Leaver(Actor):
         await self.answered.wait()
 
 
+class QuickLeaver(Leaver):
+    """A Leaver whose process ends the moment its last reply has left (the owner then
+    sees the exit while a large reply may still be on its way in)."""
+
+    async def on_signal(self) -> None:
+        from orchestrator.runtime._child import _replies_sent
+
+        await super().on_signal()
+        await _replies_sent()
+        os._exit(0)
+
+
 class Collector(Actor):
     """Reports its process's cyclic-collector settings."""
 
