@@ -133,38 +133,42 @@ def unsent_tcp_bytes() -> int | None:
         return None
 
 
-def other_threads_cpu_ns() -> int | None:
-    """CPU time of this process's threads but the calling one, in ns (/proc schedstat);
-    None where that cannot be read."""
+def other_threads_state() -> tuple[int, bool] | None:
+    """CPU time of this process's threads but the calling one, in ns (/proc schedstat), and
+    whether one of them is running or waiting for a core (state R in /proc stat: a starved
+    thread's CPU time does not grow); None where that cannot be read."""
     me = str(threading.get_native_id())
     try:
-        total = 0
+        total, runnable = 0, False
         for tid in os.listdir("/proc/self/task"):
             if tid != me:
                 try:
                     with open(f"/proc/self/task/{tid}/schedstat") as f:
                         total += int(f.read().split()[0])
+                    with open(f"/proc/self/task/{tid}/stat") as f:
+                        runnable = runnable or f.read().rpartition(")")[2].split()[0] == "R"
                 except FileNotFoundError:  # the thread ended meanwhile
                     continue
-        return total
+        return total, runnable
     except (OSError, ValueError, IndexError):
         return None
 
 
-async def _replies_sent(poll_s: float = 0.01, quiet_polls: int = 3) -> None:
+async def replies_sent(poll_s: float = 0.01, quiet_polls: int = 3) -> None:
     """Returns once ZeroMQ looks done sending: for `quiet_polls` polls in a row the TCP send
     queues were empty and the other threads (ZeroMQ's I/O thread, which encrypts a CURVE
-    message whole before it writes a byte) used under a fifth of the interval; at once where
-    either cannot be read."""
+    message whole before it writes a byte) used under a fifth of the interval and none was
+    running or waiting for a core; at once where either cannot be read."""
     quiet = 0
-    cpu = other_threads_cpu_ns()
+    before = other_threads_state()
     while quiet < quiet_polls:
         await trio.sleep(poll_s)
-        unsent, now = unsent_tcp_bytes(), other_threads_cpu_ns()
-        if unsent is None or now is None or cpu is None:
+        unsent, now = unsent_tcp_bytes(), other_threads_state()
+        if unsent is None or now is None or before is None:
             return
-        quiet = quiet + 1 if unsent == 0 and now - cpu < poll_s * 1e9 / 5 else 0
-        cpu = now
+        busy = now[0] - before[0] >= poll_s * 1e9 / 5 or now[1]
+        quiet = quiet + 1 if unsent == 0 and not busy else 0
+        before = now
 
 
 async def _stop_on_signal(scope: trio.CancelScope, server: Any = None) -> None:
@@ -193,7 +197,7 @@ async def _stop_on_signal(scope: trio.CancelScope, server: Any = None) -> None:
                     # encrypting or writing to a TCP connection is cut off when the socket
                     # closes. Wait for it to leave first.
                     with trio.move_on_after(DRAIN_FLUSH_MS / 1000):
-                        await _replies_sent()
+                        await replies_sent()
                 scope.cancel()
                 return
     finally:

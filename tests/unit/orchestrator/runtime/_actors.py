@@ -323,10 +323,10 @@ class QuickLeaver(Leaver):
     sees the exit while a large reply may still be on its way in)."""
 
     async def on_signal(self) -> None:
-        from orchestrator.runtime._child import _replies_sent
+        from orchestrator.runtime._child import replies_sent
 
         await super().on_signal()
-        await _replies_sent()
+        await replies_sent()
         os._exit(0)
 
 
