@@ -162,6 +162,8 @@ class Mesh(Generic[A]):
             return conn
         slot = self._owner.slots[rank]
         if slot.state == "live" and slot.conn is not None:
+            if slot.conn.dead is not None:  # e.g. its process ended, its last replies coming in
+                raise _copy(slot.conn.dead)
             return slot.conn
         if slot.state == "starting":
             return None

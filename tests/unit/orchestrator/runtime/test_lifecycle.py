@@ -214,6 +214,23 @@ async def test_actors_exit_when_their_controller_is_killed() -> None:
         assert not alive
 
 
+async def test_choose_skips_a_live_rank_whose_connection_is_dead() -> None:
+    # As the owner leaves a rank whose process ended while its last replies come in
+    # (Connection.settle): still live, but its calls fail at once and choose goes elsewhere.
+    with trio.fail_after(30):
+        async with open_mesh(Gate, procs=2) as mesh:
+            other = await mesh[1].pid.call_one()
+            assert mesh._owner is not None
+            conn = mesh._owner.slots[0].conn
+            assert conn is not None
+            conn.dead = ActorDied("gate", 0, "its process ended")
+            assert mesh.dead_ranks == []
+            assert [await mesh.pid.choose() for _ in range(3)] == [other] * 3
+            with pytest.raises(ActorDied, match="its process ended"):
+                await mesh[0].pid.call_one()
+            conn.dead = None
+
+
 async def test_on_start_tasks_run_and_on_stop_runs_at_exit(tmp_path: Path) -> None:
     marker = tmp_path / "stopped"
     with trio.fail_after(30):
