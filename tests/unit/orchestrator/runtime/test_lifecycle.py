@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -302,3 +303,37 @@ async def test_an_actor_process_collects_young_objects_rarely_and_freezes_what_s
                 await trio.sleep(0.05)
     assert gen0 == GC_GEN0
     assert frozen > 1000  # modules, the actor and what its constructor made
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_drained_actor_counts_a_busy_or_waiting_thread_as_still_sending() -> None:
+    # replies_sent closes a drained actor's socket only once ZeroMQ's I/O thread is idle:
+    # its CPU time must show a thread that runs, and its state one that waits for a core.
+    import threading
+
+    from orchestrator.runtime._child import other_threads_state
+
+    def seen(ok: Any) -> tuple[int, bool]:
+        for _ in range(200):
+            state = other_threads_state()
+            assert state is not None
+            if ok(state):
+                return state
+            trio.run(trio.sleep, 0.005)
+        raise AssertionError(f"not seen: last {state}")
+
+    idle = seen(lambda s: not s[1])
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            pass
+
+    worker = threading.Thread(target=spin)
+    worker.start()
+    try:
+        seen(lambda s: s[1] and s[0] - idle[0] > 5e6)  # running (or queued) and using CPU
+    finally:
+        stop.set()
+        worker.join()
+    seen(lambda s: not s[1])
