@@ -132,8 +132,11 @@ class _Spec:
         self.arity = range(self.required, len(self.positional) + 1) if self.simple else range(0)
         ret = hints.get("return", Any)
         self.ret_none = ret is None or ret is type(None)
-        ret_param = _Param("return", ret)
-        self.ret = None if self.ret_none or ret_param.adapter is None else ret_param  # None: nothing to check
+        self.ret: _Param | None = None  # None: nothing to check
+        if not self.ret_none:
+            ret_param = _Param("return", ret)
+            if ret_param.adapter is not None:
+                self.ret = ret_param
 
     def check_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Caller side: the arguments fit the signature (types are checked on arrival)."""
