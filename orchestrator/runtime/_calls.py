@@ -54,6 +54,8 @@ class EndpointRef(Generic[P, R]):
         # The numbers of positional arguments a call without keywords may pass unchecked.
         self._arity = range(sys.maxsize) if self._spec is None else self._spec.arity
         self._qual = ep.spec.qualname if ep is not None else f"{src.name}.{name}"
+        # Whether a returned value is checked against the annotation (not for Any or none).
+        self._checks_return = self._spec is not None and (self._spec.ret is not None or self._spec.ret_none)
 
     def __repr__(self) -> str:
         return f"<endpoint {self._qual} on ranks {self._ranks}>"
@@ -83,8 +85,9 @@ class EndpointRef(Generic[P, R]):
 
     def _result(self, p: Pending) -> Any:
         value = reply_value(p)
-        if self._spec is None:
+        if not self._checks_return:
             return value
+        assert self._spec is not None
         try:
             return self._spec.validate_return(value)
         except TypeError:

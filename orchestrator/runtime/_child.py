@@ -19,7 +19,7 @@ import zmq
 
 from . import _actor
 from ._curve import TRUST_SELF_ENV, Curve, start_authenticator
-from ._server import Server, actor_class
+from ._server import Server
 from ._zsock import context, tune
 
 __all__ = ["GC_GEN0", "main"]
@@ -203,6 +203,19 @@ async def _stop_on_signal(scope: trio.CancelScope, server: Any = None) -> None:
     finally:
         for signum in stop:
             signal.signal(signum, signal.SIG_IGN)
+
+
+def actor_class(path: str) -> type[_actor.Actor]:
+    """Import ``module:QualName`` (from the command line of a trusted spawner, never a message)."""
+    import importlib
+
+    module, _, qual = path.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in qual.split("."):
+        obj = getattr(obj, part)
+    if not (isinstance(obj, type) and issubclass(obj, _actor.Actor)):
+        raise TypeError(f"{path} is not an Actor subclass")
+    return obj
 
 
 def main(argv: list[str] | None = None) -> None:

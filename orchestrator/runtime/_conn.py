@@ -55,7 +55,9 @@ class Pending:
 
     __slots__ = ("conn", "done", "error", "frames", "header", "rank", "rid", "sink", "t0", "task")
 
-    def __init__(self, conn: Connection, rid: int, sink: Callable[[Pending], None] | None, rank: int) -> None:
+    def __init__(
+        self, conn: Connection, rid: int, sink: Callable[[Pending], None] | None, rank: int, t0: float | None = None
+    ) -> None:
         self.conn = conn
         self.rid = rid
         self.done = False
@@ -65,7 +67,7 @@ class Pending:
         self.error: BaseException | None = None
         self.sink = sink
         self.rank = rank
-        self.t0 = perf_counter()
+        self.t0 = perf_counter() if t0 is None else t0  # when the request was sent
 
     def _done(self) -> None:
         self.done = True
@@ -189,26 +191,30 @@ class Connection:
 
         ``waits_next``: the caller waits on this entry right away, without awaiting
         anything first; if that wait will spin, its first poll reads what arrived
-        during the send (so the send does not look).
+        during the send (so the send does not look), and the entry is made once the
+        request has left: nothing can complete it before that wait, and making it then
+        takes it off the round trip's path.
         Raises ActorDied at once when the connection is dead.
         """
         if self.dead is not None:
             raise self.dead
         rid = next(self._ids)
         header["id"] = rid
+        spins = waits_next and reply and sink is None and self.rtt_ewma < 2 * SPIN_S
         p = None
-        if reply:
-            p = Pending(self, rid, sink, rank)
-            self.pending[rid] = p
+        if reply and not spins:
+            p = self.pending[rid] = Pending(self, rid, sink, rank)
+        t0 = perf_counter()
         try:
-            check = not (waits_next and sink is None and self.rtt_ewma < 2 * SPIN_S)
             if frames:
-                self.z.send([dumps(header), *frames], check=check)
+                self.z.send([dumps(header), *frames], check=not spins)
             else:
-                self.z.send_header(dumps(header), check=check)
+                self.z.send_header(dumps(header), check=not spins)
         except zmq.ZMQError as exc:
             self.pending.pop(rid, None)
             raise ActorDied(self.name, self.rank, f"send failed: {exc}") from None
+        if spins:
+            p = self.pending[rid] = Pending(self, rid, sink, rank, t0)
         return p
 
     def cancel(self, rid: int) -> None:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextvars
 import traceback
 import types
-from collections.abc import Generator
 from typing import Any
 
 import outcome
@@ -37,6 +36,7 @@ from . import _tracing
 from ._actor import Actor, EndpointDef, _Spec, endpoints_of, wire_rejects
 from ._errors import WireError
 from ._ratelimit import clip
+from ._steps import Started, awaiting, resume
 from ._wire import SCALAR_TYPES, SCALARS, decode, dumps, encode, loads
 from ._zsock import ZSocket, log
 
@@ -234,13 +234,13 @@ class Server:
             else:
                 coro = ep.fn(self.actor, *args)
                 if type(coro) is not types.CoroutineType:
-                    coro = _awaiting(coro)
+                    coro = awaiting(coro)
                 try:
                     trap = ctx.run(coro.send, None)
                 except StopIteration as stop:
                     value = stop.value
                 else:
-                    self._adopt(_Started(coro, trap, ctx), (ident, rid), ep, True)
+                    self._adopt(Started(coro, trap, ctx), (ident, rid), ep, True)
                     return True
         except Exception as exc:
             self._error(ident, rid, exc, True, spec.qualname)
@@ -286,8 +286,8 @@ class Server:
     def _step(self, ep: EndpointDef[Any, Any], args: list[Any], kwargs: dict[str, Any], tp: Any) -> Any:
         """Run a call's first step (a plain function: all of it) in a context of its own.
 
-        Returns the value when the call finished, a ``_Started`` when it suspended (the
-        caller's task must resume it, see ``_resume``); raises what the endpoint raised.
+        Returns the value when the call finished, a ``Started`` when it suspended (the
+        caller's task must resume it, see ``resume``); raises what the endpoint raised.
         The context is a copy of the task's (one a new task would get), so what a call
         sets there (its trace parent, its spans, context variables) stays its own.
         """
@@ -298,12 +298,12 @@ class Server:
             return ctx.run(self._call_sync, ep, args, kwargs, tp)
         coro = self._call(ep, args, kwargs, tp) if tp is not None else ep.fn(self.actor, *args, **kwargs)
         if type(coro) is not types.CoroutineType:  # another awaitable: await it in a coroutine
-            coro = _awaiting(coro)
+            coro = awaiting(coro)
         try:
             trap = ctx.run(coro.send, None)
         except StopIteration as stop:
             return stop.value
-        return _Started(coro, trap, ctx)
+        return Started(coro, trap, ctx)
 
     def _call_sync(self, ep: EndpointDef[Any, Any], args: list[Any], kwargs: dict[str, Any], tp: Any) -> Any:
         with _tracing.remote_parent(tp):
@@ -347,14 +347,14 @@ class Server:
         except Exception as exc:
             self._error(ident, rid, exc, reply, ep.spec.qualname)
             return False
-        if type(value) is not _Started:
+        if type(value) is not Started:
             if reply:
                 self._answer(ident, rid, value, ep.spec)
             return False
         self._adopt(value, (ident, rid), ep, reply)
         return True
 
-    def _adopt(self, started: _Started, key: tuple[bytes, int], ep: EndpointDef[Any, Any], reply: bool) -> None:
+    def _adopt(self, started: Started, key: tuple[bytes, int], ep: EndpointDef[Any, Any], reply: bool) -> None:
         """Make a call that suspended in its first step the reader task's (``_run_inline``)."""
         assert self._reader_scope is not None
         self.running[key] = self._reader_scope
@@ -364,7 +364,7 @@ class Server:
         """Run an adopted call from its first suspension to its end, and answer it."""
         (ident, rid), ep = call.key, call.ep
         try:
-            value = await _resume(call.started)
+            value = await resume(call.started)
         except Exception as exc:
             self._error(ident, rid, exc, call.reply, ep.spec.qualname)
         else:
@@ -459,8 +459,8 @@ class Server:
                 self._queued.discard(key)
                 self.running[key] = scope
                 value = self._step(ep, args, kwargs, tp)
-                if type(value) is _Started:
-                    value = await _resume(value)
+                if type(value) is Started:
+                    value = await resume(value)
         except Exception as exc:
             self._error(ident, rid, exc, reply, ep.spec.qualname)
         else:
@@ -494,66 +494,13 @@ class Server:
         self._reply(ident, {"id": rid, "kind": "ok", "value": None})
 
 
-class _Started:
-    """A call whose first step suspended: its coroutine, the trap it yielded, its context."""
-
-    __slots__ = ("coro", "ctx", "trap")
-
-    def __init__(self, coro: Any, trap: Any, ctx: contextvars.Context) -> None:
-        self.coro = coro
-        self.trap = trap
-        self.ctx = ctx
-
-
 class _Adopted:
     """A call that suspended in its first step in the reader task, run on by that task."""
 
     __slots__ = ("ep", "key", "reply", "started")
 
-    def __init__(self, started: _Started, key: tuple[bytes, int], ep: EndpointDef[Any, Any], reply: bool) -> None:
+    def __init__(self, started: Started, key: tuple[bytes, int], ep: EndpointDef[Any, Any], reply: bool) -> None:
         self.started = started
         self.key = key
         self.ep = ep
         self.reply = reply
-
-
-async def _awaiting(aw: Any) -> Any:
-    return await aw
-
-
-@types.coroutine
-def _resume(started: _Started) -> Generator[Any, Any, Any]:
-    """The rest of ``await coro`` after its first step was taken by hand (in its context)
-    and yielded ``trap``: what the running task's scheduler sends or throws goes on to the
-    coroutine, as ``yield from`` does (PEP 380), each step run in the call's context."""
-    coro, trap, ctx = started.coro, started.trap, started.ctx
-    del started
-    while True:
-        try:
-            sent = yield trap
-        except GeneratorExit:
-            ctx.run(coro.close)
-            raise
-        except BaseException as exc:
-            try:
-                trap = ctx.run(coro.throw, exc)
-            except StopIteration as stop:
-                return stop.value
-        else:
-            try:
-                trap = ctx.run(coro.send, sent)
-            except StopIteration as stop:
-                return stop.value
-
-
-def actor_class(path: str) -> type[Actor]:
-    """Import ``module:QualName`` (from the command line of a trusted spawner, never a message)."""
-    import importlib
-
-    module, _, qual = path.partition(":")
-    obj: Any = importlib.import_module(module)
-    for part in qual.split("."):
-        obj = getattr(obj, part)
-    if not (isinstance(obj, type) and issubclass(obj, Actor)):
-        raise TypeError(f"{path} is not an Actor subclass")
-    return obj

@@ -141,8 +141,8 @@ class ZSocket:
         self._draining = False
         self.closed = False
         self._spin = spin and SPIN_S > 0
-        self._last = 0.0  # arrival time of the last message (spinning sockets only)
-        self.gap_ewma = 1.0  # seconds between arrivals, recent average (spinning sockets only)
+        self._last = 0.0  # when the last message was handled (spinning sockets only)
+        self.gap_ewma = 1.0  # seconds between messages, recent average (spinning sockets only)
         self.spins = 0  # times the reader polled instead of parking
         self._handled = 0  # messages handled by the drain under way (or the last one)
 
@@ -231,16 +231,18 @@ class ZSocket:
                     except ValueError as exc:
                         log_repeated("dropped", f"dropped a message: {clip(exc)}")
                         continue
-                if self._spin:
+                self._handled += 1
+                try:
+                    done = handle(frames)
+                except Exception as exc:
+                    log_repeated("dropped", f"dropped a message: {clip(repr(exc))}")
+                    done = False
+                if self._spin:  # timed after the handler, whose reply (if any) has left
                     now = perf_counter()
                     self.gap_ewma += 0.2 * (now - self._last - self.gap_ewma)
                     self._last = now
-                self._handled += 1
-                try:
-                    if handle(frames):
-                        break
-                except Exception as exc:
-                    log_repeated("dropped", f"dropped a message: {clip(repr(exc))}")
+                if done:
+                    break
         finally:
             self._draining = False
         return True
@@ -281,7 +283,7 @@ class ZSocket:
         return self._spin and self.gap_ewma < 2 * SPIN_S
 
     async def _spin_wait(self) -> bool:
-        """Poll for input until ``SPIN_S`` after the last arrival; True if some came."""
+        """Poll for input until ``SPIN_S`` after the last message was handled; True if some came."""
         deadline = self._last + SPIN_S
         sock = self.sock
         self.spins += 1
