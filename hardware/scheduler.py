@@ -1,75 +1,19 @@
 """Cost-aware rollout placement.
 
-State per pool: capacity (its `max_concurrent_rollouts`), rollouts in flight, the version of
-the weights it holds and its staleness budget. State of the trainer, set by the controller:
-its version; its *demand* D (rollouts its next step still needs that have not finished; may
-be negative when finished rollouts wait beyond one batch); the *horizon* h (seconds until that
-step starts; 0 when it is already waiting); its consumption rate c (rollouts per second it
-takes when never starved, batch ÷ train-step seconds); and, optionally, its batch B
-(rollouts per step), which makes its need step-shaped instead of continuous.
+Pools are ranked by expected cost per token at full batch. Let j be the cheapest pool within
+its staleness budget that has a free slot. j takes the rollout when no cheaper pool is within
+budget, or when the trainer's steady consumption needs all of j; it takes it into a warm slot
+of a busy replica (nothing more billed) while the trainer will need more rollouts within the
+look-ahead, and then tops that replica up; when the trainer would otherwise starve, the
+rollout goes to the pool, j or dearer, with the lowest marginal cost per token at the batch
+its replica would run. Otherwise `place` returns None: wait for a slot on a cheaper pool.
 
-Billing the rule works against: busy GPU-seconds × price, and a GPU serving one sequence
-costs as much as a full one. A pool serves replicas of g GPUs with S slots each
-(ThroughputModel.replica_gpus / slots_per_replica) and is assumed to pack rollouts onto as few
-replicas as hold them: with n in flight, ceil(n / S) replicas are busy. A rollout placed where
-n mod S ≠ 0 joins a busy replica (a *warm* slot: nothing more is billed); otherwise it wakes a
-replica (a *cold* slot: g more GPUs billed); the controller should therefore send a pool's
-rollouts to its fullest replica with room. A decode step's cost is dominated by reading the
-weights, so a replica's cost per token falls steeply with its batch (a B200 serving a 35B MoE:
-0.175 $/Mtok full, 0.27 at half batch, 3.7 with one sequence).
+The rule in full (the state it reads, its five steps, the trainer's shortfall and the
+supply it is measured against, the mean rollout length) is docs/placement.md, written for
+this code: change both together.
 
-Rule (policy "cost"). Pools are ranked by expected cost per token at full batch, price ÷
-estimated tokens/s per GPU (roofline × online factor), ties broken by name; the ranking is
-recomputed only when an estimate changes. A pool is *eligible* when trainer_version −
-pool_version ≤ its staleness budget. Let j be the first eligible pool in the ranking with a
-free slot: every cheaper eligible pool is full. In order:
-
-1. Base pools. j takes the rollout if it is the cheapest eligible pool, or if the trainer's
-   steady consumption needs all of j: the full-batch tokens/s of the eligible pools before j
-   plus j's own is at most c × mean rollout tokens. Every token of a base pool is consumed,
-   so it is kept full, whatever the demand of the moment.
-2. Top-up. If a recent placement on j (rule 3 or 4) set a fill target for its part-full
-   replica and j is below it, j takes the rollout (the target is dropped once reached, or
-   once j drains back to where the top-up began).
-3. Warm slot. If j has a warm slot and the trainer will need more rollouts within the
-   look-ahead (shortfall(T₂) > 0, below), j takes it and its replica is topped up (rule 2)
-   to full, or to the look-ahead shortfall plus one batch if the replica is bigger than that.
-   Topping up costs nothing while the replica is busy and keeps its batch high; a trickle
-   just in time would leave the marginal pool's replicas part-empty.
-4. Spill. If the trainer would starve otherwise (shortfall(T₁) > 0), the rollout goes to the
-   eligible pool with a free slot, from j on, with the lowest *marginal* cost per token:
-   price ÷ tokens/s per GPU at the batch its busy-or-woken replica would run, namely r + the
-   shortfall rollouts (r = n mod S already on it), capped at S; for j, which is topped up
-   after a spill (rule 2), plus one batch (without B: c × R_j). A small shortfall therefore
-   does not wake an 8-GPU replica for three rollouts.
-5. Otherwise `place` returns None: wait for a slot on a cheaper pool.
-
-Shortfall. A rollout started now on j lands after R_j = mean rollout tokens × seconds per
-token of one sequence on j at full batch; T = max(h, R_j). With the batch B known, the
-trainer's next step starts at h' = max(h, when the pools already running deliver D) (it
-cannot start before), and later steps every B ÷ c seconds: if T lands before h', T₁ = T and
-need = D; else T₁ is the first step start at or after T and need = D + B × (steps from h'
-to T₁). Without B, T₁ = T and need = D + c × (T − h). T₂ = T₁ + `lookahead_steps` train steps
-(R_j each without B). shortfall(T) = need(T) − supply(T), with
-    supply(T) = Σ over the cheaper eligible pools (all full) of capacity_i × T ÷ R_i
-                  (a full pool finishes a rollout per slot every R_i, restarting freed slots)
-              + in-flight_j × T ÷ R_j at T₁ (j's busy replicas are topped up while needed;
-                at T₂ they count like the rest, so rule 3 fills them before they drain)
-              + Σ over every other pool of in-flight_i × min(1, T ÷ R_i)
-                  (rollouts already running finish over the next R_i),
-where R_i uses pool i's speed at its current batch.
-
-Mean rollout tokens: tokens generated (from `observe`) ÷ rollouts finished (from
-`complete`), forgotten over each pool's last `length_window` fills (hardware._lengths). The
-mean of finished rollouts would run short after a synchronised start, when the short ones
-finish first, and the trainer would wait; this flow ratio errs long instead.
-
-A decision is O(pools) over plain lists: the walk, plus at most one supply sum and one pass
-over the dearer pools. Each placement raises an in-flight count and so the supply of the next
-decision: spills stop once the shortfall is covered.
-
-Policy "round_robin" (a baseline): pools in name order, in turn, skipping full or lagging ones,
-regardless of cost and demand.
+A decision is O(pools) over plain lists. Policy "round_robin" (a baseline): pools in name
+order, in turn, skipping full or lagging ones, regardless of cost and demand.
 """
 
 from __future__ import annotations

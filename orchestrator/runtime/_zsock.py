@@ -287,15 +287,18 @@ class ZSocket:
         deadline = self._last + SPIN_S
         sock = self.sock
         self.spins += 1
-        next_cp = 0.0
+        first, next_cp = True, 0.0
         while (now := perf_counter()) < deadline and not self.closed:
             # This core's other threads run first: ZeroMQ's I/O thread has the replies just
             # sent to pass on, and a trio checkpoint costs several times a yield.
             os.sched_yield()
             pending = sock.get(_EVENTS) & _POLLIN
             # The calls just started run here, even when the next message is already in (a
-            # steady flood must not starve them), and then at least every CHECKPOINT_S.
-            if now >= next_cp:
+            # steady flood must not starve them); after that, at least every CHECKPOINT_S
+            # while nothing has come. A message that has come is read first: the spin after
+            # it starts with a checkpoint again.
+            if first or (not pending and now >= next_cp):
+                first = False
                 await trio.lowlevel.checkpoint()
                 next_cp = perf_counter() + CHECKPOINT_S
             if pending:
