@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 import trio
+import trio.testing
 
-from orchestrator.runtime import ActorError, open_mesh
-from orchestrator.runtime._conn import SPIN_S
+from orchestrator.runtime import ActorDied, ActorError, open_mesh
+from orchestrator.runtime._conn import SPIN_S, Connection
 
 from ._actors import Counter, Echo, Gate, Holder, Item, Relay
 
@@ -268,3 +269,23 @@ async def test_zeromqs_threads_in_an_actor_run_batch_unless_turned_off() -> None
     assert all(batch[name] == os.SCHED_BATCH for name in zmq_threads)
     assert batch["main"] == os.SCHED_OTHER  # the actor's own thread keeps the default
     assert all(default[name] == os.SCHED_OTHER for name in default if name.startswith("ZMQbg/"))
+
+
+@pytest.mark.parametrize("spins", [True, False], ids=["spinning", "parking"])
+async def test_a_request_whose_send_fails_raises_and_leaves_no_entry(tmp_path: Path, spins: bool) -> None:
+    # A spinning caller's entry is made after its send, a parking caller's before it:
+    # either way a failed send raises ActorDied and leaves nothing pending.
+    with trio.fail_after(30):
+        conn = Connection(
+            f"ipc://{tmp_path}/nobody", name="nobody", rank=0, server_key=None, identity=None, connect_timeout=None
+        )
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(conn.run)
+            await trio.testing.wait_all_tasks_blocked()
+            conn.rtt_ewma = 0.0 if spins else 1.0
+            conn.z.close()  # the socket is gone before the connection has noticed
+            assert conn.dead is None
+            with pytest.raises(ActorDied, match="send failed"):
+                conn.request({"kind": "call", "endpoint": "echo", "args": [1]}, [], reply=True, waits_next=True)
+            assert conn.pending == {}
+            conn.scope.cancel()
