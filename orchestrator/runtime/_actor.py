@@ -137,6 +137,9 @@ class _Spec:
             ret_param = _Param("return", ret)
             if ret_param.adapter is not None:
                 self.ret = ret_param
+        # Whether validate_return can refuse or convert a value (not when the return's
+        # annotation is absent, Any or object).
+        self.checks_return = self.ret_none or self.ret is not None
 
     def check_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Caller side: the arguments fit the signature (types are checked on arrival)."""

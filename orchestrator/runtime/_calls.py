@@ -54,8 +54,7 @@ class EndpointRef(Generic[P, R]):
         # The numbers of positional arguments a call without keywords may pass unchecked.
         self._arity = range(sys.maxsize) if self._spec is None else self._spec.arity
         self._qual = ep.spec.qualname if ep is not None else f"{src.name}.{name}"
-        # Whether a returned value is checked (not when its annotation is absent, Any or object).
-        self._checks_return = self._spec is not None and (self._spec.ret is not None or self._spec.ret_none)
+        self._checks_return = self._spec is not None and self._spec.checks_return
 
     def __repr__(self) -> str:
         return f"<endpoint {self._qual} on ranks {self._ranks}>"

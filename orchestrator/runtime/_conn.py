@@ -56,7 +56,7 @@ class Pending:
     __slots__ = ("conn", "done", "error", "frames", "header", "rank", "rid", "sink", "t0", "task")
 
     def __init__(
-        self, conn: Connection, rid: int, sink: Callable[[Pending], None] | None, rank: int, t0: float | None = None
+        self, conn: Connection, rid: int, sink: Callable[[Pending], None] | None, rank: int, t0: float
     ) -> None:
         self.conn = conn
         self.rid = rid
@@ -67,7 +67,7 @@ class Pending:
         self.error: BaseException | None = None
         self.sink = sink
         self.rank = rank
-        self.t0 = perf_counter() if t0 is None else t0  # when the request was sent
+        self.t0 = t0  # when the request was sent
 
     def _done(self) -> None:
         self.done = True
@@ -201,10 +201,10 @@ class Connection:
         rid = next(self._ids)
         header["id"] = rid
         spins = waits_next and reply and sink is None and self.rtt_ewma < 2 * SPIN_S
+        t0 = perf_counter()
         p = None
         if reply and not spins:
-            p = self.pending[rid] = Pending(self, rid, sink, rank)
-        t0 = perf_counter()
+            p = self.pending[rid] = Pending(self, rid, sink, rank, t0)
         try:
             if frames:
                 self.z.send([dumps(header), *frames], check=not spins)
