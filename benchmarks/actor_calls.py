@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
@@ -55,6 +56,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +108,22 @@ def _pin(pid: int, cpus: set[int]) -> None:
             pass
 
 
+@contextlib.contextmanager
+def _pinned(pin: bool, servers: list[int | None]) -> Iterator[None]:
+    """With ``pin``, this process on core 0 and the ``servers`` on core 1 while inside."""
+    everywhere = os.sched_getaffinity(0)
+    if pin:
+        _pin(os.getpid(), {0})
+        for pid in servers:
+            assert pid is not None
+            _pin(pid, {1})
+    try:
+        yield
+    finally:
+        if pin:
+            _pin(os.getpid(), everywhere)
+
+
 async def _timed_calls(ep: Any, count: int) -> tuple[list[float], float]:
     """``count`` echo calls one after another, each timed; and the caller's CPU seconds."""
     rtts = []
@@ -136,28 +154,20 @@ async def _rtt_pair(n: dict[str, int], pin: bool) -> tuple[list[float], list[flo
         await ep.call_one(0)
         with tempfile.TemporaryDirectory(prefix="flotilla-bare-") as tmp:
             bare, json_echo = _BareEcho(tmp), _BareEcho(tmp, parse=True)
-            everywhere = os.sched_getaffinity(0)
             try:
-                if pin:
-                    pid = mesh.pids[0]
-                    assert pid is not None
-                    _pin(os.getpid(), {0})
-                    for server in (pid, bare.proc.pid, json_echo.proc.pid):
-                        _pin(server, {1})
-                for _ in range(200):
-                    await ep.call_one(1)
-                    bare.call()
-                    json_echo.call()
-                rounds = 5
-                for _ in range(rounds):
-                    r, c = await _timed_calls(ep, n["rtt"] // rounds)
-                    rtts += r
-                    cpu += c
-                    bare_rtts.extend(bare.call() for _ in range(n["rtt"] // rounds))
-                    json_rtts.extend(json_echo.call() for _ in range(n["rtt"] // rounds))
+                with _pinned(pin, [mesh.pids[0], bare.proc.pid, json_echo.proc.pid]):
+                    for _ in range(200):
+                        await ep.call_one(1)
+                        bare.call()
+                        json_echo.call()
+                    rounds = 5
+                    for _ in range(rounds):
+                        r, c = await _timed_calls(ep, n["rtt"] // rounds)
+                        rtts += r
+                        cpu += c
+                        bare_rtts.extend(bare.call() for _ in range(n["rtt"] // rounds))
+                        json_rtts.extend(json_echo.call() for _ in range(n["rtt"] // rounds))
             finally:
-                if pin:
-                    _pin(os.getpid(), everywhere)
                 bare.close()
                 json_echo.close()
     return rtts, bare_rtts, json_rtts, cpu

@@ -1,0 +1,163 @@
+"""What parts of the caller's work cost a call's round trip: variants in the same processes.
+
+What: the round trip of ``call_one`` on an echo actor with parts of the caller's work taken
+out, each as a ratio to a bare pyzmq echo's round trip (``benchmarks/actor_calls.py``'s floor)
+measured in the same rounds, and as a difference from the shipped code's ratio in the same
+pair of processes. Variants (the caller patches its own code between blocks; the actor is
+the same throughout):
+
+- ``shipped``: the runtime as it is;
+- ``shipped_again``: the same code again, a control: how far two copies of one variant read
+  apart here (the method's noise);
+- ``no_header_work``: the request header written as a dict, without ``EndpointRef._header``'s
+  plain-value check and trace lookup (valid for the plain calls made here only);
+- ``no_schedule_point``: a spinning wait checks cancellation but does not yield to trio's
+  scheduler (``Pending.wait`` run with ``checkpoint_if_cancelled`` for ``checkpoint``).
+
+The last two are not ways to run: each takes out work a call has to do (see
+``benchmarks/records/2026-12-07-call-caller-side.md``). They say what that work costs.
+
+Why this design: whole runs of two commits separate ~0.03 only over many runs, since round
+trips here are bimodal and the mix of modes drifts over seconds. Here the variants share one
+pair of processes, in blocks of 200 calls in a fresh random order each round (a block's
+predecessor changes its caches).
+
+How: ``python benchmarks/call_parts.py [--quick]`` (quick: 3 pairs of 10 rounds; full: 8
+pairs of 25). This process runs on core 0 and both servers on core 1 where the machine
+has two cores. The last line is one JSON object: per variant the median over the pairs of
+its ratio (``<variant>_over_bare``), and of its difference from ``shipped`` in the same pair
+(``<variant>_minus_shipped``) with the number of pairs where it was lower
+(``<variant>_lower_pairs``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import trio
+from actor_calls import EchoActor, _BareEcho, _pct, _pinned
+
+from orchestrator.runtime import _calls, _conn, open_mesh
+
+BLOCK = 200  # timed calls per variant per round
+
+
+def _plain_header(
+    self: Any, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[dict[str, Any], list[Any]]:
+    return {"kind": kind, "endpoint": self._name, "args": list(args)}, []
+
+
+class _Lowlevel:
+    """``trio.lowlevel`` whose ``checkpoint`` checks cancellation only."""
+
+    checkpoint = staticmethod(trio.lowlevel.checkpoint_if_cancelled)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(trio.lowlevel, name)
+
+
+class _TrioWithoutSchedulePoints:
+    lowlevel = _Lowlevel()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(trio, name)
+
+
+def _use(variant: str) -> None:
+    """Patch the caller's code for ``variant`` (every other patch undone)."""
+    _calls.EndpointRef._header = _SHIPPED_HEADER  # type: ignore[method-assign]
+    _conn.trio = trio  # type: ignore[attr-defined]
+    if variant == "no_header_work":
+        _calls.EndpointRef._header = _plain_header  # type: ignore[method-assign,assignment]
+    elif variant == "no_schedule_point":
+        _conn.trio = _TrioWithoutSchedulePoints()  # type: ignore[attr-defined,assignment]
+
+
+_SHIPPED_HEADER = _calls.EndpointRef._header
+VARIANTS = ["shipped", "shipped_again", "no_header_work", "no_schedule_point"]
+
+
+async def _block(ep: Any, variant: str) -> list[float]:
+    """``BLOCK`` timed calls under ``variant`` (after one untimed)."""
+    _use(variant)
+    try:
+        await ep.call_one(1)
+        rtts = []
+        for i in range(BLOCK):
+            t = time.perf_counter()
+            await ep.call_one(i)
+            rtts.append(time.perf_counter() - t)
+        return rtts
+    finally:
+        _use("shipped")
+
+
+async def _pair(rounds: int, pin: bool, shuffle: Any) -> dict[str, list[float]]:
+    """One fresh actor and bare echo; per variant and for the bare echo, the round trips."""
+    out: dict[str, list[float]] = {v: [] for v in [*VARIANTS, "bare"]}
+    async with open_mesh(EchoActor, name="echo", env={"OMP_NUM_THREADS": "1"}) as mesh:
+        ep = mesh[0].echo
+        with tempfile.TemporaryDirectory(prefix="flotilla-bare-") as tmp:
+            bare = _BareEcho(tmp)
+            try:
+                with _pinned(pin, [mesh.pids[0], bare.proc.pid]):
+                    for _ in range(300):
+                        await ep.call_one(1)
+                        bare.call()
+                    order = [*VARIANTS, "bare"]
+                    for _ in range(rounds):
+                        shuffle(order)  # a fixed order would give each variant the same predecessor
+                        for name in order:
+                            if name == "bare":
+                                bare.call()
+                                out[name] += [bare.call() for _ in range(BLOCK)]
+                            else:
+                                out[name] += await _block(ep, name)
+            finally:
+                bare.close()
+    return out
+
+
+async def _run(quick: bool, pin: bool) -> dict[str, Any]:
+    pin = pin and sys.platform == "linux" and {0, 1} <= os.sched_getaffinity(0)
+    pairs, rounds = (3, 10) if quick else (8, 25)
+    ratios: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    shuffle = random.Random(0).shuffle
+    for _ in range(pairs):
+        rtts = await _pair(rounds, pin, shuffle)
+        floor = _pct(rtts["bare"], 0.5)
+        for v in VARIANTS:
+            ratios[v].append(_pct(rtts[v], 0.5) / floor)
+        print({v: round(ratios[v][-1], 3) for v in VARIANTS} | {"bare_p50_us": round(floor * 1e6, 1)}, flush=True)
+    result: dict[str, Any] = {"pairs": pairs, "rounds": rounds, "block": BLOCK, "pinned": pin}
+    for v in VARIANTS:
+        result[f"{v}_over_bare"] = round(statistics.median(ratios[v]), 3)
+        if v != "shipped":
+            diffs = [a - b for a, b in zip(ratios[v], ratios["shipped"], strict=True)]
+            result[f"{v}_minus_shipped"] = round(statistics.median(diffs), 3)
+            result[f"{v}_lower_pairs"] = sum(d < 0 for d in diffs)
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="3 pairs of 10 rounds (under a minute)")
+    ap.add_argument("--no-pin", action="store_true", help="leave threads where the scheduler puts them")
+    args = ap.parse_args()
+    print(json.dumps(trio.run(_run, args.quick, not args.no_pin)))
+
+
+if __name__ == "__main__":
+    main()
