@@ -22,8 +22,9 @@ trips here are bimodal and the mix of modes drifts over seconds. Here the varian
 pair of processes, in blocks of 200 calls in a fresh random order each round (a block's
 predecessor changes its caches).
 
-How: ``python benchmarks/call_parts.py [--quick]`` (quick: 3 pairs of 10 rounds; full: 8
-pairs of 25). This process runs on core 0 and both servers on core 1 where the machine
+How: ``python benchmarks/call_parts.py [--quick]`` (full: 8 pairs of 25 rounds, under a
+minute here; quick: 3 pairs of 10, a smoke run in which the control alone moves by
+hundredths). This process runs on core 0 and both servers on core 1 where the machine
 has two cores. The last line is one JSON object: per variant the median over the pairs of
 its ratio (``<variant>_over_bare``), and of its difference from ``shipped`` in the same pair
 (``<variant>_minus_shipped``) with the number of pairs where it was lower
