@@ -52,6 +52,8 @@ from actor_calls import EchoActor, _BareEcho, _pct, _pinned
 from orchestrator.runtime import _calls, _conn, open_mesh
 
 BLOCK = 200  # timed calls per variant per round
+VARIANTS = ["shipped", "shipped_again", "no_header_work", "no_schedule_point"]
+_SHIPPED_HEADER = _calls.EndpointRef._header
 
 
 def _plain_header(
@@ -84,10 +86,6 @@ def _use(variant: str) -> None:
         _calls.EndpointRef._header = _plain_header  # type: ignore[method-assign,assignment]
     elif variant == "no_schedule_point":
         _conn.trio = _TrioWithoutSchedulePoints()  # type: ignore[attr-defined,assignment]
-
-
-_SHIPPED_HEADER = _calls.EndpointRef._header
-VARIANTS = ["shipped", "shipped_again", "no_header_work", "no_schedule_point"]
 
 
 async def _block(ep: Any, variant: str) -> list[float]:
