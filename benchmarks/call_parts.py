@@ -41,10 +41,7 @@ import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import trio
 from actor_calls import EchoActor, _BareEcho, _pct, _pinned
