@@ -41,7 +41,6 @@ import statistics
 import sys
 import tempfile
 import time
-from time import perf_counter
 from typing import Any
 
 import trio
@@ -50,65 +49,8 @@ from actor_calls import EchoActor, _BareEcho, _pct, _pinned
 from orchestrator.runtime import _calls, _conn, open_mesh
 
 BLOCK = 200  # timed calls per variant per round
-VARIANTS = [
-    "shipped",
-    "shipped_again",
-    "no_header_work",
-    "no_schedule_point",
-    "every_wait_yields",
-    "schedule_1ms",
-    "schedule_5ms",
-]
+VARIANTS = ["shipped", "shipped_again", "no_header_work", "no_schedule_point"]
 _SHIPPED_HEADER = _calls.EndpointRef._header
-_SHIPPED_WAIT = _conn.Pending.wait
-_SHIPPED_SCHEDULE_S = _conn.SCHEDULE_S
-_CHECKPOINT_S = 50e-6
-
-
-async def _wait_every_time(self: Any) -> None:
-    """``Pending.wait`` as it was before 2026-12-07: a schedule point at every wait."""
-    if self.done:
-        await trio.lowlevel.checkpoint()
-        return
-    conn = self.conn
-    if conn.rtt_ewma < 2 * _conn.SPIN_S:  # replies come back fast: spin first (see _zsock)
-        conn.spun_waits += 1
-        deadline = self.t0 + _conn.SPIN_S
-        z = conn.z
-        checkpointed = False
-        next_cp = 0.0
-        try:
-            while True:
-                # This core's other threads run first (ZeroMQ's I/O thread has the
-                # request just sent to pass on): a poll, let alone a trio checkpoint,
-                # costs several times a yield.
-                os.sched_yield()
-                # The first poll also reads what arrived while the request was sent
-                # (``Connection.request`` left that check to it).
-                z.poll()
-                now = perf_counter()
-                if self.done or now >= deadline:
-                    break
-                if now >= next_cp:  # other tasks run at least every _CHECKPOINT_S
-                    await trio.lowlevel.checkpoint()
-                    checkpointed = True
-                    next_cp = perf_counter() + _CHECKPOINT_S
-        except BaseException:  # cancelled while spinning
-            if not self.done:
-                self.abandon()
-            raise
-        if self.done:
-            if not checkpointed:  # a wait is a checkpoint, once
-                await trio.lowlevel.checkpoint()
-            return
-    self.task = trio.lowlevel.current_task()
-
-    def abort(_: Any) -> trio.lowlevel.Abort:
-        self.task = None
-        self.abandon()
-        return trio.lowlevel.Abort.SUCCEEDED
-
-    await trio.lowlevel.wait_task_rescheduled(abort)
 
 
 def _plain_header(
@@ -120,7 +62,7 @@ def _plain_header(
 class _Lowlevel:
     """``trio.lowlevel`` whose ``checkpoint`` checks cancellation only."""
 
-    checkpoint = checkpoint_if_cancelled = staticmethod(trio.lowlevel.checkpoint_if_cancelled)
+    checkpoint = staticmethod(trio.lowlevel.checkpoint_if_cancelled)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(trio.lowlevel, name)
@@ -137,15 +79,7 @@ def _use(variant: str) -> None:
     """Patch the caller's code for ``variant`` (every other patch undone)."""
     _calls.EndpointRef._header = _SHIPPED_HEADER  # type: ignore[method-assign]
     _conn.trio = trio  # type: ignore[attr-defined]
-    _conn.Pending.wait = _SHIPPED_WAIT  # type: ignore[method-assign]
-    _conn.SCHEDULE_S = _SHIPPED_SCHEDULE_S
-    if variant.startswith("schedule_"):
-        _conn.SCHEDULE_S = float(variant.removeprefix("schedule_").removesuffix("ms")) * 1e-3
-    for c in _conn._registry.get().values():
-        c.next_schedule = 0.0
-    if variant == "every_wait_yields":
-        _conn.Pending.wait = _wait_every_time  # type: ignore[method-assign]
-    elif variant == "no_header_work":
+    if variant == "no_header_work":
         _calls.EndpointRef._header = _plain_header  # type: ignore[method-assign,assignment]
     elif variant == "no_schedule_point":
         _conn.trio = _TrioWithoutSchedulePoints()  # type: ignore[attr-defined,assignment]

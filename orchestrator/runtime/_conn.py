@@ -29,27 +29,12 @@ from zmq.utils.monitor import parse_monitor_message
 from ._errors import ActorDied, ActorError
 from ._ratelimit import clip
 from ._wire import SCALARS, decode, dumps, loads
-from ._zsock import SPIN_S, ZSocket, context, log, log_repeated, tune
+from ._zsock import CHECKPOINT_S, SPIN_S, ZSocket, context, log, log_repeated, tune
 
 __all__ = ["Connection", "ConnectionSource", "Pending", "close_connection", "connection", "reply_value"]
 
 SETTLE_POLL_S = 0.005
 """How often ``Connection.settle`` looks whether the link has closed."""
-
-SCHEDULE_S = 500e-6
-"""How long a caller's spinning waits may keep the other trio tasks of its loop waiting.
-
-Every wait is a cancel point. One that parks is a schedule point; one that spins is a
-schedule point while its request is out, once ``SCHEDULE_S`` has passed since the last
-schedule point its connection's waits took, and after its reply only when that is a
-whole ``SCHEDULE_S`` overdue (the next wait's spin takes it otherwise, where it costs
-the round trip least). So a loop of fast calls lets the other tasks run every 0.5-1 ms
-rather than at every call: a scheduler pass costs a round trip here more than the pass
-itself takes (benchmarks/records/2026-12-07-call-schedule-points.md). Trio's maintainers
-propose this rule for trio's own checkpoints, in a 0.5-5 ms window
-(python-trio/trio#1757). A cancellation is seen at the next schedule point, or when the
-spin parks, at most ``SPIN_S`` after it began.
-"""
 
 _EVENTS = (
     zmq.EVENT_DISCONNECTED
@@ -102,6 +87,8 @@ class Pending:
             conn.spun_waits += 1
             deadline = self.t0 + SPIN_S
             z = conn.z
+            checkpointed = False
+            next_cp = 0.0
             try:
                 while True:
                     # This core's other threads run first (ZeroMQ's I/O thread has the
@@ -114,22 +101,17 @@ class Pending:
                     now = perf_counter()
                     if self.done or now >= deadline:
                         break
-                    if now >= conn.next_schedule:  # other tasks run at least every SCHEDULE_S
+                    if now >= next_cp:  # other tasks run at least every CHECKPOINT_S
                         await trio.lowlevel.checkpoint()
-                        conn.next_schedule = perf_counter() + SCHEDULE_S
+                        checkpointed = True
+                        next_cp = perf_counter() + CHECKPOINT_S
             except BaseException:  # cancelled while spinning
                 if not self.done:
                     self.abandon()
                 raise
             if self.done:
-                # Always a cancel point. A schedule point due now is left to the next
-                # spinning wait, which takes it while its request is out (where it costs
-                # the round trip least), unless it is a whole SCHEDULE_S overdue.
-                if now >= conn.next_schedule + SCHEDULE_S:
+                if not checkpointed:  # a wait is a checkpoint, once
                     await trio.lowlevel.checkpoint()
-                    conn.next_schedule = perf_counter() + SCHEDULE_S
-                else:
-                    await trio.lowlevel.checkpoint_if_cancelled()
                 return
         self.task = trio.lowlevel.current_task()
 
@@ -167,7 +149,6 @@ class Connection:
         self.connected = False
         self.rtt_ewma = 0.0  # seconds, over this connection's recent replies
         self.spun_waits = 0  # waits that polled before parking (replies were coming back fast)
-        self.next_schedule = 0.0  # when a spinning wait next lets other tasks run (SCHEDULE_S)
         self.registry_key: tuple[str, bytes | None, bytes | None] = (address, None, None)
         self._ids = itertools.count(1)
         self._connect_timeout = connect_timeout

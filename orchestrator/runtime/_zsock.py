@@ -14,11 +14,10 @@ short poll beats that: a caller whose connection's recent replies came back
 within ``2 * SPIN_S`` polls for its reply for up to ``SPIN_S`` before parking
 (``_conn.Pending.wait``), and an actor whose requests have been arriving within
 ``2 * SPIN_S`` of each other polls for the next one as long after serving one
-(``ZSocket(spin=True)``). Both yield the core (``sched_yield``) between polls, so
-ZeroMQ's I/O thread runs. A spinning actor lets its other trio tasks run when it starts
-spinning and at least every ``CHECKPOINT_S`` after, so the actor's own work still runs
-(a trio checkpoint costs several times a poll, so not every poll is one); a spinning
-caller at least every ``_conn.SCHEDULE_S``.
+(``ZSocket(spin=True)``). Both yield the core (``sched_yield``) between polls and
+let other trio tasks run when they start spinning and at least every
+``CHECKPOINT_S`` after, so ZeroMQ's I/O thread and the actor's own work still run
+(a trio checkpoint costs several times a poll, so not every poll is one).
 Slow endpoints and sparse traffic never spin; an idle process never spins.
 ``FLOTILLA_SPIN_US=0`` turns it off (e.g. when callers share cores with busy
 actors).
@@ -52,7 +51,7 @@ from ._ratelimit import RateLimiter, clip
 __all__ = ["CHECKPOINT_S", "SPIN_S", "ZSocket", "context", "tune"]
 
 SPIN_S = float(os.environ.get("FLOTILLA_SPIN_US", "250")) * 1e-6
-CHECKPOINT_S = 50e-6  # while an actor spins, the longest stretch between two trio checkpoints
+CHECKPOINT_S = 50e-6  # while spinning, the longest stretch between two trio checkpoints
 
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 _NOBLOCK, _NOBLOCK_MORE = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE)
