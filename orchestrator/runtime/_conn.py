@@ -173,7 +173,7 @@ class Connection:
         mon.setsockopt(zmq.RCVHWM, 0)
         mon.connect(mon_addr)
         sock.connect(address)
-        self.z = ZSocket(sock, self._on_reply, close_on_exit=False, shm=address.startswith("ipc://"))
+        self.z = ZSocket(sock, self._on_reply, close_on_exit=False, shm=address.startswith("ipc://"), marked=True)
         self._mon = ZSocket(mon, self._on_event, close_on_exit=False, copy_parts=2)
 
     # -- sending ---------------------------------------------------------------

@@ -70,7 +70,7 @@ class Server:
         self.ready = trio.Event()
         self.running: dict[tuple[bytes, Any], trio.CancelScope] = {}
         # local: bound on ipc://, so every peer shares the machine (large frames via /dev/shm)
-        self.z = ZSocket(sock, self._on_message, copy_parts=2, spin=True, shm=local, close_on_exit=False)
+        self.z = ZSocket(sock, self._on_message, copy_parts=2, spin=True, shm=local, close_on_exit=False, marked=True)
         self.linger_ms = 0  # how long replies still queued at close get to leave (after a drain)
         self._nursery: trio.Nursery | None = None
         self._next_seq = 0

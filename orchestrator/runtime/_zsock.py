@@ -60,6 +60,8 @@ _COPY_BELOW = zmq.COPY_THRESHOLD  # smaller frames are copied even when sent wit
 # pyzmq's compiled send. Its Python layer above (zmq.Socket.send) only adds draft-API
 # options (routing_id, group), which the runtime never uses, and costs about 1 µs a frame.
 _send_copy = zmq.backend.Socket.send
+_get = zmq.backend.Socket.get
+_RCVMORE = int(zmq.RCVMORE)
 
 
 _BATCH_THREADS = os.environ.get("FLOTILLA_ZMQ_BATCH", "1") != "0" and hasattr(os, "SCHED_BATCH")
@@ -111,7 +113,15 @@ class ZSocket:
     by anyone, since input left behind is read only when someone next looks
     (a send's check, a poll, a new edge on the FD). With ``shm=True`` (both ends
     on this machine) large data frames travel through shared memory (``_shm``);
-    the header is frame ``copy_parts - 1`` both ways. It runs in the
+    the header is frame ``copy_parts - 1`` both ways. With ``marked=True`` (both
+    ends runtime sockets) a header that more frames follow starts with ``+`` (or
+    ``S``, a shared-memory table; the ``+`` is taken off before ``on_message``), and
+    a socket with one peer (not a ROUTER) reads a header starting with ``{`` as the
+    whole message, as ``bytes``, without asking whether more follow: a ``zmq.Frame``
+    or a ``ZMQ_RCVMORE`` read costs several times the receive itself, on every
+    call's path. A peer that sends more frames after such a header garbles only its
+    own messages (the rest are read as messages of their own, and dropped as
+    malformed). It runs in the
     reader task, or inside ``send`` when the send consumed the FD's edge
     while input was pending (then the sender drains, since the reader would
     not be woken). Cancellation: cancelling ``run`` closes the socket.
@@ -128,6 +138,7 @@ class ZSocket:
         copy_parts: int = 1,
         spin: bool = False,
         shm: bool = False,
+        marked: bool = False,
     ) -> None:
         self.sock = sock
         self._close_on_exit = close_on_exit
@@ -136,8 +147,12 @@ class ZSocket:
         self._copy_parts = copy_parts
         self._on_message = on_message
         self._shm = shm and _shm.ENABLED
+        self._marked = marked
         self._fd = sock.getsockopt(zmq.FD)
         self._routed = sock.type == zmq.ROUTER
+        # A ROUTER's peers share its input: one that sent more frames after an unmarked
+        # header would shift every message after it, so a ROUTER never trusts a mark.
+        self._trusts_marks = marked and not self._routed
         self._draining = False
         self.closed = False
         self._spin = spin and SPIN_S > 0
@@ -157,8 +172,12 @@ class ZSocket:
         if self.closed:
             raise zmq.ZMQError(zmq.ENOTSOCK, "socket closed")
         sock = self.sock
-        if self._shm and len(frames) > self._copy_parts:
-            frames = _shm.export_frames(frames, self._copy_parts - 1)
+        if len(frames) > self._copy_parts:
+            if self._shm:
+                frames = _shm.export_frames(frames, self._copy_parts - 1)
+            if self._marked and frames[self._copy_parts - 1][:1] != b"S":
+                frames = list(frames)
+                frames[self._copy_parts - 1] = b"+" + frames[self._copy_parts - 1]
         last = len(frames) - 1
         for i, f in enumerate(frames):
             flags = _NOBLOCK_MORE if i < last else _NOBLOCK
@@ -215,16 +234,24 @@ class ZSocket:
                 try:
                     if self._routed:  # a ROUTER's message: its routing id, then at least one frame
                         frames.append(sock.recv(_NOBLOCK))
-                    frame = sock.recv(_NOBLOCK, copy=False)
+                    if self._trusts_marks:
+                        frames.append(head := sock.recv(_NOBLOCK))
+                        more = head[:1] != b"{" and _get(sock, _RCVMORE)  # unmarked: ask
+                    else:
+                        # A frame received as a zmq.Frame says whether more follow, which is
+                        # cheaper than asking the socket (ZMQ_RCVMORE); the leading parts are
+                        # kept as bytes.
+                        frame = sock.recv(_NOBLOCK, copy=False)
+                        frames.append(frame.bytes if len(frames) < self._copy_parts else frame)
+                        more = frame.more
                 except zmq.Again:
                     break
-                # A frame received as a zmq.Frame says whether more follow, which is cheaper
-                # than asking the socket (ZMQ_RCVMORE); the leading parts are kept as bytes.
-                while True:
-                    frames.append(frame.bytes if len(frames) < self._copy_parts else frame)
-                    if not frame.more:
-                        break
+                while more:
                     frame = sock.recv(_NOBLOCK, copy=False)  # the rest is already here
+                    frames.append(frame.bytes if len(frames) < self._copy_parts else frame)
+                    more = frame.more
+                if self._marked and len(frames) >= self._copy_parts and frames[self._copy_parts - 1][:1] == b"+":
+                    frames[self._copy_parts - 1] = frames[self._copy_parts - 1][1:]
                 if self._shm and len(frames) > self._copy_parts and frames[self._copy_parts - 1][:1] == b"S":
                     try:
                         frames = _shm.import_frames(frames, self._copy_parts - 1, log)

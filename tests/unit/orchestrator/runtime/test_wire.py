@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -361,3 +362,52 @@ def test_a_send_that_a_spin_follows_yields_the_core(monkeypatch: pytest.MonkeyPa
     finally:
         client.close()
         server.close()
+
+
+def test_marked_headers_say_whether_frames_follow_and_an_unmarked_peer_garbles_only_its_own() -> None:
+    """Runtime sockets mark a header that more frames follow (``+``); a DEALER reads a
+    header starting with ``{`` as a whole message without asking. A peer that sends
+    more after such a header gets those frames read as messages of their own; the
+    messages after them arrive intact. A ROUTER (many peers) never trusts a mark."""
+    from orchestrator.runtime._zsock import ZSocket
+
+    ctx = zmq.Context.instance()
+    addr = f"inproc://marks-test-{os.getpid()}"
+    router = ctx.socket(zmq.ROUTER)
+    router.bind(addr)
+    got: list[list[Any]] = []
+    dealer = ZSocket(ctx.socket(zmq.DEALER), got.append, marked=True)
+    dealer.sock.connect(addr)
+    served: list[list[Any]] = []
+    server = ZSocket(ctx.socket(zmq.ROUTER), served.append, copy_parts=2, marked=True)
+    server.sock.bind(addr + "-server")
+    raw = ctx.socket(zmq.DEALER)
+    raw.connect(addr + "-server")
+    try:
+        dealer.send([b'{"id":1}', b"data"])  # marked on the way out
+        ident, head, data = router.recv_multipart()
+        assert (head, data) == (b'+{"id":1}', b"data")
+        router.send_multipart([ident, b'+{"id":2}', b"payload"])
+        router.send_multipart([ident, b'{"id":3}'])
+        router.send_multipart([ident, b'{"id":4}', b"unmarked extra"])  # a peer that does not mark
+        router.send_multipart([ident, b'{"id":5}'])
+        deadline = time.monotonic() + 10
+        while len(got) < 5 and time.monotonic() < deadline:
+            dealer.poll()
+        assert [[bytes(f) for f in m] for m in got] == [
+            [b'{"id":2}', b"payload"],  # the mark is taken off; the frame follows
+            [b'{"id":3}'],
+            [b'{"id":4}'],
+            [b"unmarked extra"],  # read as a message of its own (dropped as malformed upstream)
+            [b'{"id":5}'],  # intact
+        ]
+        raw.send_multipart([b'{"id":6}', b"unmarked extra"])
+        raw.send_multipart([b'+{"id":7}', b"x"])
+        while len(served) < 2 and time.monotonic() < deadline:
+            server.poll()
+        assert [[bytes(f) for f in m[1:]] for m in served] == [[b'{"id":6}', b"unmarked extra"], [b'{"id":7}', b"x"]]
+    finally:
+        dealer.close()
+        server.close()
+        raw.close(linger=0)
+        router.close(linger=0)
