@@ -172,12 +172,13 @@ class ZSocket:
         if self.closed:
             raise zmq.ZMQError(zmq.ENOTSOCK, "socket closed")
         sock = self.sock
-        if len(frames) > self._copy_parts:
+        if len(frames) > self._copy_parts:  # frames follow the header (frame h)
+            h = self._copy_parts - 1
             if self._shm:
-                frames = _shm.export_frames(frames, self._copy_parts - 1)
-            if self._marked and frames[self._copy_parts - 1][:1] != b"S":
+                frames = _shm.export_frames(frames, h)
+            if self._marked and frames[h][:1] != b"S":
                 frames = list(frames)
-                frames[self._copy_parts - 1] = b"+" + frames[self._copy_parts - 1]
+                frames[h] = b"+" + frames[h]
         last = len(frames) - 1
         for i, f in enumerate(frames):
             flags = _NOBLOCK_MORE if i < last else _NOBLOCK
@@ -238,23 +239,22 @@ class ZSocket:
                         frames.append(head := sock.recv(_NOBLOCK))
                         more = head[:1] != b"{" and _get(sock, _RCVMORE)  # unmarked: ask
                     else:
-                        # A frame received as a zmq.Frame says whether more follow, which is
-                        # cheaper than asking the socket (ZMQ_RCVMORE); the leading parts are
-                        # kept as bytes.
+                        more = True
+                    # A frame received as a zmq.Frame says whether more follow, which is
+                    # cheaper than asking the socket (ZMQ_RCVMORE); the leading parts are
+                    # kept as bytes. Only the first receive can find nothing.
+                    while more:
                         frame = sock.recv(_NOBLOCK, copy=False)
                         frames.append(frame.bytes if len(frames) < self._copy_parts else frame)
                         more = frame.more
                 except zmq.Again:
                     break
-                while more:
-                    frame = sock.recv(_NOBLOCK, copy=False)  # the rest is already here
-                    frames.append(frame.bytes if len(frames) < self._copy_parts else frame)
-                    more = frame.more
-                if self._marked and len(frames) >= self._copy_parts and frames[self._copy_parts - 1][:1] == b"+":
-                    frames[self._copy_parts - 1] = frames[self._copy_parts - 1][1:]
-                if self._shm and len(frames) > self._copy_parts and frames[self._copy_parts - 1][:1] == b"S":
+                h = self._copy_parts - 1  # the header's index
+                if self._marked and len(frames) > h and frames[h][:1] == b"+":
+                    frames[h] = frames[h][1:]
+                if self._shm and len(frames) > self._copy_parts and frames[h][:1] == b"S":
                     try:
-                        frames = _shm.import_frames(frames, self._copy_parts - 1, log)
+                        frames = _shm.import_frames(frames, h, log)
                     except ValueError as exc:
                         log_repeated("dropped", f"dropped a message: {clip(exc)}")
                         continue
