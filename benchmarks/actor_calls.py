@@ -10,12 +10,14 @@ Why: every controller <-> actor interaction rides this path. Targets (issue 2):
 
 The floor: a bare pyzmq echo (the runtime's DEALER/ROUTER sockets over ipc, one small
 frame each way, both sides waiting with the runtime's spin-then-park policy, no header
-encoding, dispatch or trio) runs in the same run, its rounds alternating with the
-runtime's. Both round trips move with where the scheduler puts each thread, which a
-process keeps for its life, so the round trips are taken over several fresh pairs of
-processes (an actor and a bare echo each; 3 with ``--quick``, 7 without), with this
-process pinned to core 0 and both servers to core 1 where the machine has two cores
-(``--no-pin``: wherever the scheduler puts them).
+encoding, dispatch or trio) runs in the same run: each pair of processes takes rounds of one
+block of 200 round trips per echo (after 20 untimed ones, so that each server's spin has
+caught up), in a fresh random order each round, so that drift over seconds and a block's
+predecessor fall on every echo alike. Both round trips move with where the scheduler
+puts each thread, which a process keeps for its life, so the round trips are taken over
+several fresh pairs of processes (an actor and a bare echo each; 3 with ``--quick``, 7
+without), with this process pinned to core 0 and both servers to core 1 where the machine
+has two cores (``--no-pin``: wherever the scheduler puts them).
 ``rtt_over_bare_zmq`` is the median over the pairs of each pair's ``rtt_p50`` /
 ``bare_rtt_p50`` (issue 30: <= 1.3; every pair's ratio is in
 ``rtt_over_bare_zmq_pairs``): what the runtime adds to a round trip over what ZeroMQ
@@ -51,12 +53,13 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -135,42 +138,57 @@ async def _timed_calls(ep: Any, count: int) -> tuple[list[float], float]:
     return rtts, time.process_time() - c0
 
 
-async def _rtt_pair(n: dict[str, int], pin: bool) -> tuple[list[float], list[float], list[float], float]:
-    """One fresh actor process and one fresh bare echo, their rounds alternating so both
-    see the same machine. With ``pin``, this process runs on core 0 and both servers on
-    core 1 (each process with its ZeroMQ I/O thread), so the ratio does not depend on
-    where the scheduler happened to put each thread. Returns the call's round trips, the
-    bare echo's, the JSON echo's, and the caller's CPU seconds over the calls."""
+BLOCK = 200  # timed round trips of one echo in a row
+WARM = 20  # untimed ones before each block: the server's spin follows its recent gaps (_zsock),
+# and after the other echoes' blocks it parks until ~15 requests have come close together
+
+
+async def _rtt_pair(
+    n: dict[str, int], pin: bool, shuffle: Callable[[list[str]], None]
+) -> tuple[list[float], list[float], list[float], float]:
+    """One fresh actor process and one fresh bare echo, their blocks interleaved so both
+    see the same machine: rounds of one block each, in a fresh random order each round (a
+    fixed order would give each echo the same predecessor, which changes its caches). With
+    ``pin``, this process runs on core 0 and both servers on core 1 (each process with its
+    ZeroMQ I/O thread), so the ratio does not depend on where the scheduler happened to put
+    each thread. Returns the call's round trips, the bare echo's, the JSON echo's, and the
+    caller's CPU seconds over the calls."""
     from actor_calls import EchoActor as Echo  # importable by the actor process (it inherits our import path)
 
     from orchestrator.runtime import open_mesh
 
-    rtts: list[float] = []
-    bare_rtts: list[float] = []
-    json_rtts: list[float] = []
     cpu = 0.0
     async with open_mesh(Echo, name="echo", env={"OMP_NUM_THREADS": "1"}) as mesh:
         ep = mesh[0].echo
         await ep.call_one(0)
         with tempfile.TemporaryDirectory(prefix="flotilla-bare-") as tmp:
             bare, json_echo = _BareEcho(tmp), _BareEcho(tmp, parse=True)
+            out: dict[str, list[float]] = {"call": [], "bare": [], "json": []}
+            order = list(out)
             try:
                 with _pinned(pin, [mesh.pids[0], bare.proc.pid, json_echo.proc.pid]):
                     for _ in range(200):
                         await ep.call_one(1)
                         bare.call()
                         json_echo.call()
-                    rounds = 5
-                    for _ in range(rounds):
-                        r, c = await _timed_calls(ep, n["rtt"] // rounds)
-                        rtts += r
-                        cpu += c
-                        bare_rtts.extend(bare.call() for _ in range(n["rtt"] // rounds))
-                        json_rtts.extend(json_echo.call() for _ in range(n["rtt"] // rounds))
+                    for _ in range(max(1, n["rtt"] // BLOCK)):
+                        shuffle(order)
+                        for name in order:
+                            if name == "call":
+                                for _ in range(WARM):
+                                    await ep.call_one(1)
+                                r, c = await _timed_calls(ep, BLOCK)
+                                out[name] += r
+                                cpu += c
+                            else:
+                                echo = bare if name == "bare" else json_echo
+                                for _ in range(WARM):
+                                    echo.call()
+                                out[name] += [echo.call() for _ in range(BLOCK)]
             finally:
                 bare.close()
                 json_echo.close()
-    return rtts, bare_rtts, json_rtts, cpu
+    return out["call"], out["bare"], out["json"], cpu
 
 
 async def _floor(n: dict[str, int], pin: bool) -> dict[str, Any]:
@@ -182,8 +200,9 @@ async def _floor(n: dict[str, int], pin: bool) -> dict[str, Any]:
     ratios: list[float] = []
     json_ratios: list[float] = []
     cpu = 0.0
+    shuffle = random.Random(0).shuffle
     for _ in range(n["rtt_pairs"]):
-        r, b, j, c = await _rtt_pair(n, pin)
+        r, b, j, c = await _rtt_pair(n, pin, shuffle)
         rtts += r
         bare_rtts += b
         json_rtts += j
