@@ -146,7 +146,7 @@ WARM = 20  # untimed ones before each block: the server's spin follows its recen
 async def _rtt_pair(
     n: dict[str, int], pin: bool, shuffle: Callable[[list[str]], None]
 ) -> tuple[list[float], list[float], list[float], float]:
-    """One fresh actor process and one fresh bare echo, their blocks interleaved so both
+    """One fresh actor process, bare echo and JSON echo, their blocks interleaved so all
     see the same machine: rounds of one block each, in a fresh random order each round (a
     fixed order would give each echo the same predecessor, which changes its caches). With
     ``pin``, this process runs on core 0 and both servers on core 1 (each process with its
