@@ -55,13 +55,12 @@ from typing import Any
 
 import trio
 import zmq
-from actor_calls import EchoActor, _BareEcho, _pct, _pinned
+from actor_calls import BLOCK, EchoActor, _BareEcho, _pct, _pinned
 
 from orchestrator.runtime import _calls, _conn, open_mesh
 from orchestrator.runtime._wire import dumps, loads
 from orchestrator.runtime._zsock import CHECKPOINT_S, SPIN_S, context, tune
 
-BLOCK = 200  # timed calls per variant per round
 VARIANTS = [
     "shipped",
     "shipped_again",
@@ -101,12 +100,12 @@ def _use(variant: str) -> None:
     _calls.EndpointRef._header = _SHIPPED_HEADER  # type: ignore[method-assign]
     _conn.trio = trio  # type: ignore[attr-defined]
     _conn.CHECKPOINT_S = CHECKPOINT_S
-    if variant == "first_point_only":
-        _conn.CHECKPOINT_S = 10 * SPIN_S
     if variant == "no_header_work":
         _calls.EndpointRef._header = _plain_header  # type: ignore[method-assign,assignment]
     elif variant == "no_schedule_point":
         _conn.trio = _TrioWithoutSchedulePoints()  # type: ignore[attr-defined,assignment]
+    elif variant == "first_point_only":
+        _conn.CHECKPOINT_S = 10 * SPIN_S
 
 
 async def _block(ep: Any, variant: str, dealer: Any) -> list[float]:
