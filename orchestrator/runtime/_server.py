@@ -292,11 +292,13 @@ class Server:
         sets there (its trace parent, its spans, context variables) stays its own.
         """
         ctx = contextvars.copy_context()
+        if tp is not None:
+            ctx.run(_tracing.adopt_remote_parent, tp)
         if not ep.is_async:
-            if tp is None:
-                return ctx.run(ep.fn, self.actor, *args, **kwargs)
-            return ctx.run(self._call_sync, ep, args, kwargs, tp)
-        coro = self._call(ep, args, kwargs, tp) if tp is not None else ep.fn(self.actor, *args, **kwargs)
+            return ctx.run(ep.fn, self.actor, *args, **kwargs)
+        # A wrapper that is not itself a coroutine function runs its own code now: under the
+        # caller's span when there is one.
+        coro = ep.fn(self.actor, *args, **kwargs) if tp is None else ctx.run(ep.fn, self.actor, *args, **kwargs)
         if type(coro) is not types.CoroutineType:  # another awaitable: await it in a coroutine
             coro = awaiting(coro)
         try:
@@ -304,14 +306,6 @@ class Server:
         except StopIteration as stop:
             return stop.value
         return Started(coro, trap, ctx)
-
-    def _call_sync(self, ep: EndpointDef[Any, Any], args: list[Any], kwargs: dict[str, Any], tp: Any) -> Any:
-        with _tracing.remote_parent(tp):
-            return ep.fn(self.actor, *args, **kwargs)
-
-    async def _call(self, ep: EndpointDef[Any, Any], args: list[Any], kwargs: dict[str, Any], tp: Any) -> Any:
-        with _tracing.remote_parent(tp):
-            return await ep.fn(self.actor, *args, **kwargs)
 
     def _run_inline(
         self,

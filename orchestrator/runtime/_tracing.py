@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, TypeVar, overload
 
 __all__ = [
+    "adopt_remote_parent",
     "configure_from_env",
     "configure_tracing",
     "current_traceparent",
@@ -315,24 +316,48 @@ def current_traceparent() -> str | None:
 _OUTSIDE_TP = re.compile("00-[0-9a-f]{32}-[0-9a-f]{16}-00")  # as this module writes it
 
 
-def remote_parent(traceparent: Any) -> contextlib.AbstractContextManager[Any]:
-    """Make the caller's span (from a request header) the current parent; no-op without one."""
+def _remote(traceparent: Any) -> Any:
+    """The caller's span from a request header's traceparent: an ``_Outside`` for a trace
+    outside the sample, OpenTelemetry's non-recording span for a sampled one, None for
+    no header or one that is not a W3C traceparent."""
     if type(traceparent) is not str:
-        return _NULL
+        return None
     if _OUTSIDE_TP.fullmatch(traceparent):  # outside the sample: nothing parsed until asked
-        return _Attached(_Outside(traceparent))
+        return _Outside(traceparent)
     parts = traceparent.split("-")
     if len(parts) != 4 or len(parts[1]) != 32 or len(parts[2]) != 16:
-        return _NULL
+        return None
     try:
         trace_id, span_id, flags = int(parts[1], 16), int(parts[2], 16), int(parts[3], 16)
     except ValueError:
-        return _NULL
+        return None
     if not flags & 1:
-        return _Attached(_Outside(f"00-{trace_id:032x}-{span_id:016x}-00"))
+        return _Outside(f"00-{trace_id:032x}-{span_id:016x}-00")
     from opentelemetry import trace
 
-    return _Attached(trace.NonRecordingSpan(trace.SpanContext(trace_id, span_id, True, trace.TraceFlags(flags))))
+    return trace.NonRecordingSpan(trace.SpanContext(trace_id, span_id, True, trace.TraceFlags(flags)))
+
+
+def remote_parent(traceparent: Any) -> contextlib.AbstractContextManager[Any]:
+    """Make the caller's span (from a request header) the current parent; no-op without one."""
+    parent = _remote(traceparent)
+    return _NULL if parent is None else _Attached(parent)
+
+
+def adopt_remote_parent(traceparent: Any) -> None:
+    """Make the caller's span (from a request header) the current parent for the rest of
+    the current context; no-op without one. For a context the call owns (a copy made for
+    it, see ``Server._step``): nothing restores it, which saves a call the wrapper that
+    ``remote_parent`` needs, a frame each time its coroutine resumes."""
+    parent = _remote(traceparent)
+    if parent is None:
+        return
+    if type(parent) is _Outside:
+        _outside.set(parent)
+        return
+    trace = sys.modules["opentelemetry.trace"]
+    sys.modules["opentelemetry.context"].attach(trace.set_span_in_context(parent))
+    _outside.set(None)
 
 
 class _Attached:
