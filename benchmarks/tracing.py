@@ -8,6 +8,13 @@ each run a fresh `flotilla run` process tree. Reported, medians over the repeats
 
 * `tracing_overhead` = on / off - 1 of the training phase's wall time (metrics' `wall_s`,
   first step to last: process start-up and the first keyframe excluded). Target <= 0.02.
+* `tracing_overhead_side_by_side`: the same ratio from runs off and on at the same time
+  (`--pairs` pairs of `--pair-steps` steps, two process trees sharing the machine, which
+  start in turn), median over the pairs; `side_by_side` lists each pair's. Runs one after
+  another here drift by more than the target (a mode's runs spread by up to 25%,
+  benchmarks/records/2026-12-07-tracing-full.md); a pair shares whatever the machine does
+  meanwhile. The demo keeps both cores busy alone, so sharing them halves each run's
+  speed without changing what it waits on: its wall time still follows its CPU.
 * `tracing_cpu_overhead`: the same ratio of the CPU seconds (user + system) of every
   process of the run (the CLI and its actors, from `getrusage(RUSAGE_CHILDREN)`), which a
   machine shared with other work disturbs less than wall time.
@@ -35,10 +42,11 @@ Why: issue 30's "telemetry that scales": tracing every span of the demo wrote hu
 MB and cost several percent of the wall time.
 
 How: `python benchmarks/tracing.py [--quick] [--repeats N] [--steps N] [--sample R]
-[--save-tree FILE]`; `--replay-tree FILE` (a tree saved by `--save-tree`) runs only the
+[--pairs N] [--pair-steps N] [--save-tree FILE]`; `--replay-tree FILE` (a tree saved by `--save-tree`) runs only the
 replay and prints its JSON line, e.g. to compare two checkouts on the same tree.
-Full mode: the demo as shipped (its config's steps), 3 repeats per mode. `--quick`: 20
-steps and half the prompts per step, 2 repeats per mode (a few minutes on a quiet machine).
+Full mode: the demo as shipped (its config's steps), 3 repeats per mode, then 2
+side-by-side pairs of 400 steps. `--quick`: 20 steps and half the prompts per step, 2
+repeats per mode, no pairs (a few minutes on a quiet machine).
 The last line of output is one JSON object.
 """
 
@@ -66,28 +74,51 @@ def _children_cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def _one_run(root: Path, name: str, steps: int, sets: list[str]) -> dict[str, Any]:
-    """One `flotilla run` of the demo in its own process tree; its timings and trace file."""
+def _run_cmd(root: Path, name: str, steps: int, sets: list[str]) -> tuple[list[str], dict[str, str]]:
     cmd = [sys.executable, "-m", "orchestrator.entry.cli", "run", str(DEMO), "--steps", str(steps), "--quiet"]
     for s in [f'run_root="{root}"', f'name="{name}"', *sets]:
         cmd += ["--set", s]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    return cmd, env
+
+
+def _one_run(root: Path, name: str, steps: int, sets: list[str]) -> dict[str, Any]:
+    """One `flotilla run` of the demo in its own process tree; its timings and trace file."""
+    cmd, env = _run_cmd(root, name, steps, sets)
     cpu0, t0 = _children_cpu_s(), time.monotonic()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     total_s, cpu_s = time.monotonic() - t0, _children_cpu_s() - cpu0
     if proc.returncode != 0:
         raise SystemExit(f"tracing benchmark: run {name} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    run_dir = root / name
+    return {"name": name, "total_s": total_s, "cpu_s": cpu_s, **_read_run(root / name)}
+
+
+def _side_by_side(root: Path, r: int, steps: int, modes: dict[str, list[str]]) -> dict[str, Any]:
+    """The demo with tracing off and on at the same time, two process trees sharing the
+    machine: whatever slows the machine meanwhile slows both. Started in turn, off first
+    in even pairs."""
+    names = {m: f"{m}-pair{r}" for m in modes}
+    procs, logs = {}, {m: root / f"{names[m]}.stderr" for m in modes}
+    for mode in ("off", "on") if r % 2 == 0 else ("on", "off"):
+        cmd, env = _run_cmd(root, names[mode], steps, modes[mode])
+        with logs[mode].open("wb") as err:
+            procs[mode] = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err)
+    for m, p in procs.items():
+        if p.wait() != 0:
+            tail = logs[m].read_text(errors="replace")[-3000:]
+            raise SystemExit(f"tracing benchmark: run {names[m]} failed ({p.returncode}):\n{tail}")
+    return {m: _read_run(root / names[m]) for m in modes}
+
+
+def _read_run(run_dir: Path) -> dict[str, Any]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     trace = run_dir / "traces.jsonl"
     size = trace.stat().st_size if trace.exists() else 0
     spans = sum(1 for _ in trace.open()) if trace.exists() else 0
     return {
-        "name": name,
+        "name": run_dir.name,
         "steps": len(rows),
         "train_s": rows[-1]["wall_s"] - rows[0]["wall_s"],
-        "total_s": total_s,
-        "cpu_s": cpu_s,
         "traces_bytes": size,
         "spans": spans,
         "traces_not_written": max((r.get("traces_not_written", 0) for r in rows), default=0),
@@ -193,6 +224,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=None, help="runs per mode (default 3; 2 with --quick)")
     p.add_argument("--steps", type=int, default=None, help="steps per run (default: the demo's; 20 with --quick)")
     p.add_argument("--sample", type=float, default=None, help="trace_sample of the traced runs (default: the config's)")
+    p.add_argument("--pairs", type=int, default=None, help="side-by-side pairs (default 2; 0 with --quick)")
+    p.add_argument("--pair-steps", type=int, default=None, help="steps per side-by-side run (default 400)")
     p.add_argument("--save-tree", type=Path, help="write the replayed rollout's span tree here (JSON)")
     p.add_argument("--replay-tree", type=Path, help="only replay this saved tree (no runs); print its JSON line")
     p.add_argument(
@@ -240,6 +273,17 @@ def main() -> None:
                     flush=True,
                 )
 
+        pairs = []
+        n_pairs = args.pairs if args.pairs is not None else (0 if args.quick else 2)
+        for r in range(n_pairs):
+            pair = _side_by_side(Path(tmp), r, args.pair_steps or min(steps, 400), modes)
+            pairs.append(pair["on"]["train_s"] / pair["off"]["train_s"] - 1)
+            print(
+                f"side by side #{r}: training off {pair['off']['train_s']:.1f} s, on {pair['on']['train_s']:.1f} s "
+                f"({pairs[-1]:+.2%}); rollouts off {pair['off']['rollouts']}, on {pair['on']['rollouts']}",
+                flush=True,
+            )
+
     def med(mode: str, key: str) -> float:
         return statistics.median(r[key] for r in runs[mode])
 
@@ -261,6 +305,8 @@ def main() -> None:
         "repeats": repeats,
         "trace_sample": sample,
         "tracing_overhead": round(med("on", "train_s") / med("off", "train_s") - 1, 4),
+        "tracing_overhead_side_by_side": round(statistics.median(pairs), 4) if pairs else None,
+        "side_by_side": [round(x, 4) for x in pairs],
         "tracing_cpu_overhead": round(med("on", "cpu_s") / med("off", "cpu_s") - 1, 4),
         "tracing_cpu_share": round(tracing_s / cpu_per_rollout, 4),
         "replay_us_per_rollout": {m: round(v * 1e6, 2) for m, v in replay.items()},
