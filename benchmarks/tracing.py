@@ -42,8 +42,9 @@ Why: issue 30's "telemetry that scales": tracing every span of the demo wrote hu
 MB and cost several percent of the wall time.
 
 How: `python benchmarks/tracing.py [--quick] [--repeats N] [--steps N] [--sample R]
-[--pairs N] [--pair-steps N] [--save-tree FILE]`; `--replay-tree FILE` (a tree saved by `--save-tree`) runs only the
-replay and prints its JSON line, e.g. to compare two checkouts on the same tree.
+[--pairs N] [--pair-steps N] [--save-tree FILE]`; `--replay-tree FILE` (a tree saved by
+`--save-tree`) runs only the replay and prints its JSON line, e.g. to compare two
+checkouts on the same tree.
 Full mode: the demo as shipped (its config's steps), 3 repeats per mode, then 2
 side-by-side pairs of 400 steps. `--quick`: 20 steps and half the prompts per step, 2
 repeats per mode, no pairs (a few minutes on a quiet machine).
