@@ -23,10 +23,11 @@ each run a fresh `flotilla run` process tree. Reported, medians over the repeats
   controller's `rollout`, the env actor's `rollout`, `env.step` and `generate` spans, the
   samplers' `sampler.generate`, each with the attributes it was written with; a child in
   another process than its parent is opened as the runtime does across a call: the
-  caller's `traceparent`, then `remote_parent` on the callee's side) is opened again in
-  one fresh process many times over, with tracing at the default rate (`on`: the run's
-  rules, spans of the sampled 1 in 100 written to a file) and with tracing not configured
-  (`off`, as in a `traces = false` run), rounds of each alternating. `replay_us_per_rollout`
+  caller's `traceparent`, then `adopt_remote_parent` in the call's own context on the
+  callee's side) is opened again in one fresh process many times over, with tracing at
+  the default rate (`on`: the run's rules, spans of the sampled 1 in 100 written to a
+  file) and with tracing not configured (`off`, as in a `traces = false` run), rounds of
+  each alternating. `replay_us_per_rollout`
   holds the two medians; their difference over the off runs' CPU per rollout (every
   process's CPU seconds / the rollouts the metrics count) is the share. Side by side in
   one process, the difference resolves what whole runs cannot: run-to-run drift here is
@@ -54,6 +55,7 @@ The last line of output is one JSON object.
 from __future__ import annotations
 
 import argparse
+import contextvars
 import json
 import os
 import resource
@@ -165,13 +167,14 @@ def _replay(tree: dict[str, Any], mode: str, sample: float, count: int, rounds: 
     """Open ``tree``'s spans ``count`` times per round in this process; seconds per rollout of
     each round. ``on``: tracing configured as a run configures it, writing to a temporary file."""
     from orchestrator.runtime import configure_tracing, span
-    from orchestrator.runtime._tracing import current_traceparent, remote_parent
+    from orchestrator.runtime._tracing import adopt_remote_parent, current_traceparent
     from orchestrator.state.telemetry import ALWAYS_KEPT, KEPT_IF_FAILED
 
     def open_(n: dict[str, Any], service: str) -> None:
         if n["service"] != service:  # across a call: the request carries the trace context
-            with remote_parent(current_traceparent()):
-                open_(n, n["service"])
+            call = contextvars.copy_context()  # as the runtime runs each call: in a copy of its own
+            call.run(adopt_remote_parent, current_traceparent())
+            call.run(open_, n, n["service"])
             return
         with span(n["name"], **n["attributes"]):
             for c in n["children"]:
