@@ -27,13 +27,12 @@ each run a fresh `flotilla run` process tree. Reported, medians over the repeats
   callee's side) is opened again in one fresh process many times over, with tracing at
   the default rate (`on`: the run's rules, spans of the sampled 1 in 100 written to a
   file) and with tracing not configured (`off`, as in a `traces = false` run), rounds of
-  each alternating. `replay_us_per_rollout`
-  holds the two medians; their difference over the off runs' CPU per rollout (every
-  process's CPU seconds / the rollouts the metrics count) is the share. Side by side in
-  one process, the difference resolves what whole runs cannot: run-to-run drift here is
-  several percent. It counts the tracing calls a rollout makes, warm; not what they cost
-  in cache misses on a busy machine, nor the spans kept whatever the rate (a few per
-  step, against a rollout's dozen per rollout).
+  each alternating. `replay_us_per_rollout` holds the two medians; their difference over
+  the off runs' CPU per rollout (every process's CPU seconds / the rollouts the metrics
+  count) is the share. Side by side in one process, the difference resolves what whole
+  runs cannot: run-to-run drift here is several percent. It counts the tracing calls a
+  rollout makes, warm; not what they cost in cache misses on a busy machine, nor the
+  spans kept whatever the rate (a few per step, against a rollout's dozen per rollout).
 * `traces_mb`: size of `traces.jsonl` of a traced run (MB, 10^6 bytes). Target <= 10 for
   the shipped demo (the full mode runs its own 800 steps; issue 30 set the bound for 500).
   `traces_mb_per_step` and `spans` too, and `traces_not_written` (spans left out at

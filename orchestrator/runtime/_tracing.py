@@ -32,13 +32,11 @@ __all__ = [
     "configure_from_env",
     "configure_tracing",
     "current_traceparent",
-    "remote_parent",
     "span",
     "traced",
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
-_NULL = contextlib.nullcontext()
 _exporter: Any = None
 _policy: Any = None
 
@@ -316,72 +314,32 @@ def current_traceparent() -> str | None:
 _OUTSIDE_TP = re.compile("00-[0-9a-f]{32}-[0-9a-f]{16}-00")  # as this module writes it
 
 
-def _remote(traceparent: Any) -> Any:
-    """The caller's span from a request header's traceparent: an ``_Outside`` for a trace
-    outside the sample, OpenTelemetry's non-recording span for a sampled one, None for
-    no header or one that is not a W3C traceparent."""
+def adopt_remote_parent(traceparent: Any) -> None:
+    """Make the caller's span (a request header's W3C traceparent) the current parent for
+    the rest of the current context; no-op without one, or for one that is not a
+    traceparent. For a context the call owns (a copy made for it, see ``Server._step``):
+    nothing restores it, so the endpoint runs without a wrapper around it (a frame each
+    time its coroutine resumes)."""
     if type(traceparent) is not str:
-        return None
+        return
     if _OUTSIDE_TP.fullmatch(traceparent):  # outside the sample: nothing parsed until asked
-        return _Outside(traceparent)
+        _outside.set(_Outside(traceparent))
+        return
     parts = traceparent.split("-")
     if len(parts) != 4 or len(parts[1]) != 32 or len(parts[2]) != 16:
-        return None
+        return
     try:
         trace_id, span_id, flags = int(parts[1], 16), int(parts[2], 16), int(parts[3], 16)
     except ValueError:
-        return None
+        return
     if not flags & 1:
-        return _Outside(f"00-{trace_id:032x}-{span_id:016x}-00")
-    from opentelemetry import trace
-
-    return trace.NonRecordingSpan(trace.SpanContext(trace_id, span_id, True, trace.TraceFlags(flags)))
-
-
-def remote_parent(traceparent: Any) -> contextlib.AbstractContextManager[Any]:
-    """Make the caller's span (from a request header) the current parent; no-op without one."""
-    parent = _remote(traceparent)
-    return _NULL if parent is None else _Attached(parent)
-
-
-def adopt_remote_parent(traceparent: Any) -> None:
-    """Make the caller's span (from a request header) the current parent for the rest of
-    the current context; no-op without one. For a context the call owns (a copy made for
-    it, see ``Server._step``): nothing restores it, which saves a call the wrapper that
-    ``remote_parent`` needs, a frame each time its coroutine resumes."""
-    parent = _remote(traceparent)
-    if parent is None:
+        _outside.set(_Outside(f"00-{trace_id:032x}-{span_id:016x}-00"))
         return
-    if type(parent) is _Outside:
-        _outside.set(parent)
-        return
-    trace = sys.modules["opentelemetry.trace"]
-    sys.modules["opentelemetry.context"].attach(trace.set_span_in_context(parent))
+    from opentelemetry import context, trace
+
+    parent = trace.NonRecordingSpan(trace.SpanContext(trace_id, span_id, True, trace.TraceFlags(flags)))
+    context.attach(trace.set_span_in_context(parent))
     _outside.set(None)
-
-
-class _Attached:
-    """The block runs under a remote parent: a trace outside the sample (``_Outside``), or
-    OpenTelemetry's span of a sampled one, made its current span."""
-
-    __slots__ = ("_parent", "_token", "_vtoken")
-
-    def __init__(self, parent: Any) -> None:
-        self._parent = parent
-        self._token: Any = None
-
-    def __enter__(self) -> None:
-        if type(self._parent) is _Outside:
-            self._vtoken = _outside.set(self._parent)
-            return
-        trace = sys.modules["opentelemetry.trace"]
-        self._token = sys.modules["opentelemetry.context"].attach(trace.set_span_in_context(self._parent))
-        self._vtoken = _outside.set(None)
-
-    def __exit__(self, *exc: Any) -> None:
-        _outside.reset(self._vtoken)
-        if self._token is not None:
-            sys.modules["opentelemetry.context"].detach(self._token)
 
 
 ENV_FILE = "FLOTILLA_TRACE_FILE"
