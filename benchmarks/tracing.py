@@ -124,7 +124,8 @@ def _read_run(run_dir: Path) -> dict[str, Any]:
         "traces_bytes": size,
         "spans": spans,
         "traces_not_written": max((r.get("traces_not_written", 0) for r in rows), default=0),
-        "rollouts": sum(r.get("rollouts", 0) + r.get("dropped_total", 0) for r in rows),
+        # `rollouts` is each step's batch; `dropped_total` is the run's count so far.
+        "rollouts": sum(r.get("rollouts", 0) for r in rows) + (rows[-1].get("dropped_total", 0) if rows else 0),
     }
 
 

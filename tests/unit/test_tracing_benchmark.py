@@ -89,3 +89,19 @@ def test_a_saved_tree_replays_to_one_json_line(tb: Any, tmp_path: Path) -> None:
     per = result["replay_us_per_rollout"]
     assert per["off"] > 0 and per["on"] > 0
     assert result["tracing_us_per_rollout"] == pytest.approx(per["on"] - per["off"], abs=0.02)
+
+
+def test_a_runs_rollouts_are_its_batches_and_its_drops_counted_once(tb: Any, tmp_path: Path) -> None:
+    # metrics.jsonl: `rollouts` is each step's batch, `dropped_total` the run's total so far.
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [
+        {"step": 1, "wall_s": 1.0, "rollouts": 128, "dropped_total": 0},
+        {"step": 2, "wall_s": 2.0, "rollouts": 128, "dropped_total": 5},
+        {"step": 3, "wall_s": 3.5, "rollouts": 128, "dropped_total": 5},
+        {"step": 4, "wall_s": 4.0, "rollouts": 128, "dropped_total": 7},
+    ]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    got = tb._read_run(run)
+    assert got["rollouts"] == 4 * 128 + 7
+    assert got["steps"] == 4 and got["train_s"] == 3.0
