@@ -3,21 +3,28 @@
 What: the demo (examples/guess_number.toml) runs several times with tracing off
 (`[telemetry] traces = false`: no span is recorded) and with tracing at the default sample
 rate (`[telemetry] trace_sample`, the config model's default unless `--sample` says
-otherwise), alternating off/on (ABBA order, so drift in the machine's load falls on both),
-each run a fresh `flotilla run` process tree. Reported, medians over the repeats:
+otherwise), alternating off/on (ABBA order: run r of each mode is next to run r of the
+other), each run a fresh `flotilla run` process tree. Reported:
 
-* `tracing_overhead` = on / off - 1 of the training phase's wall time (metrics' `wall_s`,
-  first step to last: process start-up and the first keyframe excluded). Target <= 0.02.
+* `tracing_overhead`: the median over the `--repeats` pairs of on / off - 1 of the training
+  phase's wall time (metrics' `wall_s`, first step to last: process start-up and the first
+  keyframe excluded), each pair two neighbouring runs. Target <= 0.02. This machine's speed
+  drifts by more than the target over minutes (a mode's 800-step runs spread by up to 25%,
+  benchmarks/records/2026-12-07-tracing-full.md), so the full mode runs many short pairs
+  rather than a few runs of the demo's length: a pair's two runs share the machine's phase.
+  `tracing_overhead_pairs` lists every pair's ratio; `tracing_overhead_mean` and
+  `tracing_overhead_se` (their standard error) say how far the median can be trusted.
 * `tracing_overhead_side_by_side`: the same ratio from runs off and on at the same time
   (`--pairs` pairs of `--pair-steps` steps, two process trees sharing the machine, which
-  start in turn), median over the pairs; `side_by_side` lists each pair's. Runs one after
-  another here drift by more than the target (a mode's runs spread by up to 25%,
-  benchmarks/records/2026-12-07-tracing-full.md); a pair shares whatever the machine does
-  meanwhile. The demo keeps both cores busy alone, so sharing them halves each run's
-  speed without changing what it waits on: its wall time still follows its CPU.
-* `tracing_cpu_overhead`: the same ratio of the CPU seconds (user + system) of every
-  process of the run (the CLI and its actors, from `getrusage(RUSAGE_CHILDREN)`), which a
-  machine shared with other work disturbs less than wall time.
+  start in turn), median over the pairs; `side_by_side` lists each pair's. One run keeps the
+  2 cores of this machine about 90% busy; two at once oversubscribe them, so this reads
+  what tracing adds to the CPU of a machine with no core to spare (with the timing changes
+  it causes: benchmarks/records/2026-12-08-tracing-pairs.md), not the wall time of a run
+  that has the machine to itself.
+* `tracing_cpu_overhead`: the same median of pairs for the CPU seconds (user + system) of
+  every process of the run (the CLI and its actors, from `getrusage(RUSAGE_CHILDREN)`, start-up
+  included). It counts the polls of actors and callers that spin for their next message
+  (docs/runtime-tuning.md) as well as work, so it moves with a run's timing too.
 * `tracing_cpu_share`: what tracing adds to a rollout's CPU, measured by replaying: the span
   tree of one sampled rollout from a traced run's file (the median one by span count: the
   controller's `rollout`, the env actor's `rollout`, `env.step` and `generate` spans, the
@@ -33,21 +40,23 @@ each run a fresh `flotilla run` process tree. Reported, medians over the repeats
   runs cannot: run-to-run drift here is several percent. It counts the tracing calls a
   rollout makes, warm; not what they cost in cache misses on a busy machine, nor the
   spans kept whatever the rate (a few per step, against a rollout's dozen per rollout).
-* `traces_mb`: size of `traces.jsonl` of a traced run (MB, 10^6 bytes). Target <= 10 for
-  the shipped demo (the full mode runs its own 800 steps; issue 30 set the bound for 500).
-  `traces_mb_per_step` and `spans` too, and `traces_not_written` (spans left out at
-  `traces_max_mb`; 0 unless the cap was reached).
+* `traces_mb`: size of `traces.jsonl` of a traced run of the shipped demo (MB, 10^6 bytes):
+  in the full mode, one more run at the demo's own steps (`--traces-steps`; 800, where issue
+  30 set the bound <= 10 for 500); with `--quick` (or `--traces-steps 0`), the median of the
+  traced runs above, with no target. `traces_mb_per_step` and `spans` too, and
+  `traces_not_written` (spans left out at `traces_max_mb`; 0 unless the cap was reached).
 
 Why: issue 30's "telemetry that scales": tracing every span of the demo wrote hundreds of
 MB and cost several percent of the wall time.
 
 How: `python benchmarks/tracing.py [--quick] [--repeats N] [--steps N] [--sample R]
-[--pairs N] [--pair-steps N] [--save-tree FILE]`; `--replay-tree FILE` (a tree saved by
-`--save-tree`) runs only the replay and prints its JSON line, e.g. to compare two
-checkouts on the same tree.
-Full mode: the demo as shipped (its config's steps), 3 repeats per mode, then 2
-side-by-side pairs of 400 steps. `--quick`: 20 steps and half the prompts per step, 2
-repeats per mode, no pairs (a few minutes on a quiet machine).
+[--pairs N] [--pair-steps N] [--traces-steps N] [--save-tree FILE]`; `--replay-tree FILE`
+(a tree saved by `--save-tree`) runs only the replay and prints its JSON line, e.g. to
+compare two checkouts on the same tree.
+Full mode: 8 pairs of 150-step runs, then 2 side-by-side pairs of 150 steps, then one
+traced run of the demo as shipped (about 40 minutes here). `--quick`: 20 steps and half the
+prompts per step, 2 pairs, no side-by-side pairs, no separate traced run (a few minutes on a
+quiet machine).
 The last line of output is one JSON object.
 """
 
@@ -225,11 +234,17 @@ def main() -> None:
         return
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="20 steps, half the prompts per step, 2 repeats")
-    p.add_argument("--repeats", type=int, default=None, help="runs per mode (default 3; 2 with --quick)")
-    p.add_argument("--steps", type=int, default=None, help="steps per run (default: the demo's; 20 with --quick)")
+    p.add_argument("--repeats", type=int, default=None, help="runs per mode (default 8; 2 with --quick)")
+    p.add_argument("--steps", type=int, default=None, help="steps per run (default 150; 20 with --quick)")
     p.add_argument("--sample", type=float, default=None, help="trace_sample of the traced runs (default: the config's)")
     p.add_argument("--pairs", type=int, default=None, help="side-by-side pairs (default 2; 0 with --quick)")
-    p.add_argument("--pair-steps", type=int, default=None, help="steps per side-by-side run (default 400)")
+    p.add_argument("--pair-steps", type=int, default=None, help="steps per side-by-side run (default: --steps)")
+    p.add_argument(
+        "--traces-steps",
+        type=int,
+        default=None,
+        help="steps of the traced run that measures traces_mb (default: the demo's; 0 with --quick: none)",
+    )
     p.add_argument("--save-tree", type=Path, help="write the replayed rollout's span tree here (JSON)")
     p.add_argument("--replay-tree", type=Path, help="only replay this saved tree (no runs); print its JSON line")
     p.add_argument(
@@ -252,11 +267,16 @@ def main() -> None:
             )
         )
         return
-    steps = args.steps or (20 if args.quick else int(demo_raw()["steps"]))
-    repeats = args.repeats or (2 if args.quick else 3)
+    steps = args.steps or (20 if args.quick else 150)
+    repeats = args.repeats or (2 if args.quick else 8)
+    traces_steps = (
+        args.traces_steps if args.traces_steps is not None else (0 if args.quick else int(demo_raw()["steps"]))
+    )
     sample = TelemetrySection().trace_sample if args.sample is None else args.sample
-    if steps < 2 or repeats < 1 or not 0.0 <= sample <= 1.0:
-        raise SystemExit("tracing benchmark: --steps must be >= 2, --repeats >= 1, --sample within [0, 1]")
+    if steps < 2 or repeats < 1 or traces_steps < 0 or not 0.0 <= sample <= 1.0:
+        raise SystemExit(
+            "tracing benchmark: --steps must be >= 2, --repeats >= 1, --traces-steps >= 0, --sample within [0, 1]"
+        )
     scale = ["rollout.prompts_per_step=8", "rollout.max_buffered_groups=8"] if args.quick else []
     modes = {"off": ["telemetry.traces=false", *scale], "on": [f"telemetry.trace_sample={sample}", *scale]}
     load_before = load_average()
@@ -280,7 +300,7 @@ def main() -> None:
         pairs = []
         n_pairs = args.pairs if args.pairs is not None else (0 if args.quick else 2)
         for r in range(n_pairs):
-            pair = _side_by_side(Path(tmp), r, args.pair_steps or min(steps, 400), modes)
+            pair = _side_by_side(Path(tmp), r, args.pair_steps or steps, modes)
             pairs.append(pair["on"]["train_s"] / pair["off"]["train_s"] - 1)
             print(
                 f"side by side #{r}: training off {pair['off']['train_s']:.1f} s, on {pair['on']['train_s']:.1f} s "
@@ -288,10 +308,19 @@ def main() -> None:
                 flush=True,
             )
 
-    def med(mode: str, key: str) -> float:
-        return statistics.median(r[key] for r in runs[mode])
+        traced = runs["on"]
+        if traces_steps:
+            traced = [_one_run(Path(tmp), "traces", traces_steps, modes["on"])]
+            print(
+                f"traced run: {traced[0]['steps']} steps, traces {traced[0]['traces_bytes'] / 1e6:.2f} MB "
+                f"({traced[0]['spans']} spans)",
+                flush=True,
+            )
 
-    on_bytes = med("on", "traces_bytes")
+    on_bytes = statistics.median(r["traces_bytes"] for r in traced)
+    traced_steps = traces_steps or steps
+    ratios = [on["train_s"] / off["train_s"] - 1 for off, on in zip(runs["off"], runs["on"], strict=True)]
+    se = statistics.stdev(ratios) / len(ratios) ** 0.5 if len(ratios) > 1 else None
     if tree is None:
         raise SystemExit("tracing benchmark: no traced run wrote a sampled rollout to replay")
     with tempfile.TemporaryDirectory(prefix="flotilla-tree-") as tmp:
@@ -308,26 +337,33 @@ def main() -> None:
         "steps": steps,
         "repeats": repeats,
         "trace_sample": sample,
-        "tracing_overhead": round(med("on", "train_s") / med("off", "train_s") - 1, 4),
+        "tracing_overhead": round(statistics.median(ratios), 4),
+        "tracing_overhead_pairs": [round(x, 4) for x in ratios],
+        "tracing_overhead_mean": round(statistics.fmean(ratios), 4),
+        "tracing_overhead_se": None if se is None else round(se, 4),
         "tracing_overhead_side_by_side": round(statistics.median(pairs), 4) if pairs else None,
         "side_by_side": [round(x, 4) for x in pairs],
-        "tracing_cpu_overhead": round(med("on", "cpu_s") / med("off", "cpu_s") - 1, 4),
+        "tracing_cpu_overhead": round(
+            statistics.median(on["cpu_s"] / off["cpu_s"] - 1 for off, on in zip(runs["off"], runs["on"], strict=True)),
+            4,
+        ),
         "tracing_cpu_share": round(tracing_s / cpu_per_rollout, 4),
         "replay_us_per_rollout": {m: round(v * 1e6, 2) for m, v in replay.items()},
         "tracing_us_per_rollout": round(tracing_s * 1e6, 2),
         "cpu_us_per_rollout_off": round(cpu_per_rollout * 1e6, 1),
         "replay_spans": _count(tree),
+        "traces_steps": traced_steps,
         "traces_mb": round(on_bytes / 1e6, 3),
-        "traces_mb_per_step": round(on_bytes / 1e6 / steps, 5),
-        "spans": int(med("on", "spans")),
-        "traces_not_written": max(r["traces_not_written"] for r in runs["on"]),
+        "traces_mb_per_step": round(on_bytes / 1e6 / traced_steps, 5),
+        "spans": int(statistics.median(r["spans"] for r in traced)),
+        "traces_not_written": max(r["traces_not_written"] for r in [*runs["on"], *traced]),
         "off_traces_bytes": max(r["traces_bytes"] for r in runs["off"]),
         "train_s": {m: [round(r["train_s"], 2) for r in runs[m]] for m in runs},
         "cpu_s": {m: [round(r["cpu_s"], 2) for r in runs[m]] for m in runs},
         "total_s": {m: [round(r["total_s"], 2) for r in runs[m]] for m in runs},
         "load_before": load_before,
         "load_after": load_average(),
-        "targets": {"tracing_overhead": 0.02, "traces_mb": 10.0 if steps >= 500 and not args.quick else None},
+        "targets": {"tracing_overhead": 0.02, "traces_mb": 10.0 if traced_steps >= 500 and not args.quick else None},
     }
     print(json.dumps(result))
 
