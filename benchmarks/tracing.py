@@ -17,7 +17,7 @@ other), each run a fresh `flotilla run` process tree. Reported:
 * `tracing_overhead_side_by_side`: the same ratio from runs off and on at the same time
   (`--pairs` pairs of `--pair-steps` steps, two process trees sharing the machine, which
   start in turn), median over the pairs; `side_by_side` lists each pair's. One run keeps the
-  2 cores of this machine about 90% busy; two at once oversubscribe them, so this reads
+  2 cores of this machine 85-90% busy; two at once oversubscribe them, so this reads
   what tracing adds to the CPU of a machine with no core to spare (with the timing changes
   it causes: benchmarks/records/2026-12-08-tracing-pairs.md), not the wall time of a run
   that has the machine to itself.
