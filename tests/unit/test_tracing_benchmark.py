@@ -1,5 +1,5 @@
 """benchmarks/tracing.py's replay: the rollout it picks from a run's trace file, and a replay
-that runs to its JSON line (issue 30, `tracing_overhead`)."""
+that runs to its JSON line; and what it reads of a run's metrics (issue 30, `tracing_overhead`)."""
 
 from __future__ import annotations
 
