@@ -319,7 +319,12 @@ def main() -> None:
 
     on_bytes = statistics.median(r["traces_bytes"] for r in traced)
     traced_steps = traces_steps or steps
-    ratios = [on["train_s"] / off["train_s"] - 1 for off, on in zip(runs["off"], runs["on"], strict=True)]
+
+    def paired(key: str) -> list[float]:
+        """on / off - 1 of `key` for each pair of neighbouring runs."""
+        return [on[key] / off[key] - 1 for off, on in zip(runs["off"], runs["on"], strict=True)]
+
+    ratios = paired("train_s")
     se = statistics.stdev(ratios) / len(ratios) ** 0.5 if len(ratios) > 1 else None
     if tree is None:
         raise SystemExit("tracing benchmark: no traced run wrote a sampled rollout to replay")
@@ -343,10 +348,7 @@ def main() -> None:
         "tracing_overhead_se": None if se is None else round(se, 4),
         "tracing_overhead_side_by_side": round(statistics.median(pairs), 4) if pairs else None,
         "side_by_side": [round(x, 4) for x in pairs],
-        "tracing_cpu_overhead": round(
-            statistics.median(on["cpu_s"] / off["cpu_s"] - 1 for off, on in zip(runs["off"], runs["on"], strict=True)),
-            4,
-        ),
+        "tracing_cpu_overhead": round(statistics.median(paired("cpu_s")), 4),
         "tracing_cpu_share": round(tracing_s / cpu_per_rollout, 4),
         "replay_us_per_rollout": {m: round(v * 1e6, 2) for m, v in replay.items()},
         "tracing_us_per_rollout": round(tracing_s * 1e6, 2),
